@@ -1,0 +1,198 @@
+"""Packing token streams into rows of R = seq_len + 1 tokens.
+
+Streams are three parallel arrays: tokens (int32), doc ids (int64, a global document
+identity, -1 = padding) and `first` (bool, the token is its document's first token).
+Segment ids and positions are derived from doc ids per row: a new segment starts at column 0
+and wherever the doc id changes; positions restart at 0 at each segment start.
+
+Both packers keep at most one row's worth of carry-over tokens between windows (first_fit
+flushes its open bins at the end of every window), so their state is small JSON.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+PAD_ID = 0
+
+
+def assemble(flat: np.ndarray, lens: np.ndarray, dids, firsts, lasts, eos: int,
+             bos: int | None):
+    """Token pieces -> (tokens, doc_ids, first) with BOS (if bos is not None) before the
+    first piece of a document and EOS after the last piece. Vectorized per block."""
+    n = len(lens)
+    firsts = np.asarray(firsts, bool)
+    lasts = np.asarray(lasts, bool)
+    pre = (firsts & (bos is not None)).astype(np.int64)
+    post = lasts.astype(np.int64)
+    new_lens = lens + pre + post
+    total = int(new_lens.sum())
+    starts = np.cumsum(new_lens) - new_lens
+    tok = np.empty(total, np.int32)
+    if len(flat):
+        body_starts = np.cumsum(lens) - lens
+        piece_of = np.repeat(np.arange(n), lens)
+        within = np.arange(len(flat)) - body_starts[piece_of]
+        tok[(starts + pre)[piece_of] + within] = flat
+    if bos is not None:
+        tok[starts[pre == 1]] = bos
+    tok[(starts + new_lens - 1)[post == 1]] = eos
+    did = np.repeat(np.asarray(dids, np.int64), new_lens)
+    first = np.zeros(total, bool)
+    m = firsts & (new_lens > 0)
+    first[starts[m]] = True
+    return tok, did, first
+
+
+def segments_positions(did: np.ndarray):
+    """did [n, R] -> (segment_ids, positions) int32, 0 where did < 0 (padding)."""
+    n, r = did.shape
+    real = did >= 0
+    start = np.ones((n, r), bool)
+    start[:, 1:] = did[:, 1:] != did[:, :-1]
+    seg = np.cumsum(start, axis=1, dtype=np.int32)
+    col = np.broadcast_to(np.arange(r, dtype=np.int32), (n, r))
+    seg_start = np.maximum.accumulate(np.where(start, col, 0), axis=1)
+    pos = (col - seg_start).astype(np.int32)
+    seg = np.where(real, seg, 0).astype(np.int32)
+    pos = np.where(real, pos, 0).astype(np.int32)
+    return seg, pos
+
+
+def _empty():
+    return np.zeros(0, np.int32), np.zeros(0, np.int64), np.zeros(0, bool)
+
+
+def carry_to_state(tok, did, first) -> dict:
+    runs = []
+    if len(tok):
+        cut = np.flatnonzero(np.diff(did)) + 1
+        b = np.concatenate([[0], cut, [len(did)]])
+        for s, e in zip(b[:-1], b[1:]):
+            runs.append([int(did[s]), int(e - s), int(first[s])])
+    return {"tokens": tok.tolist(), "runs": runs}
+
+
+def carry_from_state(st: dict | None):
+    if not st or not st.get("tokens"):
+        return _empty()
+    tok = np.asarray(st["tokens"], np.int32)
+    did = np.concatenate([np.full(c, d, np.int64) for d, c, _ in st["runs"]])
+    first = np.zeros(len(tok), bool)
+    off = 0
+    for _, c, f in st["runs"]:
+        first[off] = bool(f)
+        off += c
+    return tok, did, first
+
+
+class ConcatPacker:
+    """Concatenate documents and cut rows of exactly R tokens; no padding."""
+
+    def __init__(self, row_len: int):
+        self.R = row_len
+        self.carry = _empty()
+
+    def set_carry(self, st):
+        self.carry = carry_from_state(st)
+
+    def carry_state(self) -> dict:
+        return carry_to_state(*self.carry)
+
+    def add(self, tok, did, first):
+        ct, cd, cf = self.carry
+        tok = np.concatenate([ct, tok])
+        did = np.concatenate([cd, did])
+        first = np.concatenate([cf, first])
+        n = len(tok) // self.R
+        k = n * self.R
+        self.carry = (tok[k:].copy(), did[k:].copy(), first[k:].copy())
+        return (tok[:k].reshape(n, self.R), did[:k].reshape(n, self.R),
+                first[:k].reshape(n, self.R))
+
+    def flush(self):
+        return None
+
+
+class FirstFitPacker:
+    """First-fit bin packing of whole documents into at most `max_bins` open rows, padded.
+
+    A document longer than a row fills whole rows first; its remainder is placed like a
+    short document. When no open bin fits and all bins are open, the fullest bin is emitted.
+    """
+
+    def __init__(self, row_len: int, max_bins: int = 8):
+        self.R = row_len
+        self.max_bins = max_bins
+        self.carry = _empty()   # the unfinished document (pieces so far), < R tokens
+        self.bins: list[list] = []   # [used, [(tok, did, first), ...]]
+
+    def set_carry(self, st):
+        self.carry = carry_from_state(st)
+        self.bins = []
+
+    def carry_state(self) -> dict:
+        return carry_to_state(*self.carry)
+
+    def _row(self, parts):
+        tok = np.full(self.R, PAD_ID, np.int32)
+        did = np.full(self.R, -1, np.int64)
+        first = np.zeros(self.R, bool)
+        off = 0
+        for t, d, f in parts:
+            n = len(t)
+            tok[off:off + n] = t
+            did[off:off + n] = d
+            first[off:off + n] = f
+            off += n
+        return tok, did, first
+
+    def add(self, tok, did, first, lasts_end=None):
+        """tok/did/first as from `assemble`; documents end where the next token is another
+        document's first token or at the end when `ends_with_doc_end`."""
+        out = []
+        ct, cd, cf = self.carry
+        tok = np.concatenate([ct, tok])
+        did = np.concatenate([cd, did])
+        first = np.concatenate([cf, first])
+        if len(tok) == 0:
+            return self._stack(out)
+        cut = np.flatnonzero(np.diff(did)) + 1
+        b = np.concatenate([[0], cut, [len(did)]]).tolist()
+        last_complete = bool(lasts_end)
+        for j, (s, e) in enumerate(zip(b[:-1], b[1:])):
+            is_last_run = j == len(b) - 2
+            while e - s >= self.R:
+                out.append((tok[s:s + self.R], did[s:s + self.R], first[s:s + self.R]))
+                s += self.R
+            if is_last_run and not last_complete:
+                self.carry = (tok[s:e].copy(), did[s:e].copy(), first[s:e].copy())
+                break
+            if e > s:
+                self._place((tok[s:e], did[s:e], first[s:e]), out)
+        else:
+            self.carry = _empty()
+        return self._stack(out)
+
+    def _place(self, seg, out):
+        n = len(seg[0])
+        for bn in self.bins:
+            if bn[0] + n <= self.R:
+                bn[0] += n
+                bn[1].append(seg)
+                return
+        if len(self.bins) >= self.max_bins:
+            k = max(range(len(self.bins)), key=lambda i: self.bins[i][0])
+            out.append(self._row(self.bins.pop(k)[1]))
+        self.bins.append([n, [seg]])
+
+    def flush(self):
+        out = [self._row(bn[1]) for bn in self.bins]
+        self.bins = []
+        return self._stack(out)
+
+    def _stack(self, rows):
+        if not rows:
+            return (np.zeros((0, self.R), np.int32), np.zeros((0, self.R), np.int64),
+                    np.zeros((0, self.R), bool))
+        return (np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows]),
+                np.stack([r[2] for r in rows]))

@@ -1,0 +1,176 @@
+"""The per-host Grain pipeline and the device prefetcher."""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import numpy as np
+
+from data.config import DataConfig, check_shards, list_files
+from data.state import normalize_shard_states, sum_counters
+from data.stream import COUNTER_KEYS, HostIterDataset, StreamSpec, find_shard_states
+from data.tokenizer import load_tokenizer
+
+BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
+
+
+def host_shards(num_shards: int, process_index: int, process_count: int) -> list[int]:
+    return list(range(process_index, num_shards, process_count))
+
+
+def make_host_dataset(cfg: DataConfig, process_index: int, process_count: int,
+                      shard_states: dict | None = None, *, debug: bool = False,
+                      files: list[str] | None = None, tokenizer=None):
+    files = list_files(cfg) if files is None else list(files)
+    if not files:
+        raise ValueError(f"data.paths={list(cfg.paths)} matches no file")
+    check_shards(cfg, process_count, len(files))
+    if cfg.global_batch_size % process_count:
+        raise ValueError(f"data.global_batch_size={cfg.global_batch_size} is not divisible by "
+                         f"the process count {process_count}")
+    tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.tokenizer)
+    spec = StreamSpec(
+        files=tuple(files), num_shards=cfg.num_shards, tokenizer_json=tok.to_str(),
+        seq_len=cfg.seq_len, text_key=cfg.text_key, strict=cfg.strict, packing=cfg.packing,
+        shuffle_window=cfg.shuffle_window, files_per_stream=cfg.files_per_stream,
+        add_bos=cfg.add_bos, seed=cfg.seed,
+        batch_rows=cfg.global_batch_size // process_count, num_workers=cfg.num_workers,
+        debug=debug)
+    states = normalize_shard_states(shard_states, cfg.num_shards)
+    ds = HostIterDataset(spec, host_shards(cfg.num_shards, process_index, process_count),
+                         states)
+    if cfg.num_workers > 0:
+        import grain
+        from absl import flags
+        if not flags.FLAGS.is_parsed():
+            flags.FLAGS.mark_as_parsed()
+        ds = ds.mp_prefetch(grain.multiprocessing.MultiprocessingOptions(
+            num_workers=cfg.num_workers,
+            per_worker_buffer_size=worker_buffer_size(cfg, process_count)))
+    return ds
+
+
+def worker_buffer_size(cfg: DataConfig, process_count: int) -> int:
+    """Batches each worker may run ahead: enough to absorb the burst of a window refill
+    (each shard tokenizes a whole shuffle window at once), capped for memory."""
+    shards_per_worker = -(-cfg.num_shards // (process_count * max(cfg.num_workers, 1)))
+    rows = max(cfg.global_batch_size // process_count, 1)
+    burst = -(-max(cfg.shuffle_window, 1) * shards_per_worker // rows)
+    return int(min(16, max(2, burst + 1)))
+
+
+def make_host_iterator(cfg: DataConfig, process_index: int, process_count: int,
+                       shard_states: dict | None = None, *, debug: bool = False):
+    """A Grain DatasetIterator of host batches (dicts of int32 [B_host, seq_len]).
+
+    shard_states: per-virtual-shard states from merge_host_states (elastic resume).
+    debug=True adds "doc_ids" (int64 [B, seq_len + 1], global document ids, -1 = padding)
+    and "row_shard" (int32 [B]) for tests.
+    """
+    return iter(make_host_dataset(cfg, process_index, process_count, shard_states,
+                                  debug=debug))
+
+
+def state_counters(state) -> dict:
+    return sum_counters(find_shard_states(state))
+
+
+class _Stop:
+    pass
+
+
+class DevicePrefetcher:
+    """Background thread: host batch -> global jax.Array, `prefetch` batches ahead."""
+
+    def __init__(self, host_iterator, sharding, prefetch: int = 2):
+        self._it = host_iterator
+        self._sharding = sharding
+        self._q: queue.Queue = queue.Queue(maxsize=max(1, prefetch))
+        self._stop = threading.Event()
+        self._state = host_iterator.get_state()
+        self._base = state_counters(self._state)
+        self._wait = 0.0
+        self._batches = 0
+        self._done = False
+        self._thread = threading.Thread(target=self._run, name="data-prefetch", daemon=True)
+        self._thread.start()
+
+    def _to_global(self, batch: dict) -> dict:
+        import jax
+        out = {}
+        for k, v in batch.items():
+            if k in BATCH_KEYS:
+                gshape = (v.shape[0] * jax.process_count(),) + v.shape[1:]
+                out[k] = jax.make_array_from_process_local_data(self._sharding, v, gshape)
+            else:
+                out[k] = v
+        return out
+
+    def _put(self, item) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                batch = next(self._it)
+                state = self._it.get_state()
+                if not self._put((self._to_global(batch), state)):
+                    return
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            self._put((_Stop(), e))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        if self._done:
+            raise StopIteration
+        t0 = time.perf_counter()
+        item = self._q.get()
+        self._wait += time.perf_counter() - t0
+        if isinstance(item[0], _Stop):
+            self._done = True
+            raise item[1]
+        batch, self._state = item
+        self._batches += 1
+        return batch
+
+    def consumed_state(self) -> dict:
+        """Host iterator state right after the last batch returned by __next__."""
+        return self._state
+
+    def stats(self) -> dict:
+        c = state_counters(self._state)
+        d = {k: c[k] - self._base[k] for k in COUNTER_KEYS}
+        bad = {k: v - self._base["bad"].get(k, 0) for k, v in c["bad"].items()}
+        rows, tokens, pad = d["rows"], d["tokens"], d["pad"]
+        return {
+            "batches": self._batches,
+            "documents": d["docs"], "tokens": tokens, "rows": rows,
+            "padding_tokens": pad,
+            "padding_frac": pad / max(1, tokens + pad),
+            "docs_per_row": d["segs"] / max(1, rows),
+            "truncated_tokens": d["trunc"], "dropped_tokens": d["drop"],
+            "bad_records": {k: v for k, v in bad.items() if v},
+            "bad_examples": c["badex"][:10],
+            "wait_s": self._wait,
+        }
+
+    def close(self) -> None:
+        self._stop.set()
+        try:
+            while True:
+                self._q.get_nowait()
+        except queue.Empty:
+            pass
+        self._thread.join(timeout=10)
+        close = getattr(self._it, "close", None)
+        if close is not None:
+            close()

@@ -1,0 +1,94 @@
+"""Per-virtual-shard states: merging saved host states (any P, N), fingerprint, stats."""
+from __future__ import annotations
+
+import hashlib
+import os
+
+from data.config import DataConfig, list_files
+from data.stream import COUNTER_KEYS, find_shard_states
+from data.tokenizer import load_tokenizer, tokenizer_hash
+
+
+def merge_host_states(host_states: list[dict]) -> dict:
+    """Saved per-host iterator states (any host count P, worker count N) -> per-shard states.
+
+    Each shard appears in exactly one host's state as a live stream; other copies (the
+    main-process placeholder of a worker that had not produced a batch yet) are never more
+    advanced, so the most advanced copy wins.
+    """
+    found: dict = {}
+    nshards = set()
+    for hs in host_states:
+        _collect_num_shards(hs, nshards)
+        find_shard_states(hs, found)
+    if not found:
+        raise ValueError("no input-pipeline state found in the saved host states")
+    if len(nshards) > 1:
+        raise ValueError(f"saved host states disagree on the number of virtual shards: "
+                         f"{sorted(nshards)}")
+    V = nshards.pop()
+    missing = [v for v in range(V) if str(v) not in found]
+    if missing:
+        raise ValueError(f"saved host states lack virtual shards {missing} (of {V}): were all "
+                         "hosts' states collected?")
+    return {"num_shards": V, "shards": {str(v): found[str(v)] for v in range(V)}}
+
+
+def _collect_num_shards(state, out: set) -> None:
+    if isinstance(state, dict):
+        if "__vshards__" in state:
+            out.add(int(state["num_shards"]))
+            return
+        for v in state.values():
+            _collect_num_shards(v, out)
+    elif isinstance(state, (list, tuple)):
+        for v in state:
+            _collect_num_shards(v, out)
+
+
+def normalize_shard_states(shard_states: dict | None, num_shards: int) -> dict | None:
+    if shard_states is None:
+        return None
+    if "shards" in shard_states:
+        if int(shard_states.get("num_shards", num_shards)) != num_shards:
+            raise ValueError(f"shard_states hold {shard_states['num_shards']} virtual shards, "
+                             f"data.num_shards={num_shards}")
+        shard_states = shard_states["shards"]
+    return {str(k): v for k, v in shard_states.items()}
+
+
+def files_hash(files: list[str]) -> str:
+    """Hash of the file list relative to its common directory (mount point independent)."""
+    if not files:
+        return ""
+    root = os.path.commonpath([os.path.abspath(f) for f in files])
+    if len(files) == 1:
+        root = os.path.dirname(root)
+    rel = [os.path.relpath(os.path.abspath(f), root) for f in files]
+    return hashlib.sha256("\n".join(rel).encode()).hexdigest()[:16]
+
+
+def fingerprint(cfg: DataConfig, tokenizer=None, files: list[str] | None = None) -> dict:
+    files = list_files(cfg) if files is None else files
+    tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.tokenizer)
+    return {"tokenizer": tokenizer_hash(tok), "files": files_hash(files),
+            "num_files": len(files), "seq_len": cfg.seq_len, "seed": cfg.seed,
+            "packing": cfg.packing, "num_shards": cfg.num_shards, "text_key": cfg.text_key,
+            "add_bos": cfg.add_bos, "shuffle_window": cfg.shuffle_window,
+            "files_per_stream": cfg.files_per_stream}
+
+
+def sum_counters(shard_states: dict) -> dict:
+    tot = {k: 0 for k in COUNTER_KEYS}
+    bad: dict = {}
+    ex: list = []
+    for _, st in sorted(shard_states.items(), key=lambda kv: int(kv[0])):
+        c = st["c"]
+        for k in COUNTER_KEYS:
+            tot[k] += int(c[k])
+        for k, v in c["bad"].items():
+            bad[k] = bad.get(k, 0) + int(v)
+        ex.extend(c["badex"])
+    tot["bad"] = bad
+    tot["badex"] = ex
+    return tot

@@ -1,0 +1,324 @@
+"""The per-virtual-shard row stream and the per-host Grain IterDataset built on it.
+
+A virtual shard's stream is deterministic and independent of hosts and workers:
+files in a seeded per-epoch order -> documents -> batched tokenization -> packer -> windows
+of >= W rows, each permuted with a seed from (seed, shard, window index).
+Its state: the reader + packer carry + counters at the start of the current window, and how
+many rows of the window were emitted. Restoring regenerates that one window and skips.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import grain
+import numpy as np
+
+from data import packing
+from data.sources import BadRecords, ShardReader
+from data.tokenizer import BatchEncoder, available_cores, set_thread_env
+
+STATE_VERSION = 1
+_MARK = "__vshards__"
+COUNTER_KEYS = ("rows", "docs", "tokens", "pad", "segs", "trunc", "drop")
+MAX_BLOCK_CHARS = 1 << 21
+CHARS_PER_TOKEN_GUESS = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamSpec:
+    """Everything a worker needs, picklable and small (no tokenizer object)."""
+    files: tuple[str, ...]          # the global sorted file list
+    num_shards: int
+    tokenizer_json: str
+    seq_len: int
+    text_key: str
+    strict: bool
+    packing: str
+    shuffle_window: int
+    files_per_stream: int
+    add_bos: bool
+    seed: int
+    batch_rows: int                 # rows per host batch
+    num_workers: int
+    debug: bool = False
+
+
+def zero_counters() -> dict:
+    c = {k: 0 for k in COUNTER_KEYS}
+    c["bad"] = {}
+    c["badex"] = []
+    return c
+
+
+def initial_shard_state() -> dict:
+    return {"start": {"reader": ShardReader.initial_state(), "carry": None, "win": 0,
+                      "c": zero_counters()},
+            "emitted": 0, "c": zero_counters()}
+
+
+def shard_files(spec_files, num_shards: int, shard: int):
+    ids = list(range(shard, len(spec_files), num_shards))
+    return [spec_files[i] for i in ids], ids
+
+
+class ShardStream:
+    def __init__(self, spec: StreamSpec, shard: int, encoder: BatchEncoder, state: dict):
+        self.spec = spec
+        self.shard = shard
+        self.enc = encoder
+        files, ids = shard_files(spec.files, spec.num_shards, shard)
+        self.bad = BadRecords(spec.strict)
+        self.reader = ShardReader(files, ids, len(spec.files), shard, spec.seed,
+                                  spec.files_per_stream, spec.text_key, self.bad)
+        R = spec.seq_len + 1
+        if spec.packing == "concat":
+            self.packer = packing.ConcatPacker(R)
+        else:
+            self.packer = packing.FirstFitPacker(R)
+        self.W = max(int(spec.shuffle_window), 1)
+        self._restore(state)
+
+    # ---- state ----
+    def get_state(self) -> dict:
+        c = self.c
+        return {"start": self._start, "emitted": self.emitted,
+                "c": {**c, "bad": dict(self.bad.counts), "badex": list(self.bad.examples)}}
+
+    def _restore(self, st: dict) -> None:
+        s = st["start"]
+        self.reader.set_state(s["reader"])
+        self.packer.set_carry(s["carry"])
+        self.win = int(s["win"])
+        c = s["c"]
+        self.c = {k: int(c[k]) for k in COUNTER_KEYS}
+        self.bad.counts = {k: int(v) for k, v in c["bad"].items()}
+        self.bad.examples = list(c["badex"])
+        self._start = s
+        self._build_window()
+        k = int(st["emitted"])
+        if k > len(self.perm):
+            raise ValueError(f"virtual shard {self.shard}: state has {k} rows emitted from a "
+                             f"window of {len(self.perm)}: data or settings changed")
+        for _ in range(k):
+            self._take()
+
+    def _snapshot(self) -> dict:
+        return {"reader": self.reader.get_state(), "carry": self.packer.carry_state(),
+                "win": self.win, "c": {**self.c, "bad": dict(self.bad.counts),
+                                       "badex": list(self.bad.examples)}}
+
+    # ---- rows ----
+    def _target_rows(self) -> int:
+        """W rows, but a shard's first window is shorter by a shard-dependent fraction so
+        that shards refill their windows at different times (smoother worker load, faster
+        first batch). Depends only on (shard, window index): topology independent."""
+        if self.win > 0:
+            return self.W
+        frac = 0.25 + 0.75 * ((self.shard * 0.6180339887498949) % 1.0)
+        return max(1, int(self.W * frac))
+
+    def _build_window(self) -> None:
+        R = self.spec.seq_len + 1
+        parts = []
+        n = 0
+        target = self._target_rows()
+        while n < target:
+            budget = min(MAX_BLOCK_CHARS, max(1024, (target - n) * R * CHARS_PER_TOKEN_GUESS))
+            texts, dids, firsts, lasts = [], [], [], []
+            chars = 0
+            while chars < budget:
+                text, did, first, last = self.reader.next_piece()
+                texts.append(text)
+                dids.append(did)
+                firsts.append(first)
+                lasts.append(last)
+                chars += len(text)
+            flat, lens = self.enc.encode(texts)
+            tok, did, first = packing.assemble(
+                flat, lens, dids, firsts, lasts, self.enc.eos,
+                self.enc.bos if self.spec.add_bos else None)
+            if isinstance(self.packer, packing.FirstFitPacker):
+                rows = self.packer.add(tok, did, first, lasts_end=lasts[-1])
+            else:
+                rows = self.packer.add(tok, did, first)
+            parts.append(rows)
+            n += len(rows[0])
+        fl = self.packer.flush()
+        if fl is not None:
+            parts.append(fl)
+        tok = np.concatenate([p[0] for p in parts])
+        did = np.concatenate([p[1] for p in parts])
+        first = np.concatenate([p[2] for p in parts])
+        seg, pos = packing.segments_positions(did)
+        if self.W > 1:
+            perm = np.random.default_rng([self.spec.seed, self.shard, self.win, 2]).permutation(
+                len(tok))
+        else:
+            perm = np.arange(len(tok))
+        self.tok, self.did, self.seg, self.pos = tok, did, seg, pos
+        self.perm = perm.tolist()
+        real = did >= 0
+        self.m_tok = real.sum(1).tolist()
+        self.m_docs = first.sum(1).tolist()
+        self.m_segs = seg.max(1).tolist()
+        self.emitted = 0
+        self.win += 1
+
+    def _take(self) -> int:
+        i = self.perm[self.emitted]
+        self.emitted += 1
+        c = self.c
+        c["rows"] += 1
+        c["tokens"] += self.m_tok[i]
+        c["pad"] += self.tok.shape[1] - self.m_tok[i]
+        c["docs"] += self.m_docs[i]
+        c["segs"] += self.m_segs[i]
+        return i
+
+    def next_row_into(self, b: int, out: dict) -> None:
+        if self.emitted >= len(self.perm):
+            self._start = self._snapshot()
+            self._build_window()
+        i = self._take()
+        out["tok"][b] = self.tok[i]
+        out["seg"][b] = self.seg[i]
+        out["pos"][b] = self.pos[i]
+        if "did" in out:
+            out["did"][b] = self.did[i]
+            out["shard"][b] = self.shard
+
+
+def progress(shard_state: dict) -> int:
+    return int(shard_state["c"]["rows"])
+
+
+class HostIterDataset(grain.IterDataset):
+    """Rows of this host's virtual shards, round-robin, batched to the host batch.
+
+    `set_slice` (called by mp_prefetch in each worker) keeps a slice of the shards.
+    """
+
+    def __init__(self, spec: StreamSpec, shard_ids: list[int], shard_states: dict | None):
+        super().__init__()
+        self.spec = spec
+        self.shard_ids = list(shard_ids)
+        self.shard_states = shard_states or {}
+
+    def set_slice(self, sl: slice, sequential_slice: bool = False) -> None:
+        del sequential_slice
+        self.shard_ids = self.shard_ids[sl]
+
+    def __iter__(self):
+        return HostIterator(self.spec, self.shard_ids, self.shard_states)
+
+    def __str__(self) -> str:
+        return f"HostIterDataset(shards={self.shard_ids})"
+
+
+class HostIterator(grain.DatasetIterator):
+    def __init__(self, spec: StreamSpec, shard_ids: list[int], shard_states: dict):
+        super().__init__()
+        if not shard_ids:
+            raise ValueError("an input worker owns no virtual shard: raise data.num_shards or "
+                             "lower data.num_workers")
+        self.spec = spec
+        self.shard_ids = shard_ids
+        self._states = {str(v): shard_states.get(str(v)) or initial_shard_state()
+                        for v in shard_ids}
+        self.rr = 0
+        self.streams = None   # built lazily: get_state in the main process must stay cheap
+
+    def _init(self) -> None:
+        n = max(self.spec.num_workers, 1)
+        set_thread_env(available_cores() // n if self.spec.num_workers > 0
+                       else available_cores())
+        enc = BatchEncoder(self.spec.tokenizer_json)
+        self.streams = [ShardStream(self.spec, v, enc, self._states[str(v)])
+                        for v in self.shard_ids]
+        self._states = None
+
+    def __next__(self):
+        if self.streams is None:
+            self._init()
+        B, R = self.spec.batch_rows, self.spec.seq_len + 1
+        out = {"tok": np.empty((B, R), np.int32), "seg": np.empty((B, R), np.int32),
+               "pos": np.empty((B, R), np.int32)}
+        if self.spec.debug:
+            out["did"] = np.empty((B, R), np.int64)
+            out["shard"] = np.empty((B,), np.int32)
+        ns = len(self.streams)
+        for b in range(B):
+            self.streams[self.rr].next_row_into(b, out)
+            self.rr = (self.rr + 1) % ns
+        tok, seg = out["tok"], out["seg"]
+        batch = {
+            "inputs": tok[:, :-1].copy(), "targets": tok[:, 1:].copy(),
+            "segment_ids": seg[:, :-1].copy(), "positions": out["pos"][:, :-1].copy(),
+            "loss_mask": ((seg[:, 1:] == seg[:, :-1]) & (seg[:, :-1] > 0)).astype(np.int32),
+        }
+        if self.spec.debug:
+            batch["doc_ids"] = out["did"]
+            batch["row_shard"] = out["shard"]
+        return batch
+
+    def get_state(self) -> dict:
+        if self.streams is None:
+            shards = dict(self._states)
+        else:
+            shards = {str(s.shard): s.get_state() for s in self.streams}
+        return {_MARK: STATE_VERSION, "num_shards": self.spec.num_shards, "rr": self.rr,
+                "shards": shards}
+
+    def set_state(self, state: dict) -> None:
+        if state.get(_MARK) != STATE_VERSION:
+            raise ValueError("not an input-pipeline state of this version")
+        if int(state["num_shards"]) != self.spec.num_shards:
+            raise ValueError(f"saved state has {state['num_shards']} virtual shards, "
+                             f"data.num_shards={self.spec.num_shards}")
+        shards = state["shards"]
+        missing = [v for v in self.shard_ids if str(v) not in shards]
+        if missing:
+            raise ValueError(f"saved input state lacks virtual shards {missing}: the host or "
+                             "worker count changed; resume through merge_host_states")
+        sts = {str(v): shards[str(v)] for v in self.shard_ids}
+        # A state from the unsliced main-process iterator only occurs before the first
+        # element (rr == 0); otherwise it belongs to exactly these shards.
+        self.rr = int(state["rr"]) % len(self.shard_ids)
+        if self.streams is None:
+            self._states = sts
+        else:
+            for s in self.streams:
+                s._restore(sts[str(s.shard)])
+
+    def close(self) -> None:
+        if self.streams:
+            for s in self.streams:
+                s.reader.close()
+
+
+def find_shard_states(state, out: dict | None = None) -> dict:
+    """Walks any (Grain-nested) state; returns {shard: most advanced shard state}."""
+    if out is None:
+        out = {}
+    if isinstance(state, dict):
+        if state.get(_MARK) is not None:
+            for k, st in state["shards"].items():
+                if k not in out or progress(st) > progress(out[k]):
+                    out[k] = st
+            return out
+        for v in state.values():
+            find_shard_states(v, out)
+    elif isinstance(state, (list, tuple)):
+        for v in state:
+            find_shard_states(v, out)
+    elif isinstance(state, (str, bytes)):
+        s = state
+        if isinstance(s, bytes):
+            s = s.decode("utf-8", "replace")
+        if _MARK in s:
+            import json
+            try:
+                find_shard_states(json.loads(s), out)
+            except ValueError:
+                pass
+    return out

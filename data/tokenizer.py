@@ -1,0 +1,103 @@
+"""Tokenizer loading and batched encoding (per batch of documents, never per token)."""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import re
+
+import numpy as np
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
+
+
+def tokenizer_file(spec: str) -> str | None:
+    """The local tokenizer.json for spec (file or directory), None when spec is a hub id.
+
+    Raises FileNotFoundError naming `tokenizer.path` when spec looks like a local path that
+    does not exist.
+    """
+    p = os.path.expanduser(str(spec))
+    if os.path.isfile(p):
+        return p
+    if os.path.isdir(p):
+        f = os.path.join(p, "tokenizer.json")
+        if os.path.isfile(f):
+            return f
+        raise FileNotFoundError(f"tokenizer.path={spec!r}: directory has no tokenizer.json")
+    looks_local = (p.startswith(("/", ".", "~")) or p.endswith(".json") or os.sep + os.sep in p
+                   or not _HUB_ID.match(p))
+    if looks_local:
+        raise FileNotFoundError(f"tokenizer.path={spec!r}: no such file or directory")
+    return None
+
+
+def load_tokenizer(spec: str):
+    """tokenizer.json path | directory holding it | Hugging Face hub id."""
+    import tokenizers
+    f = tokenizer_file(spec)
+    if f is not None:
+        try:
+            return tokenizers.Tokenizer.from_file(f)
+        except Exception as e:  # noqa: BLE001 - re-raised with the setting named
+            raise ValueError(f"tokenizer.path={spec!r}: not a valid tokenizer.json ({e})") from e
+    try:
+        return tokenizers.Tokenizer.from_pretrained(spec)
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"tokenizer.path={spec!r}: not a local file and could not be loaded "
+                         f"from the Hugging Face hub ({e})") from e
+
+
+def special_ids(tok) -> tuple[int, int | None]:
+    """(eos_id, bos_id) found by the usual names."""
+    def find(names):
+        for n in names:
+            i = tok.token_to_id(n)
+            if i is not None:
+                return i
+        return None
+    eos = find(["</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "[SEP]"])
+    bos = find(["<s>", "<|begin_of_text|>", "<bos>", "[CLS]"])
+    if eos is None:
+        raise ValueError("tokenizer.path: the tokenizer has no end-of-sequence token "
+                         "(looked for </s>, <|endoftext|>, <|end_of_text|>, <eos>)")
+    return eos, bos
+
+
+def tokenizer_hash(tok) -> str:
+    return hashlib.sha256(tok.to_str().encode()).hexdigest()[:16]
+
+
+def set_thread_env(threads: int) -> None:
+    """Size the tokenizer's Rayon pool; must run before the first parallel encode."""
+    threads = max(1, int(threads))
+    os.environ["RAYON_NUM_THREADS"] = str(threads)
+    os.environ["RAYON_RS_NUM_CPUS"] = str(threads)
+    os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads > 1 else "false"
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover
+        return os.cpu_count() or 1
+
+
+class BatchEncoder:
+    """Encodes a list of texts into one flat int32 array plus per-text lengths."""
+
+    def __init__(self, tok_json: str):
+        import tokenizers
+        self.tok = tokenizers.Tokenizer.from_str(tok_json)
+        self._fast = getattr(self.tok, "encode_batch_fast", None)
+        self.eos, self.bos = special_ids(self.tok)
+
+    def encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        if not texts:
+            return np.zeros(0, np.int32), np.zeros(0, np.int64)
+        fn = self._fast or self.tok.encode_batch
+        encs = fn(texts, add_special_tokens=False)
+        ids = [e.ids for e in encs]
+        lens = np.fromiter((len(x) for x in ids), np.int64, len(ids))
+        flat = np.fromiter(itertools.chain.from_iterable(ids), np.int32, int(lens.sum()))
+        return flat, lens

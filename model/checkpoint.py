@@ -1,0 +1,257 @@
+"""Checkpoints: one atomic Orbax step holding the train state, every host's data state and meta.
+
+Items of a step:
+  state  params, optimizer state, step (arrays; written asynchronously, read straight into
+         the target shardings, so no host ever holds a whole tree)
+  data   one JSON file per process with its data-iterator state, written synchronously inside
+         save(), so it belongs to the same step; restore returns every process's file, so a
+         run can resume on another number of hosts (train.py merges them per virtual shard)
+  meta   the resolved config, the data/model fingerprint, the wandb run id, the topology
+         (process count, data workers)
+There is no RNG array to save: the train step draws no random numbers and init derives its key
+from `seed`, which the saved config and the fingerprint hold; the data order is a function of
+(seed, virtual shard, epoch) plus the saved positions.
+
+Atomicity. Orbax writes a step into `<step>.orbax-checkpoint-tmp-*` and renames it into place
+when every item of every process is written (on gs://, a commit marker plays the rename's
+role). A visible step is complete; a process killed during an asynchronous save leaves the tmp
+directory, which the resume ignores and the next manager start deletes.
+
+Resume order (`find_resume`; train.py applies init_from):
+  1. the latest step in `checkpoint.dir` (a restarted or preempted run continues itself);
+  2. `checkpoint.resume_from`: another run's checkpoint directory (its latest step) or one
+     step directory in it (`.../checkpoints/1200`); everything is restored (fork a run);
+  3. `checkpoint.init_from`: parameters only, optimizer and data start fresh (continued
+     pre-training, a new data mix);
+  4. from scratch.
+Errors a user can fix (a missing resume_from, a fingerprint mismatch) are ValueErrors.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+ITEMS = ("state", "data", "meta")
+
+# Model settings that change how a step runs but not what the state holds: a run may resume
+# with another attention kernel, remat policy, compute dtype or context limit.
+MODEL_RUNTIME_KEYS = frozenset({"remat", "attention", "dtype", "max_seq_len"})
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumePoint:
+    directory: str
+    step: int
+    source: str            # "latest" | "resume_from" | "init_from"
+
+    def describe(self) -> str:
+        return f"{self.source} checkpoint {self.directory}/{self.step}"
+
+
+class Checkpointer:
+    """The run's CheckpointManager plus the resume order."""
+
+    def __init__(self, ccfg: Mapping):
+        self.cfg = ccfg
+        self.directory = str(ccfg["dir"])
+        keep = ccfg["keep"]
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=int(keep) if keep else None,      # 0 / null: keep every step
+            enable_async_checkpointing=bool(ccfg["async"]),
+            create=True,
+            # Partial steps of a killed run (`*.orbax-checkpoint-tmp-*`) are deleted at start.
+            cleanup_tmp_directories=True,
+        )
+        self.manager = ocp.CheckpointManager(self.directory, item_names=ITEMS, options=options)
+
+    # ---------------------------------------------------------------- where to resume
+    def find_resume(self) -> ResumePoint | None:
+        """The latest complete step of this run, else checkpoint.resume_from, else None."""
+        latest = self.manager.latest_step()
+        if latest is not None:
+            return ResumePoint(self.directory, latest, "latest")
+        if self.cfg["resume_from"]:
+            return _resolve("checkpoint.resume_from", self.cfg["resume_from"], "resume_from")
+        return None
+
+    # ---------------------------------------------------------------- restore
+    def restore_meta_and_data(self, resume: ResumePoint) -> tuple[dict, list[dict] | None]:
+        """The small items first, so the input pipeline can start while the arrays restore.
+
+        Returns (meta, [data state of process 0, 1, ...] as saved, or None if absent)."""
+        restored = self._restore(resume, ocp.args.Composite(meta=ocp.args.JsonRestore(), data=DataStateRestore()))
+        return dict(restored["meta"] or {}), restored["data"]
+
+    def restore_state(self, resume: ResumePoint, abstract_state):
+        """Arrays straight into the shardings carried by `abstract_state`'s ShapeDtypeStructs,
+        whatever mesh or process count wrote them (Orbax reads only each device's slices)."""
+        return self._restore(resume, ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))["state"]
+
+    def restore_params(self, path: str, abstract_params):
+        """checkpoint.init_from: parameters only (the optimizer state is never read)."""
+        point = _resolve("checkpoint.init_from", path, "init_from")
+        target = {"params": abstract_params}
+        args = ocp.args.PyTreeRestore(item=target, partial_restore=True,
+                                      restore_args=ocp.checkpoint_utils.construct_restore_args(target))
+        restored = self._restore(point, ocp.args.Composite(state=args))
+        return restored["state"]["params"]
+
+    def _restore(self, resume: ResumePoint, args):
+        if resume.directory == self.directory:
+            return self.manager.restore(resume.step, args=args)
+        with _read_only_manager(resume.directory) as other:
+            return other.restore(resume.step, args=args)
+
+    # ---------------------------------------------------------------- save
+    def should_save(self, step: int, last_step: int) -> bool:
+        return step == last_step or (self.cfg["every"] > 0 and step % self.cfg["every"] == 0)
+
+    def save(self, step: int, state, data_state: dict, meta: dict) -> None:
+        """Starts an asynchronous save (returns once the arrays are copied off the devices and
+        this process's data state is written); call on every process at the same step."""
+        saved = self.manager.save(step, force=True, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state), data=DataStateSave(data_state), meta=ocp.args.JsonSave(meta)))
+        if not saved:     # force=True: only a read-only manager skips
+            raise RuntimeError(f"checkpoint step {step} was not saved to {self.directory}")
+
+    def wait(self) -> None:
+        """Blocks until every started save is complete (finalised and visible)."""
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+
+def split_step_dir(path: str) -> tuple[str, int | None]:
+    """`.../checkpoints` -> (it, None = latest); `.../checkpoints/1200` -> (parent, 1200)."""
+    p = str(path).rstrip("/")
+    head, _, tail = p.rpartition("/")
+    if tail.isdigit() and head:
+        return head, int(tail)
+    return p, None
+
+
+def _read_only_manager(directory: str) -> ocp.CheckpointManager:
+    options = ocp.CheckpointManagerOptions(read_only=True, create=False)
+    return ocp.CheckpointManager(directory, item_names=ITEMS, options=options)
+
+
+def _resolve(setting: str, path: str, source: str) -> ResumePoint:
+    """A checkpoint directory (-> its latest step) or a step directory, checked to exist."""
+    directory, step = split_step_dir(path)
+    if not epath.Path(directory).is_dir():
+        raise ValueError(f"{setting}={path}: no such checkpoint directory")
+    with _read_only_manager(directory) as manager:
+        steps = list(manager.all_steps())
+    if not steps:
+        raise ValueError(f"{setting}={path} holds no complete checkpoint")
+    if step is None:
+        step = max(steps)
+    elif step not in steps:
+        raise ValueError(f"{setting}={path}: step {step} is not a complete checkpoint "
+                         f"(complete steps in {directory}: {sorted(steps)})")
+    return ResumePoint(directory, step, source)
+
+
+# ---------------------------------------------------------------- fingerprint
+def fingerprint_diffs(saved: Mapping, current: Mapping) -> list[str]:
+    """'section.key: checkpoint=... now=...' for every difference (runtime-only model keys skipped)."""
+    diffs = []
+    for section in sorted(set(saved) | set(current)):
+        a, b = saved.get(section) or {}, current.get(section) or {}
+        for key in sorted(set(a) | set(b)):
+            if section == "model" and key in MODEL_RUNTIME_KEYS:
+                continue
+            if _canon(a.get(key, "<absent>")) != _canon(b.get(key, "<absent>")):
+                diffs.append(f"{section}.{key}: checkpoint={a.get(key, '<absent>')!r} now={b.get(key, '<absent>')!r}")
+    return diffs
+
+
+def check_fingerprint(saved: Mapping, current: Mapping, *, allow_data_change: bool) -> list[str]:
+    """A resumed run must read the same data the same way into the same model.
+
+    Raises ValueError listing every difference. With allow_data_change, differences confined
+    to the `data` section (tokenizer, files, sequence length, packing, shards, seed) are
+    accepted and returned: the caller must then start the data stream afresh, because the
+    saved positions describe another data set."""
+    diffs = fingerprint_diffs(saved, current)
+    data_only = all(d.startswith("data.") for d in diffs)
+    if diffs and not (allow_data_change and data_only):
+        if data_only:
+            hint = "set checkpoint.allow_data_change=true to continue on the changed data on purpose"
+        elif allow_data_change:
+            hint = "checkpoint.allow_data_change accepts data changes only; the model must match"
+        else:
+            hint = "the model must match; start a new run (name=...) or use checkpoint.init_from"
+        raise ValueError(f"the checkpoint was written by a different setup ({hint}):\n  " + "\n  ".join(diffs))
+    return diffs
+
+
+def _canon(value):
+    """JSON round trip: a saved tuple comes back as a list, an int key as a string."""
+    return json.loads(json.dumps(value, sort_keys=True, default=_json_default))
+
+
+def _json_default(obj):
+    if isinstance(obj, np.integer):
+        return int(obj)
+    if isinstance(obj, np.floating):
+        return float(obj)
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    raise TypeError(f"{type(obj).__name__} in a data state is not JSON-serialisable")
+
+
+# ---------------------------------------------------------------- the data item's handler
+class DataStateHandler(ocp.CheckpointHandler):
+    """One JSON file per process, `process_{i}-of-{n}.json`. Grain's own handler reads back
+    only its own process's file for the same n; this one returns every process's state, so
+    another host count can resume. Synchronous: the states are small, and writing them inside
+    save() ties them to the step whose arrays are being written."""
+
+    def save(self, directory: epath.Path, args: DataStateSave):
+        directory = epath.Path(directory)
+        name = f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+        (directory / name).write_text(json.dumps(args.state, default=_json_default))
+
+    def restore(self, directory: epath.Path, args: DataStateRestore | None = None) -> list[dict] | None:
+        directory = epath.Path(directory)
+        found = {}
+        counts = set()
+        for f in directory.glob("process_*-of-*.json"):
+            index, count = f.name[len("process_"):-len(".json")].split("-of-")
+            found[int(index)] = f
+            counts.add(int(count))
+        if not found:
+            return None
+        if len(counts) != 1 or sorted(found) != list(range(counts.pop())):
+            raise ValueError(f"incomplete data state in {directory}: {sorted(f.name for f in found.values())}")
+        return [json.loads(found[i].read_text()) for i in range(len(found))]
+
+    def metadata(self, directory):
+        return None
+
+    def finalize(self, directory):
+        pass
+
+    def close(self):
+        pass
+
+
+@ocp.args.register_with_handler(DataStateHandler, for_save=True)
+@dataclasses.dataclass
+class DataStateSave(ocp.args.CheckpointArgs):
+    state: dict
+
+
+@ocp.args.register_with_handler(DataStateHandler, for_restore=True)
+@dataclasses.dataclass
+class DataStateRestore(ocp.args.CheckpointArgs):
+    pass

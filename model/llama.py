@@ -1,0 +1,335 @@
+"""Llama in Flax NNX: the one model file.
+
+References: Llama 2 (Touvron et al. 2023) for the block (pre-RMSNorm, RoPE, GQA, SwiGLU);
+Hugging Face `LlamaForCausalLM` is the numerical reference (tests/test_model_hf.py checks
+logits to 1e-4 in fp32), so RoPE uses its "rotate half" layout.
+
+Conventions (see docs/style.md):
+- Names carry shapes: b batch, t query length, s key length, d model width, n query heads,
+  k kv heads, g query heads per kv head, h head dim, f MLP width, v vocab, l layers.
+- Parameters are fp32 (`param_dtype`) and are cast to `dtype` (bf16) at use, so the optimizer
+  updates full-precision masters while matmuls run at bf16 speed.
+- Parameters and activations name *logical* axes only; `model/sharding.py` maps them to mesh
+  axes through the rules table in `configs/mesh/*.yaml`. The model never sees the mesh,
+  except the splash kernel, which must run under `shard_map` (it is a per-device kernel).
+- Layers are stacked on a leading "layers" axis and run with `jax.lax.scan`, so the compile
+  time does not grow with depth; each layer body is rematerialised per `remat`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from model import sharding as shd
+
+ATTENTION_IMPLS = ("xla", "cudnn", "splash")
+# What a rematerialised layer keeps for the backward pass instead of recomputing it.
+REMAT_POLICIES = {
+    "none": None,  # no remat at all: fastest, most memory
+    "full": jax.checkpoint_policies.nothing_saveable,  # keep only each layer's input
+    # keep the weight matmuls (no batch dims), recompute attention and elementwise ops
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "dots_all": jax.checkpoint_policies.dots_saveable,  # also keep attention matmuls
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """Shapes and numerics of one Llama. Presets: configs/model/*.yaml (keys = field names)."""
+
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    d_ff: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    max_seq_len: int = 2048
+    tie_embeddings: bool = False
+    dtype: str = "bfloat16"  # compute dtype (activations, matmul inputs)
+    param_dtype: str = "float32"  # storage dtype of the parameters (optimizer masters)
+    remat: str = "full"  # one of REMAT_POLICIES
+    scan_layers: bool = True
+    attention: str = "xla"  # one of ATTENTION_IMPLS
+
+    def __post_init__(self):
+        if self.d_model % self.n_heads:
+            raise ValueError(f"model.d_model={self.d_model} not divisible by model.n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"model.n_heads={self.n_heads} not divisible by model.n_kv_heads={self.n_kv_heads}")
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"model.remat={self.remat!r}; expected one of {list(REMAT_POLICIES)}")
+        if self.attention not in ATTENTION_IMPLS:
+            raise ValueError(f"model.attention={self.attention!r}; expected one of {list(ATTENTION_IMPLS)}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @classmethod
+    def from_mapping(cls, m: Mapping[str, Any]) -> "LlamaConfig":
+        """Build from a dict or Hydra DictConfig; unknown keys are errors, not silently ignored."""
+        m = dict(m.items())
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(m) - names)
+        if unknown:
+            raise ValueError(f"unknown model config keys {unknown}; known: {sorted(names)}")
+        return cls(**m)
+
+    def layer_params(self) -> int:
+        d, h = self.d_model, self.head_dim
+        attn = d * self.n_heads * h + 2 * d * self.n_kv_heads * h + self.n_heads * h * d
+        mlp = 3 * d * self.d_ff
+        return attn + mlp + 2 * d  # + two RMSNorm scales
+
+    def num_params(self, embeddings: bool = True) -> int:
+        """Exact parameter count. embeddings=False drops the input embedding table (not a matmul)."""
+        n = self.n_layers * self.layer_params() + self.d_model  # + final norm
+        n += 0 if self.tie_embeddings else self.d_model * self.vocab_size  # output head
+        if embeddings:
+            n += self.vocab_size * self.d_model
+        return n
+
+
+# ----------------------------------------------------------------------------- init
+
+
+def _param(rngs: nnx.Rngs, shape, names, std, dtype) -> nnx.Param:
+    """A Param initialised N(0, std) (or ones when std is None) carrying logical axis names.
+
+    eager_sharding=False: shardings are applied by `jax.jit(init, out_shardings=...)` in
+    model/step.py from these names and the rules table, not at Variable creation.
+    """
+    if std is None:
+        value = jnp.ones(shape, dtype)
+    else:
+        value = std * jax.random.normal(rngs.params(), shape, dtype)
+    return nnx.Param(value, out_sharding=names, eager_sharding=False)
+
+
+# ----------------------------------------------------------------------------- layers
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, d: int, eps: float, param_dtype, *, rngs: nnx.Rngs):
+        self.scale_d = _param(rngs, (d,), ("norm",), None, param_dtype)
+        self.eps = eps
+
+    def __call__(self, x_btd):
+        # Statistics in fp32 whatever the compute dtype: bf16 mean-of-squares loses ~3 digits.
+        x32 = x_btd.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale_d[...].astype(jnp.float32)).astype(x_btd.dtype)
+
+
+def rope(x_btnh, positions_bt, theta: float):
+    """Rotary embedding, HF "rotate half" layout (first half / second half of each head)."""
+    h = x_btnh.shape[-1]
+    inv_freq_j = 1.0 / (theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+    angle_btj = positions_bt.astype(jnp.float32)[..., None] * inv_freq_j
+    cos, sin = jnp.cos(angle_btj)[:, :, None, :], jnp.sin(angle_btj)[:, :, None, :]
+    x1, x2 = jnp.split(x_btnh.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_btnh.dtype)
+
+
+def attention_mask(segment_ids_bt):
+    """[b, t, s] bool: causal and same document. Packed documents never see each other."""
+    t = segment_ids_bt.shape[1]
+    causal_ts = jnp.tril(jnp.ones((t, t), dtype=bool))
+    same_doc_bts = segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
+    return causal_ts[None] & same_doc_bts
+
+
+def attention_xla(q_btnh, k_bskh, v_bskh, segment_ids_bt):
+    """Reference attention: plain einsums, softmax in fp32. Runs on every backend.
+
+    GQA without repeating K/V: query heads are grouped [k, g] against their shared kv head.
+    """
+    b, t, n, h = q_btnh.shape
+    k = k_bskh.shape[2]
+    q_btkgh = q_btnh.reshape(b, t, k, n // k, h)
+    logits_bkgts = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=jnp.float32)
+    logits_bkgts = logits_bkgts / math.sqrt(h)
+    mask_b11ts = attention_mask(segment_ids_bt)[:, None, None]
+    # Finite fill (not -inf): the diagonal is always allowed, so no row is fully masked.
+    logits_bkgts = jnp.where(mask_b11ts, logits_bkgts, jnp.finfo(jnp.float32).min)
+    probs_bkgts = jax.nn.softmax(logits_bkgts, axis=-1).astype(v_bskh.dtype)
+    out_btkgh = jnp.einsum("bkgts,bskh->btkgh", probs_bkgts, v_bskh)
+    return out_btkgh.reshape(b, t, n, h)
+
+
+def attention_dpa(q_btnh, k_bskh, v_bskh, segment_ids_bt, implementation: str):
+    """`jax.nn.dot_product_attention`: "cudnn" (flash attention on NVIDIA GPUs) or "xla".
+
+    The segment mask is passed as a boolean mask and causality as is_causal, so cuDNN can
+    skip the upper triangle. The "xla" variant exists so CPU tests exercise this code path.
+    """
+    mask_b1ts = (segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :])[:, None]
+    return jax.nn.dot_product_attention(
+        q_btnh, k_bskh, v_bskh, mask=mask_b1ts, is_causal=True, implementation=implementation
+    )
+
+
+def attention_splash(q_btnh, k_bskh, v_bskh, segment_ids_bt, interpret: bool = False):
+    """Pallas splash attention (TPU). A per-device kernel, so it runs under shard_map.
+
+    Batch is split over the mesh axes the rules give "act_batch", heads over "act_heads".
+    K/V heads are repeated to the query heads (splash MHA); the repeat is cheap next to
+    the attention itself and keeps one kernel for MHA and GQA. interpret=True runs the
+    Pallas kernel in the interpreter (any backend, slow): how the CPU tests check this path.
+    """
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    b, t, n, h = q_btnh.shape
+    g = n // k_bskh.shape[2]
+    q_bnth = jnp.swapaxes(q_btnh, 1, 2) / math.sqrt(h)  # splash does not scale
+    k_bnsh = jnp.swapaxes(jnp.repeat(k_bskh, g, axis=2), 1, 2)
+    v_bnsh = jnp.swapaxes(jnp.repeat(v_bskh, g, axis=2), 1, 2)
+
+    def local(q, k, v, seg):
+        n_local = q.shape[1]
+        mask = splash.MultiHeadMask([splash.CausalMask((t, t)) for _ in range(n_local)])
+        kernel = splash.make_splash_mha(mask, head_shards=1, q_seq_shards=1, interpret=interpret)
+        ids = splash.SegmentIds(q=seg, kv=seg)
+        return jax.vmap(kernel)(q, k, v, segment_ids=ids)
+
+    mesh, rules = shd.current()
+    if mesh is None:
+        out_bnth = local(q_bnth, k_bnsh, v_bnsh, segment_ids_bt)
+    else:
+        batch_axes = shd.mesh_axes_for("act_batch", rules)
+        head_axes = shd.mesh_axes_for("act_heads", rules)
+        spec_bn = jax.sharding.PartitionSpec(batch_axes or None, head_axes or None)
+        spec_b = jax.sharding.PartitionSpec(batch_axes or None)
+        out_bnth = jax.shard_map(
+            local, mesh=mesh, in_specs=(spec_bn, spec_bn, spec_bn, spec_b), out_specs=spec_bn,
+            check_vma=False,
+        )(q_bnth, k_bnsh, v_bnsh, segment_ids_bt)
+    return jnp.swapaxes(out_bnth, 1, 2)
+
+
+def attention(q_btnh, k_bskh, v_bskh, segment_ids_bt, impl: str):
+    if impl == "xla":
+        return attention_xla(q_btnh, k_bskh, v_bskh, segment_ids_bt)
+    if impl == "cudnn":
+        return attention_dpa(q_btnh, k_bskh, v_bskh, segment_ids_bt, "cudnn")
+    if impl == "splash":
+        return attention_splash(q_btnh, k_bskh, v_bskh, segment_ids_bt)
+    raise ValueError(f"model.attention={impl!r}")
+
+
+class Block(nnx.Module):
+    """Pre-norm transformer layer: x + Attn(norm(x)), then x + SwiGLU(norm(x))."""
+
+    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
+        d, n, k, h, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
+        pdt = jnp.dtype(cfg.param_dtype)
+        std = 0.02
+        # Residual-branch outputs scaled by 1/sqrt(2 L) (GPT-2): keeps the residual stream's
+        # variance independent of depth at init.
+        out_std = std / math.sqrt(2 * cfg.n_layers)
+        self.attn_norm = RMSNorm(d, cfg.norm_eps, pdt, rngs=rngs)
+        self.wq_dnh = _param(rngs, (d, n, h), ("embed", "heads", "head_dim"), std, pdt)
+        self.wk_dkh = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), std, pdt)
+        self.wv_dkh = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), std, pdt)
+        self.wo_nhd = _param(rngs, (n, h, d), ("heads", "head_dim", "embed"), out_std, pdt)
+        self.mlp_norm = RMSNorm(d, cfg.norm_eps, pdt, rngs=rngs)
+        self.w_gate_df = _param(rngs, (d, f), ("embed", "mlp"), std, pdt)
+        self.w_up_df = _param(rngs, (d, f), ("embed", "mlp"), std, pdt)
+        self.w_down_fd = _param(rngs, (f, d), ("mlp", "embed"), out_std, pdt)
+        self.rope_theta = cfg.rope_theta
+        self.attention_impl = cfg.attention
+        self.dtype = jnp.dtype(cfg.dtype)
+
+    def __call__(self, x_btd, positions_bt, segment_ids_bt):
+        dt = self.dtype
+        w = lambda p: p[...].astype(dt)  # noqa: E731  fp32 master -> compute dtype
+
+        y_btd = self.attn_norm(x_btd)
+        q_btnh = jnp.einsum("btd,dnh->btnh", y_btd, w(self.wq_dnh))
+        k_btkh = jnp.einsum("btd,dkh->btkh", y_btd, w(self.wk_dkh))
+        v_btkh = jnp.einsum("btd,dkh->btkh", y_btd, w(self.wv_dkh))
+        q_btnh = shd.constrain(q_btnh, ("act_batch", "act_len", "act_heads", None))
+        k_btkh = shd.constrain(k_btkh, ("act_batch", "act_len", "act_kv_heads", None))
+        v_btkh = shd.constrain(v_btkh, ("act_batch", "act_len", "act_kv_heads", None))
+        q_btnh = rope(q_btnh, positions_bt, self.rope_theta)
+        k_btkh = rope(k_btkh, positions_bt, self.rope_theta)
+        o_btnh = attention(q_btnh, k_btkh, v_btkh, segment_ids_bt, self.attention_impl)
+        o_btnh = shd.constrain(o_btnh, ("act_batch", "act_len", "act_heads", None))
+        x_btd = x_btd + jnp.einsum("btnh,nhd->btd", o_btnh, w(self.wo_nhd))
+        x_btd = shd.constrain(x_btd, ("act_batch", "act_len", "act_embed"))
+
+        y_btd = self.mlp_norm(x_btd)
+        gate_btf = jnp.einsum("btd,df->btf", y_btd, w(self.w_gate_df))
+        up_btf = jnp.einsum("btd,df->btf", y_btd, w(self.w_up_df))
+        h_btf = shd.constrain(jax.nn.silu(gate_btf) * up_btf, ("act_batch", "act_len", "act_mlp"))
+        x_btd = x_btd + jnp.einsum("btf,fd->btd", h_btf, w(self.w_down_fd))
+        return shd.constrain(x_btd, ("act_batch", "act_len", "act_embed"))
+
+
+def _stacked_blocks(cfg: LlamaConfig, rngs: nnx.Rngs) -> Block:
+    """n_layers Blocks with every Param stacked on a leading "layers" axis (for lax.scan)."""
+
+    @nnx.split_rngs(splits=cfg.n_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make(rngs):
+        return Block(cfg, rngs=rngs)
+
+    return make(rngs)
+
+
+class Llama(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        pdt = jnp.dtype(cfg.param_dtype)
+        d, v = cfg.d_model, cfg.vocab_size
+        # std 1 for the table: RMSNorm follows, so its scale only matters when tied.
+        emb_std = 0.02 if cfg.tie_embeddings else 1.0
+        self.embed_vd = _param(rngs, (v, d), ("vocab", "embed"), emb_std, pdt)
+        if cfg.scan_layers:
+            self.layers = _stacked_blocks(cfg, rngs)
+        else:
+            self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+        self.final_norm = RMSNorm(d, cfg.norm_eps, pdt, rngs=rngs)
+        if not cfg.tie_embeddings:
+            self.lm_head_dv = _param(rngs, (d, v), ("embed", "vocab"), 1.0 / math.sqrt(d), pdt)
+
+    def __call__(self, tokens_bt, positions_bt, segment_ids_bt):
+        """Logits [b, t, v] in fp32. positions restart at 0 per packed document."""
+        cfg = self.cfg
+        dt = jnp.dtype(cfg.dtype)
+        x_btd = jnp.take(self.embed_vd[...], tokens_bt, axis=0).astype(dt)
+        x_btd = shd.constrain(x_btd, ("act_batch", "act_len", "act_embed"))
+
+        policy = REMAT_POLICIES[cfg.remat]
+
+        def apply(graphdef, state, x_btd):
+            return nnx.merge(graphdef, state)(x_btd, positions_bt, segment_ids_bt)
+
+        if cfg.remat != "none":
+            # prevent_cse=False is safe (and faster) inside scan, which already blocks CSE.
+            apply = jax.checkpoint(apply, policy=policy, static_argnums=(0,),
+                                   prevent_cse=not cfg.scan_layers)
+        if cfg.scan_layers:
+            graphdef, state = nnx.split(self.layers)
+            x_btd, _ = jax.lax.scan(lambda x, s: (apply(graphdef, s, x), None), x_btd, state)
+        else:
+            for block in self.layers:
+                graphdef, state = nnx.split(block)
+                x_btd = apply(graphdef, state, x_btd)
+
+        x_btd = self.final_norm(x_btd)
+        head_dv = self.embed_vd[...].T if cfg.tie_embeddings else self.lm_head_dv[...]
+        # fp32 accumulation and output: the loss is a log-softmax over the vocab.
+        logits_btv = jnp.einsum("btd,dv->btv", x_btd, head_dv.astype(dt), preferred_element_type=jnp.float32)
+        return shd.constrain(logits_btv, ("act_batch", "act_len", "act_vocab"))

@@ -1,0 +1,243 @@
+"""Train state, sharded init, loss, and the jitted train / eval steps.
+
+Initialise from shapes (docs/style.md #4): `jax.eval_shape(init)` gives the abstract state,
+the parameters' logical axis names plus the rules give its shardings, and
+`jax.jit(init, out_shardings=...)` materialises every array directly in its shards. No device
+ever holds a whole parameter tree, and the same abstract tree is Orbax's restore target.
+
+TrainState is a plain dict {"params": nested dict of arrays, "opt_state": optax state,
+"step": int32 scalar}: Orbax StandardSave handles it without any Flax types.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from model import sharding as shd
+from model.llama import Llama, LlamaConfig
+
+TrainState = dict  # {"params": pytree, "opt_state": optax state, "step": int32[]}
+BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
+
+
+def _as_cfg(model_cfg) -> LlamaConfig:
+    return model_cfg if isinstance(model_cfg, LlamaConfig) else LlamaConfig.from_mapping(model_cfg)
+
+
+@functools.lru_cache(maxsize=16)
+def _abstract_model(cfg: LlamaConfig):
+    """(graphdef, abstract Param state) of the model; shapes only, nothing allocated."""
+    model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+    return nnx.split(model, nnx.Param)[:2]
+
+
+def model_from_params(model_cfg, params) -> Llama:
+    """A Llama module around `params` (plain dict of arrays): for generation/export tools."""
+    cfg = _as_cfg(model_cfg)
+    graphdef, _ = _abstract_model(cfg)
+    return nnx.merge(graphdef, params)  # merge accepts the plain dict of arrays
+
+
+def param_shardings(cfg: LlamaConfig, mesh: Mesh, rules) -> Any:
+    """NamedSharding per parameter (same nesting as the params dict), from logical names."""
+    _, abstract = _abstract_model(cfg)
+
+    def one(v: nnx.Variable):
+        names = v.get_metadata().get("out_sharding") or (None,) * v.ndim
+        return shd.named_sharding(mesh, rules, names, v.shape)
+
+    return nnx.to_pure_dict(jax.tree.map(one, abstract, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+
+
+def _state_shardings(cfg, tx, mesh, rules, abstract_state):
+    p_sh = param_shardings(cfg, mesh, rules)
+    rep = shd.replicated(mesh)
+    # Optimizer leaves that mirror a parameter (Adam mu/nu, ...) take its sharding; the rest
+    # (step counts, schedule state) are replicated scalars.
+    opt_sh = optax.tree_map_params(
+        tx, lambda _, s: s, abstract_state["opt_state"], p_sh,
+        transform_non_params=lambda _: rep, is_leaf=lambda x: isinstance(x, NamedSharding))
+    return {"params": p_sh, "opt_state": opt_sh, "step": rep}
+
+
+def _init_fn(cfg: LlamaConfig, tx: optax.GradientTransformation):
+    def init(key):
+        model = Llama(cfg, rngs=nnx.Rngs(params=key))
+        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+
+    return init
+
+
+def abstract_train_state(model_cfg, tx, mesh: Mesh, rules):
+    """(TrainState of jax.ShapeDtypeStruct carrying .sharding, state shardings)."""
+    cfg = _as_cfg(model_cfg)
+    abstract = jax.eval_shape(_init_fn(cfg, tx), jax.random.key(0))
+    shardings = _state_shardings(cfg, tx, mesh, rules, abstract)
+    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    return abstract, shardings
+
+
+def init_train_state(model_cfg, tx, mesh: Mesh, rules, seed: int):
+    """Fresh TrainState, created already sharded (each device computes only its shards)."""
+    cfg = _as_cfg(model_cfg)
+    _, shardings = abstract_train_state(cfg, tx, mesh, rules)
+    init = jax.jit(_init_fn(cfg, tx), out_shardings=shardings)
+    # The key is a host-side constant; the random draws happen inside the sharded init.
+    return init(jax.random.key(seed)), shardings
+
+
+def batch_sharding(mesh: Mesh, rules) -> NamedSharding:
+    """[batch, seq] int32 arrays: batch split as the rules split "act_batch" (data, fsdp)."""
+    return NamedSharding(mesh, shd.logical_to_spec(("act_batch", "act_len"), rules))
+
+
+# ----------------------------------------------------------------------------- loss
+
+
+def token_losses(logits_btv, targets_bt):
+    """Cross-entropy per token in fp32, and log-sum-exp (for z-loss)."""
+    logits_btv = logits_btv.astype(jnp.float32)
+    lse_bt = jax.nn.logsumexp(logits_btv, axis=-1)
+    target_logit_bt = jnp.take_along_axis(logits_btv, targets_bt[..., None], axis=-1)[..., 0]
+    return lse_bt - target_logit_bt, lse_bt
+
+
+def loss_fn(params, graphdef, batch, z_loss: float, denom=None):
+    """Mean CE over loss_mask tokens (+ z_loss * mean lse^2, PaLM's softmax stabiliser).
+
+    `denom`: the token count to average over; with gradient accumulation it is the whole
+    batch's, so the microbatches' losses add up to the batch mean exactly.
+    """
+    model = nnx.merge(graphdef, params)
+    logits_btv = model(batch["inputs"], batch["positions"], batch["segment_ids"])
+    ce_bt, lse_bt = token_losses(logits_btv, batch["targets"])
+    mask_bt = batch["loss_mask"].astype(jnp.float32)
+    n_tokens = mask_bt.sum()
+    denom = jnp.maximum(n_tokens if denom is None else denom, 1.0)
+    ce = (ce_bt * mask_bt).sum() / denom
+    zl = z_loss * (jnp.square(lse_bt) * mask_bt).sum() / denom
+    return ce + zl, {"loss": ce, "z_loss": zl, "n_tokens": n_tokens}
+
+
+def make_train_step(model_cfg, tx, mesh: Mesh, rules, state_shardings, z_loss: float = 0.0,
+                    microbatches: int = 1) -> Callable:
+    """jitted (state, batch) -> (new_state, metrics); `state` is donated.
+
+    microbatches > 1 accumulates gradients over that many slices of the batch (lax.scan), for
+    global batches whose activations do not fit at once; the result equals one big step.
+    """
+    cfg = _as_cfg(model_cfg)
+    graphdef, _ = _abstract_model(cfg)
+    b_sh = batch_sharding(mesh, rules)
+    rep = shd.replicated(mesh)
+    grad_fn = jax.value_and_grad(
+        lambda p, batch, denom: loss_fn(p, graphdef, batch, z_loss, denom), has_aux=True)
+
+    def grads_and_metrics(params, batch):
+        with shd.activation_sharding(mesh, rules):
+            if microbatches == 1:
+                (_, metrics), grads = grad_fn(params, batch, None)
+                return grads, metrics
+            denom = batch["loss_mask"].astype(jnp.float32).sum()
+            b, t = batch["inputs"].shape
+            if b % microbatches:
+                raise ValueError(f"batch {b} not divisible by microbatches={microbatches}")
+            # [b, t] -> [m, b/m, t] taking rows m apart: each device keeps its own rows.
+            mb_sh = NamedSharding(mesh, PartitionSpec(None, *b_sh.spec))
+            split = lambda x: jax.lax.with_sharding_constraint(  # noqa: E731
+                jnp.swapaxes(x.reshape(b // microbatches, microbatches, t), 0, 1), mb_sh)
+            mbs = jax.tree.map(split, batch)
+
+            def body(acc, mb):
+                (_, m), g = grad_fn(params, mb, denom)
+                return jax.tree.map(jnp.add, acc, (g, m)), None
+
+            zeros = (jax.tree.map(jnp.zeros_like, params),
+                     {"loss": 0.0, "z_loss": 0.0, "n_tokens": 0.0})
+            zeros = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32) if not hasattr(x, "dtype") else x, zeros)
+            (grads, metrics), _ = jax.lax.scan(body, zeros, mbs)
+            return grads, metrics
+
+    def step(state, batch):
+        grads, metrics = grads_and_metrics(state["params"], batch)
+        grads = jax.lax.with_sharding_constraint(grads, state_shardings["params"])
+        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        metrics = dict(metrics, grad_norm=optax.tree.norm(grads), param_norm=optax.tree.norm(params))
+        return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+
+    return jax.jit(step, in_shardings=(state_shardings, {k: b_sh for k in BATCH_KEYS}),
+                   out_shardings=(state_shardings, rep), donate_argnums=(0,))
+
+
+def make_eval_step(model_cfg, mesh: Mesh, rules, state_shardings) -> Callable:
+    """jitted (params, batch) -> {"loss_sum", "n_tokens"} over loss_mask tokens."""
+    cfg = _as_cfg(model_cfg)
+    graphdef, _ = _abstract_model(cfg)
+    b_sh = batch_sharding(mesh, rules)
+
+    def step(params, batch):
+        with shd.activation_sharding(mesh, rules):
+            model = nnx.merge(graphdef, params)
+            logits_btv = model(batch["inputs"], batch["positions"], batch["segment_ids"])
+        ce_bt, _ = token_losses(logits_btv, batch["targets"])
+        mask_bt = batch["loss_mask"].astype(jnp.float32)
+        return {"loss_sum": (ce_bt * mask_bt).sum(), "n_tokens": mask_bt.sum()}
+
+    return jax.jit(step, in_shardings=(state_shardings["params"], {k: b_sh for k in BATCH_KEYS}),
+                   out_shardings=shd.replicated(mesh))
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def memory_estimate(model_cfg, mesh_sizes: dict, seq_len: int, global_batch: int,
+                    microbatches: int = 1, opt_moments: int = 2, activations_dtype_bytes: int = 2) -> dict:
+    """Rough bytes per device for one train step (see docstring terms; ±20%).
+
+    Assumes the default rules: parameters split over fsdp*tensor (replicated over data),
+    batch split over data*fsdp. Terms:
+      params, grads: fp32, sharded; opt: `opt_moments` fp32 copies (Adam mu, nu), sharded.
+      layer_inputs: with remat "full" each layer's input [b, t, d] is kept for backward;
+        "dots" also keeps q, k, v, attn out, gate, up, down outputs; "none" ~ everything.
+      layer_peak: one layer's recompute working set (fwd+bwd), incl. the attention matrix
+        [b, n, t, t] in fp32 (xla attention; ~0 for splash/cudnn flash kernels).
+      logits: fp32 logits and their gradient [b, t, v] (v split over tensor).
+      gathered: one layer's parameters all-gathered in bf16 (FSDP), twice for prefetch.
+      microbatches > 1: activations are per microbatch; grads become an fp32 accumulator.
+    """
+    cfg = _as_cfg(model_cfg)
+    data, fsdp, tensor = (int(mesh_sizes.get(a, 1)) for a in ("data", "fsdp", "tensor"))
+    p_shards = fsdp * tensor
+    n = cfg.num_params()
+    b = global_batch // (data * fsdp * microbatches)  # sequences per device per microbatch
+    t, d, f, L = seq_len, cfg.d_model, cfg.d_ff, cfg.n_layers
+    nh, kh, h = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    a = activations_dtype_bytes
+    params = 4 * n / p_shards
+    grads = 4 * n / p_shards
+    opt = opt_moments * 4 * n / p_shards
+    per_layer_btd = b * t * d * a
+    dots_extra = b * t * (2 * nh * h + 2 * kh * h + 3 * f / tensor) * a  # q, o, k, v, gate, up, h
+    if cfg.remat == "full":
+        layer_inputs = L * per_layer_btd
+    elif cfg.remat in ("dots", "dots_all"):
+        layer_inputs = L * (per_layer_btd + dots_extra)
+    else:
+        layer_inputs = L * (4 * per_layer_btd + dots_extra + b * nh / tensor * t * t * 4)
+    attn_matrix = 0 if cfg.attention in ("splash", "cudnn") else 2 * b * (nh / tensor) * t * t * 4
+    # one layer's recomputed activations plus their cotangents during its backward
+    layer_peak = 2 * (per_layer_btd + dots_extra) + attn_matrix
+    logits = 2 * b * t * cfg.vocab_size / tensor * 4
+    gathered = 2 * 2 * cfg.layer_params() / tensor
+    total = params + grads + opt + layer_inputs + layer_peak + logits + gathered
+    return {k: float(v) for k, v in dict(
+        params=params, grads=grads, opt_state=opt, layer_inputs=layer_inputs, layer_peak=layer_peak,
+        logits=logits, gathered_weights=gathered, total=total, seqs_per_device=b).items()}

@@ -1,0 +1,248 @@
+"""Input-pipeline benchmark. The LAST printed line is one JSON object.
+
+  python scripts/bench_input.py --paths 'CORPUS/*/en_head.json.gz' --tokenizer TOK.json \
+      --seq-len 1024 --batch-size 16 --workers 0,1,2
+
+Figures:
+  tokenizer_tok_s   tokenizer alone (encode_batch_fast, all cores) on the corpus documents:
+                    the floor of what the pipeline can reach on these cores.
+  pipeline_tok_s    per worker count: steady-state non-padding tokens/s out of the host
+                    iterator (after the first batch), over one epoch or --max-batches.
+  first_batch_s     per worker count: iterator creation -> first batch.
+  restore_s         restore a state saved deep inside the shards -> next batch (max workers).
+  peak_rss_mb       peak RSS of the whole process tree (main + Grain workers) while the
+                    pipelines ran.
+  sim_wait_frac     a training loop whose step is a sleep sized to 80% of the measured
+                    pipeline capacity (max workers), through DevicePrefetcher: fraction of
+                    wall time blocked on data.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class RssSampler:
+    """Peak RSS of this process and its children, sampled every 50 ms."""
+
+    def __init__(self):
+        import psutil
+        self.proc = psutil.Process()
+        self.peak = 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def sample(self) -> int:
+        import psutil
+        total = 0
+        procs = [self.proc]
+        try:
+            procs += self.proc.children(recursive=True)
+        except psutil.Error:
+            pass
+        for p in procs:
+            try:
+                total += p.memory_info().rss
+            except psutil.Error:
+                pass
+        return total
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.sample())
+            time.sleep(0.05)
+
+    def start(self):
+        self._t.start()
+        return self
+
+    def stop(self):
+        self._stop.set()
+        self._t.join()
+
+
+def tokenizer_alone(files, tok_path, text_key, max_chars, batch_docs=256):
+    """Streams the corpus documents, timing only the encode calls (all cores)."""
+    from data.sources import open_lines, parse_line
+    from data.tokenizer import available_cores, set_thread_env
+    set_thread_env(available_cores())
+    from data.tokenizer import BatchEncoder, load_tokenizer
+    enc = BatchEncoder(load_tokenizer(tok_path).to_str())
+    fn = enc._fast or enc.tok.encode_batch
+    n_tok = n_chars = 0
+    spent = 0.0
+    batch = []
+
+    def run(batch):
+        nonlocal n_tok, spent
+        t0 = time.perf_counter()
+        out = fn(batch, add_special_tokens=False)
+        spent += time.perf_counter() - t0
+        n_tok += sum(len(e.ids) + 1 for e in out)   # + EOS, as the pipeline counts
+
+    for f in files:
+        with open_lines(f) as fh:
+            for line in fh:
+                text, bad = parse_line(line, text_key)
+                if bad:
+                    continue
+                batch.append(text)
+                n_chars += len(text)
+                if len(batch) == batch_docs:
+                    run(batch)
+                    batch = []
+                if n_chars >= max_chars:
+                    break
+        if n_chars >= max_chars:
+            break
+    if batch:
+        run(batch)
+    return n_tok / spent, n_tok, n_chars
+
+
+def run_pipeline(cfg, max_tokens, max_batches):
+    import data
+    t0 = time.perf_counter()
+    it = data.make_host_iterator(cfg, 0, 1)
+    b = next(it)
+    first = time.perf_counter() - t0
+    per_batch = int((b["segment_ids"] > 0).sum())
+    from data.pipeline import state_counters
+    tok0 = state_counters(it.get_state())["tokens"]   # non-padding tokens of rows (L + 1)
+    t1 = time.perf_counter()
+    n_tok, n = 0, 0
+    while n_tok < max_tokens and n < max_batches:
+        next(it)
+        n += 1
+        if n % 16 == 0:
+            n_tok = state_counters(it.get_state())["tokens"] - tok0
+    dt = time.perf_counter() - t1
+    state = it.get_state()
+    n_tok = state_counters(state)["tokens"] - tok0
+    if hasattr(it, "close"):
+        it.close()
+    return {"tok_s": n_tok / dt, "first_batch_s": first, "batches": n, "seconds": dt,
+            "state": json.loads(json.dumps(state)), "tokens_per_batch": per_batch}
+
+
+def measure_restore(cfg, state, reps=2):
+    import data
+    best = None
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        it = data.make_host_iterator(cfg, 0, 1)
+        it.set_state(state)
+        next(it)
+        dt = time.perf_counter() - t0
+        if hasattr(it, "close"):
+            it.close()
+        best = dt if best is None else min(best, dt)
+    return best
+
+
+def simulate_training(cfg, capacity_batches_s, steps, frac=0.8):
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    import data
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    sh = NamedSharding(mesh, P("data"))
+    step_s = 1.0 / (frac * capacity_batches_s)
+    pf = data.DevicePrefetcher(data.make_host_iterator(cfg, 0, 1), sh, prefetch=cfg.prefetch)
+    b = next(pf)                      # warm-up (spawn, first window) not counted
+    jax.block_until_ready(b["inputs"])
+    w0 = pf.stats()["wait_s"]
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        b = next(pf)
+        time.sleep(step_s)            # the accelerator step
+    wall = time.perf_counter() - t0
+    wait = pf.stats()["wait_s"] - w0
+    stats = pf.stats()
+    pf.close()
+    return wait / wall, step_s, stats
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--paths", nargs="+", required=True, help="glob(s) of corpus files")
+    ap.add_argument("--tokenizer", required=True)
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--batch-size", type=int, default=16, help="host batch rows")
+    ap.add_argument("--workers", default="0,1,2")
+    ap.add_argument("--num-shards", type=int, default=8)
+    ap.add_argument("--packing", default="concat")
+    ap.add_argument("--shuffle-window", type=int, default=64)
+    ap.add_argument("--files-per-stream", type=int, default=2)
+    ap.add_argument("--text-key", default="raw_content")
+    ap.add_argument("--max-batches", type=int, default=100000)
+    ap.add_argument("--max-chars", type=float, default=80e6,
+                    help="corpus characters for the tokenizer-alone figure")
+    ap.add_argument("--sim-steps", type=int, default=150)
+    args = ap.parse_args()
+
+    import data
+    workers = [int(w) for w in args.workers.split(",")]
+    files = sorted({f for p in args.paths for f in glob.glob(os.path.expanduser(p))})
+    base = dict(paths=tuple(args.paths), tokenizer=args.tokenizer, seq_len=args.seq_len,
+                global_batch_size=args.batch_size, num_shards=args.num_shards,
+                packing=args.packing, shuffle_window=args.shuffle_window,
+                files_per_stream=args.files_per_stream, text_key=args.text_key)
+    data.validate(data.DataConfig(**base, num_workers=max(workers)), 1, 1)
+
+    tok_s, corpus_tokens, corpus_chars = tokenizer_alone(files, args.tokenizer, args.text_key,
+                                                         args.max_chars)
+    print(f"tokenizer alone: {tok_s / 1e6:.3f} M tok/s over {corpus_tokens / 1e6:.1f} M tokens "
+          f"({corpus_chars / 1e6:.1f} M chars)", flush=True)
+
+    rss = RssSampler().start()
+    res = {}
+    for n in workers:
+        cfg = data.DataConfig(**base, num_workers=n)
+        r = run_pipeline(cfg, min(corpus_tokens, args.max_chars / 3.0), args.max_batches)
+        res[n] = r
+        print(f"workers={n}: {r['tok_s'] / 1e6:.3f} M tok/s ({r['tok_s'] / tok_s:.2f} x "
+              f"tokenizer), first batch {r['first_batch_s']:.2f} s, {r['batches']} batches "
+              f"in {r['seconds']:.1f} s", flush=True)
+    nmax = max(workers)
+    cfg = data.DataConfig(**base, num_workers=nmax)
+    restore_s = measure_restore(cfg, res[nmax]["state"])
+    print(f"restore (deep state, {nmax} workers) -> next batch: {restore_s:.2f} s", flush=True)
+    capacity = res[nmax]["tok_s"] / (args.batch_size * (args.seq_len + 1))
+    wait_frac, step_s, stats = simulate_training(cfg, capacity, args.sim_steps)
+    print(f"simulated loop: step {step_s * 1e3:.1f} ms, wait fraction {wait_frac:.4f}; "
+          f"stats {json.dumps({k: v for k, v in stats.items() if k != 'bad_examples'})}",
+          flush=True)
+    rss.stop()
+    tok_s_after, _, _ = tokenizer_alone(files, args.tokenizer, args.text_key,
+                                        min(args.max_chars, 20e6))
+    print(f"tokenizer alone again (load check): {tok_s_after / 1e6:.3f} M tok/s", flush=True)
+    best = max(res.values(), key=lambda r: r["tok_s"])
+    out = {
+        "tokenizer_tok_s": round(tok_s),
+        "pipeline_tok_s": {str(n): round(r["tok_s"]) for n, r in res.items()},
+        "pipeline_vs_tokenizer": {str(n): round(r["tok_s"] / tok_s, 3) for n, r in res.items()},
+        "best_pipeline_tok_s": round(best["tok_s"]),
+        "first_batch_s": {str(n): round(r["first_batch_s"], 3) for n, r in res.items()},
+        "restore_s": round(restore_s, 3),
+        "peak_rss_mb": round(rss.peak / 2**20, 1),
+        "sim_wait_frac": round(wait_frac, 5),
+        "tokenizer_tok_s_after": round(tok_s_after),
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+        "seq_len": args.seq_len, "batch_size": args.batch_size, "workers": workers,
+        "num_shards": args.num_shards, "files": len(files), "cores": os.cpu_count(),
+    }
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""Benchmark the train step: step time, tokens/s and MFU for a model preset on a mesh.
+
+Random tokens (packed into a few documents per row), AdamW, the real sharded init and the
+real jitted train step from model/step.py. Prints progress, then one JSON line at the end.
+
+    python scripts/bench_step.py --preset tiny --batch 16 --seq 256              # CPU default
+    python scripts/bench_step.py --preset 1b --mesh fsdp --batch 512 --seq 1024 --attention splash
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python scripts/bench_step.py --mesh fsdp_tp
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+import yaml  # noqa: E402
+
+from model import flops, sharding, step  # noqa: E402
+from model.llama import LlamaConfig  # noqa: E402
+
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+
+
+def load_yaml(group: str, name: str) -> dict:
+    with open(os.path.join(CONFIGS, group, f"{name}.yaml")) as f:
+        return yaml.safe_load(f)
+
+
+def random_batch(rng, batch: int, seq: int, vocab: int, docs_per_row: int) -> dict:
+    """Rows of `docs_per_row` packed documents with positions restarting per document."""
+    tokens = rng.integers(0, vocab, (batch, seq + 1), dtype=np.int32)
+    bounds = np.sort(rng.choice(np.arange(1, seq), docs_per_row - 1, replace=False)) if docs_per_row > 1 else []
+    seg = np.zeros(seq, np.int32)
+    for b0 in bounds:
+        seg[b0:] += 1
+    seg += 1
+    starts = np.r_[0, bounds].astype(np.int32)
+    pos = np.arange(seq, dtype=np.int32) - starts[seg - 1]
+    tile = lambda a: np.broadcast_to(a, (batch, seq)).copy()  # noqa: E731
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": tile(seg),
+            "positions": tile(pos), "loss_mask": np.ones((batch, seq), np.int32)}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="tiny", help="configs/model/<preset>.yaml")
+    p.add_argument("--mesh", default="default", help="configs/mesh/<mesh>.yaml")
+    p.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--dtype", default=None, help="compute dtype override (bfloat16, float32)")
+    p.add_argument("--remat", default=None, help="none | full | dots | dots_all")
+    p.add_argument("--attention", default=None, help="xla | cudnn | splash")
+    p.add_argument("--steps", type=int, default=10, help="timed steps (after warmup)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps (compile + first runs)")
+    p.add_argument("--docs-per-row", type=int, default=4)
+    p.add_argument("--peak-flops", type=float, default=None, help="override the per-device peak")
+    args = p.parse_args(argv)
+
+    overrides = {k: v for k, v in dict(dtype=args.dtype, remat=args.remat, attention=args.attention).items() if v}
+    cfg = dataclasses.replace(LlamaConfig.from_mapping(load_yaml("model", args.preset)), **overrides)
+    mesh_cfg = load_yaml("mesh", args.mesh)
+    mesh = sharding.make_mesh(mesh_cfg)
+    rules = sharding.rules_from_cfg(mesh_cfg)
+    print(f"preset={args.preset} params={cfg.num_params():,} mesh: {sharding.describe(mesh)} "
+          f"device={jax.devices()[0].device_kind}", file=sys.stderr)
+
+    tx = optax.adamw(1e-4)
+    t0 = time.perf_counter()
+    state, shardings = step.init_train_state(cfg, tx, mesh, rules, seed=0)
+    jax.block_until_ready(state)
+    init_s = time.perf_counter() - t0
+    train_step = step.make_train_step(cfg, tx, mesh, rules, shardings)
+    b_sh = step.batch_sharding(mesh, rules)
+    rng = np.random.default_rng(0)
+    batch = {k: jax.device_put(jnp.asarray(v), b_sh)
+             for k, v in random_batch(rng, args.batch, args.seq, cfg.vocab_size, args.docs_per_row).items()}
+
+    t0 = time.perf_counter()
+    for _ in range(args.warmup):
+        state, metrics = train_step(state, batch)
+    jax.block_until_ready(metrics)
+    warmup_s = time.perf_counter() - t0
+
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        state, metrics = train_step(state, batch)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - t0)
+    step_s = float(np.median(times))
+    tokens_per_s = args.batch * args.seq / step_s
+    fpt = flops.flops_per_token(cfg, args.seq)
+    peak = flops.peak_flops(jax.devices()[0].device_kind, args.peak_flops)
+    result = {
+        "preset": args.preset, "params": cfg.num_params(), "mesh": dict(mesh.shape),
+        "device_kind": jax.devices()[0].device_kind, "n_devices": mesh.size,
+        "batch": args.batch, "seq": args.seq, "dtype": cfg.dtype, "remat": cfg.remat,
+        "attention": cfg.attention, "init_s": round(init_s, 3), "compile_and_warmup_s": round(warmup_s, 3),
+        "step_s_median": round(step_s, 4), "step_s_min": round(min(times), 4),
+        "tokens_per_s": round(tokens_per_s, 1), "flops_per_token": fpt,
+        "model_tflops_per_s": round(tokens_per_s * fpt / 1e12, 4),
+        "mfu": None if peak is None else round(flops.mfu(tokens_per_s, fpt, mesh.size, peak), 4),
+        "loss": round(float(metrics["loss"]), 4),
+    }
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,341 @@
+#!/usr/bin/env python3
+"""Run a multi-process (multi-host style) training job on this one machine.
+
+    python scripts/launch_local.py --processes 2 --devices-per-process 4 -- name=smoke trainer.steps=20
+
+starts P copies of
+
+    python train.py <overrides> distributed.coordinator_address=localhost:PORT \
+        distributed.num_processes=P distributed.process_id=i distributed.local_device_count=D
+
+with JAX_PLATFORMS=cpu, so each process sees D fake CPU devices and they form one P*D-device
+mesh through jax.distributed: the same code path a TPU pod takes, minus the TPUs.
+
+* Logs: one file per process, runs/<name>/logs/process_{i}.log (the run directory Hydra will use,
+  worked out from the config and the overrides; or --log-dir). Process 0 also
+  streams to this console; the other processes stay quiet (their log tail is printed if they fail).
+* A free port is picked when --port is not given.
+* If one process fails, the others are stopped (SIGTERM, then SIGKILL after --failure-grace
+  seconds) and the launcher exits with the failing process's exit code.
+* Ctrl-C / SIGTERM: SIGTERM is forwarded to every process (so train.py can checkpoint); whatever
+  is still alive after --grace-period seconds is killed. A second Ctrl-C kills at once.
+* Overrides are passed as argv lists (never through a shell), so any value is safe.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DISTRIBUTED_KEYS = ("coordinator_address", "num_processes", "process_id", "local_device_count")
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers (importable for tests)
+# ----------------------------------------------------------------------------------------------
+def free_port() -> int:
+    """A TCP port that was free a moment ago (the coordinator binds it right after)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def distributed_overrides(port: int, num_processes: int, process_id: int, devices: int) -> list[str]:
+    return [
+        f"distributed.coordinator_address=localhost:{port}",
+        f"distributed.num_processes={num_processes}",
+        f"distributed.process_id={process_id}",
+        f"distributed.local_device_count={devices}",
+    ]
+
+
+def _strip_hydra_quotes(value: str) -> str:
+    if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+        return value[1:-1]
+    return value
+
+
+def run_dir_from_overrides(overrides: list[str], project_root: Path = REPO_ROOT) -> Path | None:
+    """Resolve hydra.run.dir the way train.py will see it; None if it cannot be worked out.
+
+    First asks Hydra itself (compose the real config tree with these overrides, so a name set by
+    an experiment file counts; ${project_root:} = the program's directory, as train.py defines
+    it); falls back to `hydra.run.dir=` / `name=` overrides (runs/<name> is the convention).
+    """
+    config_dir = REPO_ROOT / "configs"
+    if (config_dir / "train.yaml").exists():
+        try:
+            from hydra import compose, initialize_config_dir
+            from hydra.core.global_hydra import GlobalHydra
+            from omegaconf import OmegaConf
+
+            if not OmegaConf.has_resolver("project_root"):
+                OmegaConf.register_new_resolver("project_root", lambda: str(project_root))
+            GlobalHydra.instance().clear()
+            with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+                cfg = compose(config_name="train", overrides=list(overrides), return_hydra_config=True)
+                run_dir = str(cfg.hydra.run.dir)
+            GlobalHydra.instance().clear()
+            if run_dir:
+                return Path(run_dir)
+        except Exception:  # config tree incomplete, interpolation needs a live Hydra run, ...
+            pass
+    for ov in overrides:
+        key, sep, value = ov.partition("=")
+        if sep and key.lstrip("+") == "hydra.run.dir":
+            return Path(_strip_hydra_quotes(value))
+    for ov in overrides:
+        key, sep, value = ov.partition("=")
+        if sep and key.lstrip("+") == "name":
+            return project_root / "runs" / _strip_hydra_quotes(value)
+    return None
+
+
+def child_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONUNBUFFERED"] = "1"
+    # The device count comes from distributed.local_device_count; an inherited XLA flag would only
+    # confuse whoever reads the environment.
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", "")).strip()
+    if flags:
+        env["XLA_FLAGS"] = flags
+    else:
+        env.pop("XLA_FLAGS", None)
+    return env
+
+
+def exit_code(returncode: int) -> int:
+    """Shell convention: a child killed by signal N becomes 128+N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _set_parent_death_signal() -> None:
+    """Linux: children get SIGTERM if the launcher itself is SIGKILLed (no orphaned trainers)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+# ----------------------------------------------------------------------------------------------
+# Launcher
+# ----------------------------------------------------------------------------------------------
+class Launcher:
+    def __init__(self, commands: list[list[str]], log_paths: list[Path], env: dict[str, str],
+                 grace_period: float, failure_grace: float, echo=sys.stdout.buffer):
+        self.commands = commands
+        self.log_paths = log_paths
+        self.env = env
+        self.grace_period = grace_period
+        self.failure_grace = failure_grace
+        self.echo = echo
+        self.procs: list[subprocess.Popen] = []
+        self.log_files = []
+        self.threads: list[threading.Thread] = []
+        self.signals: list[int] = []
+
+    # -- process control ---------------------------------------------------------------------
+    def start(self) -> None:
+        for i, (cmd, log_path) in enumerate(zip(self.commands, self.log_paths)):
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            log = open(log_path, "wb")
+            self.log_files.append(log)
+            kwargs = dict(env=self.env, stdin=subprocess.DEVNULL, start_new_session=True,
+                          preexec_fn=_set_parent_death_signal)
+            if i == 0:
+                proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kwargs)
+                t = threading.Thread(target=self._tee, args=(proc.stdout, log), daemon=True)
+                t.start()
+                self.threads.append(t)
+            else:
+                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, **kwargs)
+            self.procs.append(proc)
+
+    def _tee(self, pipe, log) -> None:
+        for line in iter(pipe.readline, b""):
+            log.write(line)
+            log.flush()
+            try:
+                self.echo.write(line)
+                self.echo.flush()
+            except (BrokenPipeError, ValueError):
+                pass
+        pipe.close()
+
+    def _signal_all(self, sig: int) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, sig)  # the whole group: data-loader workers too
+                except (ProcessLookupError, PermissionError):
+                    try:
+                        p.send_signal(sig)
+                    except ProcessLookupError:
+                        pass
+
+    def _alive(self) -> bool:
+        return any(p.poll() is None for p in self.procs)
+
+    def stop_all(self, grace: float) -> None:
+        """SIGTERM everyone, wait up to `grace` seconds (cut short by another signal), SIGKILL."""
+        self._signal_all(signal.SIGTERM)
+        n_signals = len(self.signals)
+        deadline = time.monotonic() + grace
+        while self._alive() and time.monotonic() < deadline and len(self.signals) == n_signals:
+            time.sleep(0.1)
+        if self._alive():
+            log(f"killing {sum(p.poll() is None for p in self.procs)} process(es) still running")
+            self._signal_all(signal.SIGKILL)
+        for p in self.procs:
+            p.wait()
+
+    def _on_signal(self, signum, frame) -> None:
+        self.signals.append(signum)
+        if len(self.signals) > 1:
+            log("second signal: killing all processes now")
+
+    # -- main loop ---------------------------------------------------------------------------
+    def run(self) -> int:
+        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self.start()
+            rc = self._watch()
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+            for t in self.threads:
+                t.join(timeout=5)
+            for f in self.log_files:
+                f.close()
+        return rc
+
+    def _watch(self) -> int:
+        while True:
+            if self.signals:
+                sig = self.signals[0]
+                log(f"got {signal.Signals(sig).name}: sending SIGTERM to all processes "
+                    f"(grace period {self.grace_period:g}s)")
+                self.stop_all(self.grace_period)
+                return 128 + sig
+            codes = [p.poll() for p in self.procs]
+            failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                i = failed[0]
+                rc = exit_code(codes[i])
+                log(f"process {i} exited with code {rc}; stopping the others")
+                self._print_tail(i)
+                self.stop_all(self.failure_grace)
+                return rc
+            if all(c == 0 for c in codes):
+                return 0
+            time.sleep(0.1)
+
+    def _print_tail(self, i: int, n: int = 40) -> None:
+        if i == 0:
+            return  # process 0 already streamed to the console
+        try:
+            self.log_files[i].flush()
+            lines = self.log_paths[i].read_bytes().decode(errors="replace").splitlines()[-n:]
+        except OSError:
+            return
+        if lines:
+            log(f"last {len(lines)} lines of {self.log_paths[i]}:")
+            sys.stderr.write("".join(f"  | {line}\n" for line in lines))
+            sys.stderr.flush()
+
+
+def log(msg: str) -> None:
+    sys.stderr.write(f"[launch_local] {msg}\n")
+    sys.stderr.flush()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="Start P local processes of train.py that form one jax.distributed job.",
+        usage="%(prog)s --processes P --devices-per-process D [options] -- <hydra overrides>",
+    )
+    p.add_argument("--processes", "-p", type=int, required=True, help="number of processes (P)")
+    p.add_argument("--devices-per-process", "-d", type=int, required=True,
+                   help="fake CPU devices per process (D); the mesh has P*D devices")
+    p.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
+    p.add_argument("--log-dir", type=Path, default=None,
+                   help="per-process logs go here (default: <hydra.run.dir>/logs, i.e. runs/<name>/logs)")
+    p.add_argument("--program", default="train.py",
+                   help="Python script to run (default: train.py at the repo root)")
+    p.add_argument("--grace-period", type=float, default=30.0,
+                   help="seconds between SIGTERM and SIGKILL on Ctrl-C/SIGTERM (default 30)")
+    p.add_argument("--failure-grace", type=float, default=5.0,
+                   help="seconds the survivors get after one process failed (default 5)")
+    p.add_argument("overrides", nargs="*", help=argparse.SUPPRESS)
+    return p
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    if "--" in argv:
+        i = argv.index("--")
+        own, rest = argv[:i], argv[i + 1:]
+    else:
+        own, rest = argv, []
+    parser = build_parser()
+    args = parser.parse_args(own)
+    args.overrides = list(args.overrides) + rest
+    if args.processes < 1:
+        parser.error("--processes must be >= 1")
+    if args.devices_per_process < 1:
+        parser.error("--devices-per-process must be >= 1")
+    for ov in args.overrides:
+        key = ov.partition("=")[0].lstrip("+~")
+        if key in {f"distributed.{k}" for k in DISTRIBUTED_KEYS}:
+            parser.error(f"{key} is set by the launcher; remove the override {ov!r}")
+    return args
+
+
+def resolve_program(program: str) -> str:
+    if os.path.exists(program):
+        return program
+    candidate = REPO_ROOT / program
+    if candidate.exists():
+        return str(candidate)
+    raise SystemExit(f"[launch_local] program not found: {program}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else list(argv))
+    program = resolve_program(args.program)
+    port = args.port or free_port()
+
+    log_dir = args.log_dir
+    if log_dir is None:
+        run_dir = run_dir_from_overrides(args.overrides, Path(program).resolve().parent)
+        if run_dir is None:
+            run_dir = Path(program).resolve().parent / "runs" / time.strftime("launch_local_%Y%m%d_%H%M%S")
+            log(f"could not work out the run directory from the config; logs go to {run_dir}/logs")
+        log_dir = run_dir / "logs"
+
+    P, D = args.processes, args.devices_per_process
+    commands = [[sys.executable, program, *args.overrides, *distributed_overrides(port, P, i, D)]
+                for i in range(P)]
+    log_paths = [Path(log_dir) / f"process_{i}.log" for i in range(P)]
+    log(f"{P} processes x {D} CPU devices, coordinator localhost:{port}, logs in {log_dir}/")
+
+    launcher = Launcher(commands, log_paths, child_env(), args.grace_period, args.failure_grace)
+    rc = launcher.run()
+    if rc == 0:
+        log("all processes finished")
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

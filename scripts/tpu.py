@@ -1,0 +1,514 @@
+#!/usr/bin/env python3
+"""Drive a multi-host Cloud TPU pod (e.g. v4-32 = 4 hosts x 4 chips) with `gcloud compute tpus tpu-vm`.
+
+    python scripts/tpu.py create --name my-pod --zone us-central2-b [--spot]
+    python scripts/tpu.py setup  --name my-pod --zone us-central2-b [--mount-bucket my-bucket]
+    python scripts/tpu.py sync   --name my-pod --zone us-central2-b
+    python scripts/tpu.py run    --name my-pod --zone us-central2-b --env-from-local WANDB_API_KEY \
+                                 -- experiment=v4_32_llama_1b
+    python scripts/tpu.py logs   --name my-pod --zone us-central2-b [--worker 1] [--follow]
+    python scripts/tpu.py stop   --name my-pod --zone us-central2-b
+    python scripts/tpu.py delete --name my-pod --zone us-central2-b
+
+Every subcommand takes --dry-run: the gcloud commands are printed (one per line, shell-quoted)
+instead of run; secrets passed with --env-from-local are shown as ***.
+--name/--zone/--project default to $JAXPT_TPU_NAME/$JAXPT_TPU_ZONE/$JAXPT_TPU_PROJECT.
+
+Everything sent to the workers' shells is quoted with shlex.quote, so a Hydra override such as
+"name=x; rm -rf ~" reaches train.py as one inert argument.
+
+Layout on every worker (--remote-dir, default ~/jaxpt):
+    ~/jaxpt/                      the synced code (pip install -e . by `setup`)
+    ~/jaxpt/logs/worker_<hostname>.log   stdout+stderr of train.py on that worker (appended)
+    ~/jaxpt/logs/train.pid        pid (= process group) of the detached train.py
+    ~/jaxpt/runs/<name>/          Hydra run directory (checkpoints should go to gs://)
+"""
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+PROGRAM = "train.py"
+MASK = "***"
+REMOTE_TARBALL = "jaxpt-sync.tar.gz"  # in the worker's home directory
+# Never shipped to the workers (matched against every path component).
+SYNC_EXCLUDES = (
+    ".git", "runs", "outputs", "multirun", "wandb", "__pycache__", ".pytest_cache", ".mypy_cache",
+    ".ruff_cache", ".venv", "venv", ".whl", "*.egg-info", "*.pyc", ".DS_Store", "checkpoints",
+    "logs", ".ipynb_checkpoints",
+)
+SECRET_NAME = re.compile(r"(KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL)", re.IGNORECASE)
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# A python interpreter whose script is train.py: "python3 -u /x/train.py ...". Anchored at the start
+# so the `bash -c '... train.py ...'` shell that runs this very command never matches.
+PROGRAM_REGEX = r"^([^ ]*/)?python[0-9.]*( +-[^ ]+)* +([^ ]*/)?train\.py( |$)"
+
+Runner = Callable[[list[str]], int]
+
+
+def log(msg: str) -> None:
+    sys.stderr.write(f"[tpu] {msg}\n")
+    sys.stderr.flush()
+
+
+# ----------------------------------------------------------------------------------------------
+# Quoting helpers
+# ----------------------------------------------------------------------------------------------
+def remote_path(path: str) -> str:
+    """Shell-quote a path for a remote bash, keeping a leading ~ expandable ("$HOME"/...)."""
+    if path == "~":
+        return '"$HOME"'
+    if path.startswith("~/"):
+        rest = path[2:].strip("/")
+        return '"$HOME"/' + shlex.quote(rest) if rest else '"$HOME"'
+    return shlex.quote(path)
+
+
+class EnvVar:
+    def __init__(self, name: str, value: str, secret: bool):
+        if not ENV_NAME.match(name):
+            raise SystemExit(f"[tpu] invalid environment variable name: {name!r}")
+        self.name, self.value, self.secret = name, value, secret
+
+    def export(self, reveal: bool) -> str:
+        value = shlex.quote(self.value) if (reveal or not self.secret) else MASK
+        return f"export {self.name}={value}"
+
+
+def collect_env(args: argparse.Namespace, dry_run: bool) -> list[EnvVar]:
+    out: list[EnvVar] = []
+    for item in getattr(args, "env", None) or []:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"[tpu] --env expects KEY=VALUE, got {item!r} (use --env-from-local NAME "
+                             "to forward a variable from this machine)")
+        out.append(EnvVar(name, value, secret=bool(SECRET_NAME.search(name))))
+    for name in getattr(args, "env_from_local", None) or []:
+        if name not in os.environ:
+            if not dry_run:
+                raise SystemExit(f"[tpu] --env-from-local {name}: not set in the local environment")
+            log(f"warning: {name} is not set locally (dry run continues)")
+        out.append(EnvVar(name, os.environ.get(name, ""), secret=True))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Remote scripts (bash, run on every worker)
+# ----------------------------------------------------------------------------------------------
+def join_commands(parts: Sequence[str]) -> str:
+    """Join shell commands on one line: `;` between them, except after a backgrounding `&`."""
+    out = ""
+    for part in parts:
+        if out:
+            out += " " if out.endswith("&") and not out.endswith("&&") else "; "
+        out += part
+    return out
+
+
+def _stop_function(grace: int) -> str:
+    """bash function stop_training: SIGTERM our train.py process groups, SIGKILL after `grace` s.
+
+    Candidates: the pid file and any `python ... train.py` process; only those whose working
+    directory is the code dir and whose command line names train.py are touched.
+    """
+    regex = shlex.quote(PROGRAM_REGEX)
+    return (
+        "stop_training() { "
+        'local here; here=$(pwd -P); local cands=""; local pids=""; local p; '
+        '[ -f logs/train.pid ] && cands=$(cat logs/train.pid); '
+        f"cands=\"$cands $(pgrep -f {regex} || true)\"; "
+        "for p in $cands; do "
+        '[ "$p" = "$$" ] && continue; '
+        '[ "$(readlink /proc/$p/cwd 2>/dev/null)" = "$here" ] || continue; '
+        "tr '\\0' ' ' < /proc/$p/cmdline 2>/dev/null | grep -q 'train\\.py' || continue; "
+        'case " $pids " in *" $p "*) ;; *) pids="$pids $p";; esac; '
+        "done; "
+        'if [ -z "$pids" ]; then echo "$(hostname): no training process running"; rm -f logs/train.pid; return 0; fi; '
+        'echo "$(hostname): SIGTERM to$pids"; '
+        'for p in $pids; do kill -TERM -- "-$p" 2>/dev/null || kill -TERM "$p" 2>/dev/null; done; '
+        f"local i=0; while [ $i -lt {int(grace)} ]; do "
+        "local alive=0; for p in $pids; do kill -0 \"$p\" 2>/dev/null && alive=1; done; "
+        "[ $alive = 0 ] && break; sleep 1; i=$((i+1)); done; "
+        "for p in $pids; do if kill -0 \"$p\" 2>/dev/null; then "
+        'echo "$(hostname): SIGKILL $p"; kill -KILL -- "-$p" 2>/dev/null || kill -KILL "$p" 2>/dev/null; fi; done; '
+        "rm -f logs/train.pid; return 0; }"
+    )
+
+
+def _cd(remote_dir: str, must_exist: bool = True) -> str:
+    rd = remote_path(remote_dir)
+    if must_exist:
+        return (f"cd {rd} || {{ echo \"$(hostname): {shlex.quote(remote_dir)} missing: run "
+                f"'tpu.py sync' first\" >&2; exit 1; }}")
+    return f"mkdir -p {rd} && cd {rd}"
+
+
+def run_script(args: argparse.Namespace, env: Sequence[EnvVar], reveal: bool) -> str:
+    overrides = " ".join(shlex.quote(o) for o in args.overrides)
+    py = shlex.quote(args.python)
+    parts = [
+        _cd(args.remote_dir),
+        "mkdir -p logs",
+        _stop_function(args.stale_grace),
+        "stop_training",
+        *[e.export(reveal) for e in env],
+        'log="logs/worker_$(hostname).log"',
+        'echo "=== $(date -u +%Y-%m-%dT%H:%M:%SZ) start ===" >> "$log"',
+        " ".join(x for x in ("setsid nohup", py, PROGRAM, overrides) if x)
+        + ' >> "$log" 2>&1 < /dev/null &',
+        "pid=$!",
+        'echo "$pid" > logs/train.pid',
+    ]
+    if args.startup_check > 0:
+        parts += [
+            f"sleep {int(args.startup_check)}",
+            'if ! kill -0 "$pid" 2>/dev/null; then wait "$pid"; rc=$?; '
+            'echo "$(hostname): train.py exited early (code $rc); log tail:" >&2; '
+            'tail -n 40 "$log" >&2; exit $(( rc == 0 ? 1 : rc )); fi',
+        ]
+    parts.append(f'echo "$(hostname): train.py running (pid $pid), log: $(pwd)/$log"')
+    return join_commands(parts)
+
+
+def stop_script(args: argparse.Namespace) -> str:
+    rd = remote_path(args.remote_dir)
+    return join_commands([
+        f"cd {rd} 2>/dev/null || {{ echo \"$(hostname): nothing to stop\"; exit 0; }}",
+        _stop_function(args.grace_period),
+        "stop_training",
+    ])
+
+
+def logs_script(args: argparse.Namespace) -> str:
+    tail = f"tail -n {int(args.lines)}" + (" -F" if args.follow else "")
+    return f'{_cd(args.remote_dir)}; {tail} "logs/worker_$(hostname).log"'
+
+
+def setup_script(args: argparse.Namespace) -> str:
+    py = shlex.quote(args.python)
+    parts = ["set -e"]
+    if args.mount_bucket:
+        bucket = args.mount_bucket.removeprefix("gs://").strip("/")
+        mount = args.mount_point or "~/folder-for-bucket"
+        mp = remote_path(mount)
+        apt = "sudo apt-get -o DPkg::Lock::Timeout=600 -q"
+        parts += [
+            "if ! command -v gcsfuse >/dev/null; then "
+            'echo "deb [signed-by=/usr/share/keyrings/cloud.google.asc] '
+            'https://packages.cloud.google.com/apt gcsfuse-$(lsb_release -c -s) main" '
+            "| sudo tee /etc/apt/sources.list.d/gcsfuse.list >/dev/null; "
+            "curl -fsSL https://packages.cloud.google.com/apt/doc/apt-key.gpg "
+            "| sudo tee /usr/share/keyrings/cloud.google.asc >/dev/null; "
+            f"{apt} update && {apt} install -y gcsfuse; fi",
+            f"mkdir -p {mp}",
+            f"mountpoint -q {mp} || gcsfuse --implicit-dirs {shlex.quote(bucket)} {mp}",
+            f'echo "$(hostname): gs://{shlex.quote(bucket)} mounted on {shlex.quote(mount)}"',
+        ]
+    extra = " ".join(shlex.quote(a) for a in args.pip_arg)
+    jax_req = shlex.quote(f"jax[{args.jax_extra}]") if args.jax_extra else ""
+    parts += [
+        _cd(args.remote_dir),
+        f"{py} -m pip install -q --upgrade pip",
+        " ".join(x for x in (f"{py} -m pip install -q -e .", jax_req, extra) if x),
+        f"{py} -c 'import jax; print(jax.__version__)' | sed \"s/^/$(hostname): jax /\"",
+    ]
+    return join_commands(parts)
+
+
+def extract_script(args: argparse.Namespace) -> str:
+    return (f"{_cd(args.remote_dir, must_exist=False)} && tar -xzf \"$HOME\"/{REMOTE_TARBALL} "
+            f"&& rm -f \"$HOME\"/{REMOTE_TARBALL} && echo \"$(hostname): code synced to $(pwd)\"")
+
+
+# ----------------------------------------------------------------------------------------------
+# gcloud commands
+# ----------------------------------------------------------------------------------------------
+def _base(args: argparse.Namespace, verb: str, *rest: str) -> list[str]:
+    cmd = ["gcloud", "compute", "tpus", "tpu-vm", verb, *rest]
+    if args.zone:
+        cmd += ["--zone", args.zone]
+    if args.project:
+        cmd += ["--project", args.project]
+    return cmd
+
+
+def ssh_cmd(args: argparse.Namespace, command: str, worker: str = "all") -> list[str]:
+    return _base(args, "ssh", args.name) + [f"--worker={worker}", "--command", command]
+
+
+def scp_cmd(args: argparse.Namespace, local: str, remote: str) -> list[str]:
+    return _base(args, "scp", local, f"{args.name}:{remote}") + ["--worker=all"]
+
+
+def create_cmd(args: argparse.Namespace) -> list[str]:
+    cmd = _base(args, "create", args.name) + ["--accelerator-type", args.accelerator_type,
+                                              "--version", args.version]
+    if args.spot:
+        cmd.append("--spot")
+    if args.preemptible:
+        cmd.append("--preemptible")
+    return cmd + list(args.create_arg)
+
+
+def delete_cmd(args: argparse.Namespace) -> list[str]:
+    return _base(args, "delete", args.name) + ["--quiet"]
+
+
+def make_tarball(root: Path, dest: Path, extra_excludes: Sequence[str] = ()) -> int:
+    """Pack the repo (minus SYNC_EXCLUDES/extra_excludes) into dest; returns the file count."""
+    patterns = tuple(SYNC_EXCLUDES) + tuple(extra_excludes)
+
+    def excluded(rel: str) -> bool:
+        return any(fnmatch.fnmatch(part, pat) for part in Path(rel).parts for pat in patterns) or \
+            any(fnmatch.fnmatch(rel, pat) for pat in extra_excludes)
+
+    count = 0
+    with tarfile.open(dest, "w:gz") as tar:
+        for dirpath, dirnames, filenames in os.walk(root):
+            rel_dir = os.path.relpath(dirpath, root)
+            dirnames[:] = sorted(d for d in dirnames
+                                 if not excluded(os.path.normpath(os.path.join(rel_dir, d))))
+            for fn in sorted(filenames):
+                rel = os.path.normpath(os.path.join(rel_dir, fn))
+                full = os.path.join(dirpath, fn)
+                if excluded(rel):
+                    continue
+                tar.add(full, arcname=rel, recursive=False)
+                count += 1
+    return count
+
+
+# ----------------------------------------------------------------------------------------------
+# Execution
+# ----------------------------------------------------------------------------------------------
+class Executor:
+    def __init__(self, args: argparse.Namespace, runner: Runner | None, secrets: Sequence[str] = ()):
+        self.dry_run = args.dry_run
+        self.retries = max(0, args.retries)
+        self.retry_delay = args.retry_delay
+        self.runner = runner or (lambda cmd: subprocess.call(cmd))
+        self.secrets = [s for s in secrets if s]
+
+    def mask(self, text: str) -> str:
+        for s in self.secrets:
+            text = text.replace(s, MASK)
+        return text
+
+    def __call__(self, cmd: list[str], shown: list[str] | None = None, retry: str | None = None) -> int:
+        """Run cmd (print `shown` instead on --dry-run). retry: None, 'ssh' (exit 255) or 'any'."""
+        display = self.mask(shlex.join(shown if shown is not None else cmd))
+        if self.dry_run:
+            print(display, flush=True)
+            return 0
+        attempts = 1 + (self.retries if retry else 0)
+        rc = 1
+        for attempt in range(1, attempts + 1):
+            rc = self.runner(cmd)
+            if rc == 0:
+                return 0
+            retriable = retry == "any" or (retry == "ssh" and rc == 255)
+            if not retriable or attempt == attempts:
+                break
+            log(f"command failed (exit {rc}), retry {attempt}/{attempts - 1} in {self.retry_delay:g}s: "
+                f"{display[:200]}")
+            time.sleep(self.retry_delay)
+        log(f"command failed (exit {rc}): {display[:500]}")
+        return rc
+
+
+def do_sync(args: argparse.Namespace, ex: Executor) -> int:
+    root = Path(args.source).resolve()
+    tmpdir = tempfile.mkdtemp(prefix="jaxpt-sync-")
+    tarball = Path(tmpdir) / REMOTE_TARBALL
+    try:
+        if ex.dry_run:
+            log(f"dry run: would pack {root} (excluding {', '.join(SYNC_EXCLUDES + tuple(args.exclude))})")
+        else:
+            n = make_tarball(root, tarball, args.exclude)
+            log(f"packed {n} files from {root} ({tarball.stat().st_size / 1e6:.1f} MB)")
+        rc = ex(scp_cmd(args, str(tarball), REMOTE_TARBALL), retry="any")
+        if rc:
+            return rc
+        return ex(ssh_cmd(args, extract_script(args)), retry="ssh")
+    finally:
+        if tarball.exists():
+            tarball.unlink()
+        os.rmdir(tmpdir)
+
+
+def cmd_create(args, ex):
+    return ex(create_cmd(args))
+
+
+def cmd_setup(args, ex):
+    if not args.no_sync:
+        rc = do_sync(args, ex)
+        if rc:
+            return rc
+    return ex(ssh_cmd(args, setup_script(args)), retry="ssh")
+
+
+def cmd_sync(args, ex):
+    return do_sync(args, ex)
+
+
+def cmd_run(args, ex):
+    env = collect_env(args, ex.dry_run)
+    ex.secrets += [e.value for e in env if e.secret and e.value]
+    real = ssh_cmd(args, run_script(args, env, reveal=True))
+    shown = ssh_cmd(args, run_script(args, env, reveal=False))
+    rc = ex(real, shown=shown, retry="ssh")
+    if rc == 0 and not ex.dry_run:
+        log(f"started; follow with: python scripts/tpu.py logs --name {shlex.quote(args.name)} --follow")
+    return rc
+
+
+def cmd_logs(args, ex):
+    return ex(ssh_cmd(args, logs_script(args), worker=str(args.worker)), retry=None if args.follow else "ssh")
+
+
+def cmd_stop(args, ex):
+    return ex(ssh_cmd(args, stop_script(args)), retry="ssh")
+
+
+def cmd_delete(args, ex):
+    if not (args.yes or ex.dry_run):
+        answer = input(f"Delete TPU {args.name}? Worker disks (logs, local runs/) are lost. [y/N] ")
+        if answer.strip().lower() not in ("y", "yes"):
+            log("aborted")
+            return 1
+    return ex(delete_cmd(args))
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI
+# ----------------------------------------------------------------------------------------------
+def _add_common(p: argparse.ArgumentParser, top: bool) -> None:
+    """Shared settings; accepted before or after the subcommand."""
+    def d(value):
+        return value if top else argparse.SUPPRESS
+
+    g = p.add_argument_group("pod settings")
+    g.add_argument("--name", default=d(os.environ.get("JAXPT_TPU_NAME")),
+                   help="TPU VM name (default $JAXPT_TPU_NAME)")
+    g.add_argument("--zone", default=d(os.environ.get("JAXPT_TPU_ZONE")),
+                   help="zone, e.g. us-central2-b (default $JAXPT_TPU_ZONE, else gcloud's config)")
+    g.add_argument("--project", default=d(os.environ.get("JAXPT_TPU_PROJECT")),
+                   help="GCP project (default $JAXPT_TPU_PROJECT, else gcloud's config)")
+    g.add_argument("--remote-dir", default=d("~/jaxpt"), help="code directory on every worker (default ~/jaxpt)")
+    g.add_argument("--python", default=d("python3"), help="python on the workers (default python3)")
+    g.add_argument("--retries", type=int, default=d(2), help="retries for failed ssh/scp (default 2)")
+    g.add_argument("--retry-delay", type=float, default=d(10.0), help="seconds between retries (default 10)")
+    g.add_argument("--dry-run", action="store_true", default=d(False),
+                   help="print the gcloud commands instead of running them")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tpu.py", description="Create, provision and drive a multi-host TPU pod with gcloud.",
+        epilog="Hydra overrides for `run` go after `--`.")
+    _add_common(parser, top=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name, help_):
+        sp = sub.add_parser(name, help=help_, description=help_)
+        _add_common(sp, top=False)
+        return sp
+
+    p = add("create", "create the TPU VM (all hosts of the pod)")
+    p.add_argument("--accelerator-type", default="v4-32", help="default v4-32 (4 hosts x 4 chips)")
+    p.add_argument("--version", default="tpu-ubuntu2204-base", help="TPU software version / runtime")
+    pre = p.add_mutually_exclusive_group()
+    pre.add_argument("--spot", action="store_true", help="Spot TPU (cheap, can be preempted)")
+    pre.add_argument("--preemptible", action="store_true", help="preemptible TPU (legacy Spot)")
+    p.add_argument("--create-arg", action="append", default=[],
+                   help="extra argument for `gcloud ... create`, e.g. --create-arg=--network=my-net")
+
+    p = add("setup", "sync the code, then pip install it (editable) on all workers; optional gcsfuse mount")
+    p.add_argument("--no-sync", action="store_true", help="skip the code sync before installing")
+    p.add_argument("--jax-extra", default="tpu", help="install jax[EXTRA] (default tpu; '' for none)")
+    p.add_argument("--pip-arg", action="append", default=[], help="extra argument/requirement for pip install")
+    p.add_argument("--mount-bucket", default=None, help="gcsfuse-mount this GCS bucket on all workers")
+    p.add_argument("--mount-point", default=None, help="where to mount it on every worker (default ~/folder-for-bucket, "
+                        "where configs/data/redpajama_v2.yaml looks)")
+    _add_sync_opts(p)
+
+    p = add("sync", "copy the code (minus runs/, .git, caches) to all workers")
+    _add_sync_opts(p)
+
+    p = add("run", "stop stale train.py, then start `python train.py <overrides>` detached on all workers")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="export on the workers (values of *KEY*/*TOKEN*/*SECRET* names are masked)")
+    p.add_argument("--env-from-local", action="append", default=[], metavar="NAME",
+                   help="export NAME with its value from this machine's environment (masked as ***)")
+    p.add_argument("--stale-grace", type=int, default=30,
+                   help="seconds a stale train.py gets after SIGTERM before SIGKILL (default 30)")
+    p.add_argument("--startup-check", type=int, default=5,
+                   help="seconds to wait before checking train.py is still alive (0: don't; default 5)")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides (put them after --)")
+
+    p = add("logs", "tail a worker's training log")
+    p.add_argument("--worker", default="0", help="worker index, or 'all' (default 0)")
+    p.add_argument("--lines", "-n", type=int, default=100)
+    p.add_argument("--follow", "-f", action="store_true")
+
+    p = add("stop", "SIGTERM train.py on all workers (checkpoint), SIGKILL after the grace period")
+    p.add_argument("--grace-period", type=int, default=120, help="seconds before SIGKILL (default 120)")
+
+    p = add("delete", "delete the TPU VM")
+    p.add_argument("--yes", "-y", action="store_true", help="don't ask for confirmation")
+    return parser
+
+
+def _add_sync_opts(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--source", default=str(REPO_ROOT), help="local directory to ship (default: the repo)")
+    p.add_argument("--exclude", action="append", default=[], metavar="GLOB",
+                   help="also leave out paths/names matching GLOB")
+
+
+COMMANDS = {"create": cmd_create, "setup": cmd_setup, "sync": cmd_sync, "run": cmd_run,
+            "logs": cmd_logs, "stop": cmd_stop, "delete": cmd_delete}
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    argv = list(argv)
+    rest: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, rest = argv[:i], argv[i + 1:]
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if rest and args.command != "run":
+        parser.error("only `run` takes Hydra overrides after --")
+    if args.command == "run":
+        args.overrides = list(args.overrides) + rest
+        flags = [o for o in args.overrides if o.startswith("-")]
+        if flags:
+            parser.error(f"{flags[0]!r} after --: tpu.py options go before --, Hydra overrides after it")
+    if not args.name:
+        parser.error("--name is required (or set $JAXPT_TPU_NAME)")
+    return args
+
+
+def main(argv: Sequence[str] | None = None, runner: Runner | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    ex = Executor(args, runner)
+    try:
+        return COMMANDS[args.command](args, ex)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

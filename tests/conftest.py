@@ -1,0 +1,17 @@
+"""Shared test setup.
+
+Eight fake CPU devices for every test, so sharding paths run everywhere. XLA reads the flag
+when the backend starts, so it must be set before anything imports jax.
+Run everything with: pytest  (add -x -q for a fast first failure).
+"""
+import os
+import sys
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO_ROOT not in sys.path:
+    sys.path.insert(0, REPO_ROOT)

@@ -1,0 +1,257 @@
+"""model/checkpoint.py in one process: save/restore round trips, resume order, fingerprint.
+
+    pytest tests/test_checkpoint.py -q      (~30 s on 2 cores; 8 fake CPU devices)
+
+Whole runs (kills, preemption, other process counts) are in tests/test_resume.py.
+"""
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+from model import sharding as shd
+from model import step as step_lib
+from model.checkpoint import (Checkpointer, DataStateHandler, check_fingerprint, fingerprint_diffs,
+                              split_step_dir)
+from model.llama import LlamaConfig
+from model.optimizer import make_optimizer
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = LlamaConfig.from_mapping(OmegaConf.load(ROOT / "configs/model/tiny.yaml"))
+OPT = OmegaConf.load(ROOT / "configs/optimizer/adamw.yaml")
+
+
+def mesh_and_rules(name):
+    mcfg = OmegaConf.load(ROOT / f"configs/mesh/{name}.yaml")
+    return shd.make_mesh(mcfg), shd.rules_from_cfg(mcfg)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    tx, _ = make_optimizer(OPT, 100)
+    mesh, rules = mesh_and_rules("default")
+    state, shardings = step_lib.init_train_state(MODEL, tx, mesh, rules, seed=0)
+    return tx, mesh, rules, state
+
+
+def ccfg(directory, **kw):
+    return {"dir": str(directory), "every": 2, "keep": 3, "async": True, "resume_from": None, "init_from": None,
+            "allow_data_change": False, **kw}
+
+
+def host_copy(tree):
+    return jax.tree.map(lambda x: np.array(x), tree)
+
+
+def assert_tree_equal(a, b):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(la, lb):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+DATA_STATE = {"__vshards__": 1, "num_shards": 8, "rr": 3,
+              "shards": {"0": {"emitted": 5, "carry": [1, 2, 3], "pair": [-1, -1]}}}
+META = {"fingerprint": {"data": {"seq_len": 64}, "model": {"d_model": 128}}, "wandb_id": "abc123",
+        "process_count": 1, "num_workers": 0}
+
+
+# ---------------------------------------------------------------- round trip
+def test_roundtrip_restores_into_another_sharding(setup, tmp_path):
+    tx, mesh, rules, state = setup
+    expected = host_copy(state)
+    ckpt = Checkpointer(ccfg(tmp_path / "ckpt"))
+    ckpt.save(4, state, DATA_STATE, META)
+    ckpt.close()
+
+    # A new process (a restart): everything comes back, the arrays straight into an FSDP layout.
+    ckpt = Checkpointer(ccfg(tmp_path / "ckpt"))
+    resume = ckpt.find_resume()
+    assert (resume.source, resume.step) == ("latest", 4)
+    meta, data_states = ckpt.restore_meta_and_data(resume)
+    assert meta == META
+    assert data_states == [DATA_STATE]
+    fsdp_mesh, fsdp_rules = mesh_and_rules("fsdp")
+    abstract, shardings = step_lib.abstract_train_state(MODEL, tx, fsdp_mesh, fsdp_rules)
+    restored = ckpt.restore_state(resume, abstract)
+    ckpt.close()
+    assert_tree_equal(restored, expected)
+    for arr, sh in zip(jax.tree.leaves(restored), jax.tree.leaves(shardings)):
+        assert arr.sharding == sh
+    assert int(restored["step"]) == int(expected["step"])
+
+
+def test_async_save_is_a_snapshot(setup, tmp_path):
+    """The loop donates the state to the next step while the save is still writing: the
+    checkpoint must hold the values at save() time, not whatever the buffers hold later."""
+    tx, mesh, rules, state = setup
+    state = jax.tree.map(jnp.copy, state)
+    before = host_copy(state)
+    bump = jax.jit(lambda s: jax.tree.map(lambda x: x + 1, s), donate_argnums=0)
+    ckpt = Checkpointer(ccfg(tmp_path / "ckpt"))
+    ckpt.save(2, state, DATA_STATE, META)
+    for _ in range(3):
+        state = bump(state)
+    jax.block_until_ready(state)
+    ckpt.wait()
+    abstract, _ = step_lib.abstract_train_state(MODEL, tx, mesh, rules)
+    restored = ckpt.restore_state(ckpt.find_resume(), abstract)
+    ckpt.close()
+    assert_tree_equal(restored, before)
+
+
+def test_keep_last_n_and_should_save(setup, tmp_path):
+    _, _, _, state = setup
+    ckpt = Checkpointer(ccfg(tmp_path / "ckpt", keep=2, every=3))
+    assert [s for s in range(1, 11) if ckpt.should_save(s, 10)] == [3, 6, 9, 10]
+    for s in (3, 6, 9, 10):
+        ckpt.save(s, state, {"s": s}, META)
+    ckpt.close()
+    steps = sorted(int(p.name) for p in (tmp_path / "ckpt").iterdir() if p.name.isdigit())
+    assert steps == [9, 10]
+    assert not Checkpointer(ccfg(tmp_path / "x", every=0)).should_save(5, 10)
+
+
+def test_partial_step_is_ignored_and_removed(setup, tmp_path):
+    """What a SIGKILL during an asynchronous save leaves: an unfinalised tmp directory."""
+    _, _, _, state = setup
+    ckpt = Checkpointer(ccfg(tmp_path / "ckpt"))
+    ckpt.save(2, state, {"s": 2}, META)
+    ckpt.close()
+    partial = tmp_path / "ckpt" / "4.orbax-checkpoint-tmp-1700000000000000"
+    (partial / "state").mkdir(parents=True)
+    (partial / "state" / "junk").write_text("half a checkpoint")
+    ckpt = Checkpointer(ccfg(tmp_path / "ckpt"))
+    assert ckpt.find_resume().step == 2
+    _, data_states = ckpt.restore_meta_and_data(ckpt.find_resume())
+    assert data_states == [{"s": 2}]
+    ckpt.save(4, state, {"s": 4}, META)       # the same step again, now complete
+    ckpt.close()
+    assert not partial.exists()
+    assert Checkpointer(ccfg(tmp_path / "ckpt")).find_resume().step == 4
+
+
+# ---------------------------------------------------------------- resume order
+def test_resume_order(setup, tmp_path):
+    tx, mesh, rules, state = setup
+    other = Checkpointer(ccfg(tmp_path / "other"))
+    for s in (2, 4):
+        other.save(s, state, {"s": s}, META)
+    other.close()
+
+    # Nothing anywhere: scratch.
+    assert Checkpointer(ccfg(tmp_path / "a")).find_resume() is None
+    # resume_from a manager directory -> its latest step; a step directory -> that step.
+    r = Checkpointer(ccfg(tmp_path / "b", resume_from=str(tmp_path / "other"))).find_resume()
+    assert (r.source, r.directory, r.step) == ("resume_from", str(tmp_path / "other"), 4)
+    ckpt = Checkpointer(ccfg(tmp_path / "b", resume_from=str(tmp_path / "other" / "2")))
+    r = ckpt.find_resume()
+    assert (r.source, r.step) == ("resume_from", 2)
+    assert ckpt.restore_meta_and_data(r)[1] == [{"s": 2}]
+    # Once this run has its own checkpoint, it wins over resume_from.
+    ckpt.save(6, state, {"s": 6}, META)
+    ckpt.close()
+    r = Checkpointer(ccfg(tmp_path / "b", resume_from=str(tmp_path / "other"))).find_resume()
+    assert (r.source, r.step) == ("latest", 6)
+
+    # Mistakes name the setting.
+    with pytest.raises(ValueError, match="checkpoint.resume_from=.*no such"):
+        Checkpointer(ccfg(tmp_path / "c", resume_from=str(tmp_path / "nope"))).find_resume()
+    assert not (tmp_path / "nope").exists()
+    with pytest.raises(ValueError, match=r"step 3 is not a complete checkpoint.*\[2, 4\]"):
+        Checkpointer(ccfg(tmp_path / "c", resume_from=str(tmp_path / "other" / "3"))).find_resume()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="holds no complete checkpoint"):
+        Checkpointer(ccfg(tmp_path / "c", resume_from=str(tmp_path / "empty"))).find_resume()
+
+
+def test_init_from_restores_parameters_only(setup, tmp_path):
+    tx, mesh, rules, state = setup
+    other = Checkpointer(ccfg(tmp_path / "other"))
+    other.save(4, state, {"s": 4}, META)
+    other.close()
+    fsdp_mesh, fsdp_rules = mesh_and_rules("fsdp")
+    abstract, shardings = step_lib.abstract_train_state(MODEL, tx, fsdp_mesh, fsdp_rules)
+    ckpt = Checkpointer(ccfg(tmp_path / "new", init_from=str(tmp_path / "other")))
+    assert ckpt.find_resume() is None          # init_from is not a resume
+    params = ckpt.restore_params(str(tmp_path / "other"), abstract["params"])
+    ckpt.close()
+    assert_tree_equal(params, host_copy(state["params"]))
+    for arr, sh in zip(jax.tree.leaves(params), jax.tree.leaves(shardings["params"])):
+        assert arr.sharding == sh
+    with pytest.raises(ValueError, match="checkpoint.init_from"):
+        Checkpointer(ccfg(tmp_path / "new2")).restore_params(str(tmp_path / "missing"), abstract["params"])
+
+
+def test_split_step_dir():
+    assert split_step_dir("gs://b/run/checkpoints/1200") == ("gs://b/run/checkpoints", 1200)
+    assert split_step_dir("gs://b/run/checkpoints/") == ("gs://b/run/checkpoints", None)
+    assert split_step_dir("/r/ck") == ("/r/ck", None)
+
+
+# ---------------------------------------------------------------- data states of every process
+def test_data_handler_returns_every_process_state(tmp_path):
+    h = DataStateHandler()
+    for i in range(3):
+        (tmp_path / f"process_{i}-of-3.json").write_text(json.dumps({"host": i}))
+    assert h.restore(tmp_path) == [{"host": 0}, {"host": 1}, {"host": 2}]
+    (tmp_path / "process_1-of-3.json").unlink()
+    with pytest.raises(ValueError, match="incomplete data state"):
+        h.restore(tmp_path)
+    assert h.restore(tmp_path / "nothing_here") is None
+
+
+def test_data_state_numpy_scalars_are_saved_as_json(setup, tmp_path):
+    _, _, _, state = setup
+    ckpt = Checkpointer(ccfg(tmp_path / "ckpt"))
+    ckpt.save(1, state, {"pos": np.int64(7), "carry": np.arange(3, dtype=np.int32)}, META)
+    ckpt.close()
+    ckpt = Checkpointer(ccfg(tmp_path / "ckpt"))
+    assert ckpt.restore_meta_and_data(ckpt.find_resume())[1] == [{"pos": 7, "carry": [0, 1, 2]}]
+    ckpt.close()
+
+
+# ---------------------------------------------------------------- fingerprint
+FP = {"data": {"tokenizer": "t1", "files": "f1", "seq_len": 64, "seed": 0, "packing": "concat", "num_shards": 8},
+      "model": {"d_model": 128, "n_layers": 4, "remat": "none", "attention": "xla", "dtype": "float32"}}
+
+
+def changed(**sections):
+    out = json.loads(json.dumps(FP))
+    for section, kv in sections.items():
+        out[section].update(kv)
+    return out
+
+
+def test_fingerprint_identical_and_json_round_trip():
+    assert check_fingerprint(json.loads(json.dumps(FP)), FP, allow_data_change=False) == []
+    assert fingerprint_diffs({"data": {"x": [1, 2]}}, {"data": {"x": (1, 2)}}) == []
+
+
+def test_fingerprint_lists_every_difference():
+    with pytest.raises(ValueError) as e:
+        check_fingerprint(FP, changed(data={"seq_len": 128, "tokenizer": "t2"}, model={"n_layers": 6}),
+                          allow_data_change=False)
+    msg = str(e.value)
+    for needle in ("data.seq_len: checkpoint=64 now=128", "data.tokenizer: checkpoint='t2'"[:25],
+                   "model.n_layers: checkpoint=4 now=6"):
+        assert needle in msg, msg
+
+
+def test_allow_data_change_accepts_data_only():
+    now = changed(data={"files": "f2", "num_shards": 16})
+    with pytest.raises(ValueError, match="allow_data_change=true"):
+        check_fingerprint(FP, now, allow_data_change=False)
+    accepted = check_fingerprint(FP, now, allow_data_change=True)
+    assert len(accepted) == 2 and all(d.startswith("data.") for d in accepted)
+    with pytest.raises(ValueError, match="model.d_model"):
+        check_fingerprint(FP, changed(data={"files": "f2"}, model={"d_model": 256}), allow_data_change=True)
+
+
+def test_runtime_only_model_settings_may_change():
+    now = changed(model={"remat": "full", "attention": "splash", "dtype": "bfloat16"})
+    assert check_fingerprint(FP, now, allow_data_change=False) == []

@@ -1,0 +1,35 @@
+"""FLOPs per token and the peak table. Run: pytest tests/test_flops.py -q"""
+import pytest
+
+from model import flops
+from model.llama import LlamaConfig
+
+LLAMA2_7B = LlamaConfig(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32, d_ff=11008)
+
+
+def test_flops_per_token_llama2_7b():
+    # matmul params: all but the input embedding table and the norm scales
+    n_matmul = LLAMA2_7B.num_params() - 32000 * 4096 - (2 * 32 + 1) * 4096
+    assert flops.matmul_params(LLAMA2_7B) == n_matmul
+    got = flops.flops_per_token(LLAMA2_7B, 1024)
+    assert got == 6 * n_matmul + 12 * 32 * 4096 * 1024
+    assert got == pytest.approx(6 * 6.61e9 + 1.61e9, rel=0.01)  # ~41.3 GFLOP/token
+
+
+def test_tied_head_still_counts_output_projection():
+    tied = LlamaConfig(vocab_size=100, d_model=8, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=16, tie_embeddings=True)
+    assert flops.matmul_params(tied) == tied.layer_params() - 16 + 800
+
+
+@pytest.mark.parametrize("kind,peak", [
+    ("TPU v4", 275e12), ("TPU v5 lite", 197e12), ("TPU v5p", 459e12), ("TPU v5", 459e12),
+    ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H200", 989e12), ("NVIDIA A100-SXM4-40GB", 312e12)])
+def test_peak_table(kind, peak):
+    assert flops.peak_flops(kind) == peak
+
+
+def test_peak_unknown_and_override():
+    assert flops.peak_flops("cpu") is None
+    assert flops.peak_flops("cpu", override=1e12) == 1e12
+    assert flops.mfu(1000.0, 1e9, 2, None) is None
+    assert flops.mfu(1000.0, 1e9, 2, 1e12) == pytest.approx(0.5)

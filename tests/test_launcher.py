@@ -1,0 +1,403 @@
+"""Launchers: scripts/tpu.py (pod, via gcloud) and scripts/launch_local.py (P local processes).
+
+No network and no gcloud binary: tpu.py is driven with --dry-run, or with a runner that executes
+the --command a worker would receive in a local bash (remote dir = a tmp dir, python = a recorder).
+launch_local.py runs real small programs written into tmp_path (--program).
+"""
+import importlib.util
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tarfile
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+LAUNCH_LOCAL = REPO / "scripts" / "launch_local.py"
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+tpu = _load("tpu")
+launch_local = _load("launch_local")
+
+POD = ["--name", "pod-1", "--zone", "us-central2-b"]
+NASTY = [
+    "name='x; rm -rf ~'",
+    "name=x; rm -rf ~",
+    "a=$(touch PWNED)",
+    "b=`touch PWNED`",
+    'c="; touch PWNED; echo "',
+    "d=it's ok && touch PWNED",
+    "e=${HOME}|touch PWNED",
+]
+SECRET = "s3cr3t-W4ndB-value"
+
+
+def no_runner(cmd):
+    raise AssertionError(f"dry run must not execute anything: {cmd}")
+
+
+def dry(capsys, *argv):
+    rc = tpu.main(["--dry-run", *argv], runner=no_runner)
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    return [shlex.split(line) for line in out.splitlines()], out + err
+
+
+def remote_command(argv):
+    assert argv[:5] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh"]
+    return argv[argv.index("--command") + 1]
+
+
+# ------------------------------------------------------------------------------------------------
+# tpu.py: dry runs
+# ------------------------------------------------------------------------------------------------
+def test_create_dry_run(capsys):
+    cmds, _ = dry(capsys, "create", *POD, "--project", "proj", "--spot")
+    assert cmds == [["gcloud", "compute", "tpus", "tpu-vm", "create", "pod-1", "--zone", "us-central2-b",
+                     "--project", "proj", "--accelerator-type", "v4-32",
+                     "--version", "tpu-ubuntu2204-base", "--spot"]]
+    cmds, _ = dry(capsys, "create", *POD, "--accelerator-type", "v4-8", "--version", "v2-alpha-tpuv4",
+                  "--preemptible")
+    assert cmds[0][-5:] == ["--accelerator-type", "v4-8", "--version", "v2-alpha-tpuv4", "--preemptible"]
+
+
+def test_common_options_before_subcommand(capsys):
+    cmds, _ = dry(capsys, *POD, "delete")
+    assert cmds == [["gcloud", "compute", "tpus", "tpu-vm", "delete", "pod-1", "--zone", "us-central2-b",
+                     "--quiet"]]
+
+
+def test_sync_and_setup_dry_run(capsys):
+    cmds, _ = dry(capsys, "sync", *POD)
+    assert len(cmds) == 2
+    scp, ssh = cmds
+    assert scp[:5] == ["gcloud", "compute", "tpus", "tpu-vm", "scp"]
+    assert scp[5].endswith(".tar.gz") and scp[6] == "pod-1:jaxpt-sync.tar.gz"
+    assert "--worker=all" in scp
+    assert ssh[:9] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "pod-1", "--zone", "us-central2-b",
+                       "--worker=all"]
+    assert "tar -xzf" in remote_command(ssh) and '"$HOME"/jaxpt' in remote_command(ssh)
+
+    cmds, _ = dry(capsys, "setup", *POD, "--mount-bucket", "gs://my-bucket")
+    assert len(cmds) == 3  # sync (scp + extract) then install
+    script = remote_command(cmds[2])
+    assert "pip install -q -e . 'jax[tpu]'" in script
+    assert "gcsfuse --implicit-dirs my-bucket \"$HOME\"/folder-for-bucket" in script
+    cmds, _ = dry(capsys, "setup", *POD, "--no-sync")
+    assert len(cmds) == 1 and "gcsfuse" not in remote_command(cmds[0])
+
+
+def test_run_logs_stop_dry_run(capsys):
+    cmds, _ = dry(capsys, "run", *POD, "--", "experiment=v4_32_llama_1b", "train.steps=10")
+    assert len(cmds) == 1
+    argv = cmds[0]
+    assert argv[:10] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "pod-1", "--zone", "us-central2-b",
+                         "--worker=all", "--command"]
+    script = remote_command(argv)
+    assert "stop_training" in script and "setsid nohup python3 train.py" in script
+    assert 'logs/worker_$(hostname).log' in script
+    assert script.index("stop_training;") < script.index("setsid nohup")  # stale ones killed first
+    words = shlex.split(script)
+    i = words.index("train.py")
+    assert words[i + 1:i + 3] == ["experiment=v4_32_llama_1b", "train.steps=10"]
+
+    cmds, _ = dry(capsys, "logs", *POD, "--worker", "2", "-f")
+    assert "--worker=2" in cmds[0] and "tail -n 100 -F" in remote_command(cmds[0])
+    cmds, _ = dry(capsys, "stop", *POD, "--grace-period", "60")
+    assert "--worker=all" in cmds[0]
+    assert "kill -TERM" in remote_command(cmds[0]) and "-lt 60" in remote_command(cmds[0])
+
+
+def test_generated_scripts_are_valid_bash(capsys, monkeypatch):
+    monkeypatch.setenv("WANDB_API_KEY", SECRET)
+    for argv in (["run", *POD, "--env-from-local", "WANDB_API_KEY", "--", *NASTY],
+                 ["setup", *POD, "--mount-bucket", "b"], ["sync", *POD], ["logs", *POD], ["stop", *POD]):
+        cmds, _ = dry(capsys, *argv)
+        for c in cmds:
+            if c[4] == "ssh":
+                r = subprocess.run(["bash", "-n", "-c", remote_command(c)], capture_output=True, text=True)
+                assert r.returncode == 0, (argv[0], r.stderr)
+
+
+def test_overrides_cannot_inject(capsys):
+    cmds, _ = dry(capsys, "run", *POD, "--", *NASTY)
+    words = shlex.split(remote_command(cmds[0]))
+    i = words.index("train.py")
+    assert words[i + 1:i + 1 + len(NASTY)] == NASTY  # each one a single, unchanged argument
+    assert words[i + 1 + len(NASTY)] == ">>"
+
+
+def test_secret_never_printed(capsys, monkeypatch):
+    monkeypatch.setenv("WANDB_API_KEY", SECRET)
+    cmds, text = dry(capsys, "run", *POD, "--env-from-local", "WANDB_API_KEY", "--env", "HF_TOKEN=hf-abc123",
+                     "--env", "XLA_FLAGS=--foo", "--", "name=x")
+    assert SECRET not in text and "hf-abc123" not in text
+    script = remote_command(cmds[0])
+    assert "export WANDB_API_KEY=***" in script and "export HF_TOKEN=***" in script
+    assert "export XLA_FLAGS=--foo" in script  # not a secret-looking name: shown
+
+    # The real command carries the value; a failure message still masks it.
+    seen = []
+
+    def failing(cmd):
+        seen.append(cmd)
+        return 255
+
+    rc = tpu.main(["run", *POD, "--env-from-local", "WANDB_API_KEY", "--retries", "1", "--retry-delay", "0",
+                   "--", "name=x"], runner=failing)
+    out, err = capsys.readouterr()
+    assert rc == 255 and len(seen) == 2
+    assert f"export WANDB_API_KEY={SECRET}" in remote_command(seen[0])
+    assert "failed" in err and SECRET not in out + err
+
+
+def test_missing_local_env_is_an_error(monkeypatch):
+    monkeypatch.delenv("JAXPT_NOT_SET_ANYWHERE", raising=False)
+    with pytest.raises(SystemExit):
+        tpu.main(["run", *POD, "--env-from-local", "JAXPT_NOT_SET_ANYWHERE"], runner=lambda c: 0)
+    with pytest.raises(SystemExit):
+        tpu.main(["run", *POD, "--env", "BAD NAME=1", "--dry-run"], runner=no_runner)
+    with pytest.raises(SystemExit):  # an option after -- would otherwise silently become an override
+        tpu.main(["run", *POD, "--", "name=x", "--dry-run"], runner=no_runner)
+
+
+def test_retries_only_for_connection_failures(capsys):
+    codes = iter([255, 255, 0])
+    calls = []
+
+    def flaky(cmd):
+        calls.append(cmd)
+        return next(codes)
+
+    assert tpu.main(["stop", *POD, "--retry-delay", "0"], runner=flaky) == 0
+    assert len(calls) == 3  # default --retries 2
+    calls.clear()
+    assert tpu.main(["stop", *POD, "--retry-delay", "0"], runner=lambda c: calls.append(c) or 1) == 1
+    assert len(calls) == 1  # the remote command itself failed: no retry
+    calls.clear()
+    assert tpu.main(["sync", *POD, "--retry-delay", "0", "--retries", "1"],
+                    runner=lambda c: calls.append(c) or 1) == 1
+    assert len(calls) == 2  # scp failures are retried
+
+
+def test_sync_tarball_excludes(tmp_path, capsys):
+    src = tmp_path / "src"
+    for rel in ["train.py", "model/llama.py", "configs/train.yaml", ".git/HEAD", "runs/a/ckpt",
+                "model/__pycache__/x.pyc", "jaxpt.egg-info/PKG-INFO", "wandb/run/x", "notes/skip.me"]:
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_text("x")
+    names = []
+
+    def runner(cmd):
+        if cmd[4] == "scp":
+            with tarfile.open(cmd[5]) as tar:
+                names.extend(tar.getnames())
+        return 0
+
+    assert tpu.main(["sync", *POD, "--source", str(src), "--exclude", "*.me"], runner=runner) == 0
+    assert sorted(names) == ["configs/train.yaml", "model/llama.py", "train.py"]
+
+
+# ------------------------------------------------------------------------------------------------
+# tpu.py: the worker-side scripts, executed for real in a local bash
+# ------------------------------------------------------------------------------------------------
+FAKE_PYTHON = """\
+#!{python}
+import json, os, signal, sys, time
+def on_term(*_):
+    open("terminated", "w").write("1")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, on_term)
+json.dump({{"argv": sys.argv[1:], "key": os.environ.get("WANDB_API_KEY")}}, open("argv.json", "w"))
+print("hello from fake train", flush=True)
+time.sleep(60)
+"""
+
+
+def test_worker_scripts_run_and_stop(tmp_path, monkeypatch, capsys):
+    """run: the overrides reach 'python' verbatim (nothing injected), detached, logged, pid file;
+    stop: SIGTERM reaches the process (it can checkpoint) and it is gone afterwards."""
+    monkeypatch.chdir(tmp_path)
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    fake = tmp_path / "fakepython"
+    fake.write_text(FAKE_PYTHON.format(python=sys.executable))
+    fake.chmod(0o755)
+    monkeypatch.setenv("WANDB_API_KEY", SECRET)
+
+    def local_worker(cmd):  # what `gcloud ... ssh --command C` does on one worker: bash -c C
+        return subprocess.run(["bash", "-c", remote_command(cmd)], cwd=tmp_path, timeout=60).returncode
+
+    common = [*POD, "--remote-dir", str(remote), "--python", str(fake)]
+    nasty = NASTY + ["f=line1\nline2"]
+    assert tpu.main(["run", *common, "--startup-check", "1", "--env-from-local", "WANDB_API_KEY",
+                     "--", *nasty], runner=local_worker) == 0
+    try:
+        deadline = time.time() + 20
+        while not (remote / "argv.json").exists() and time.time() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)
+        rec = json.loads((remote / "argv.json").read_text())
+        assert rec["argv"] == ["train.py", *nasty]
+        assert rec["key"] == SECRET
+        assert not list(tmp_path.rglob("PWNED"))
+        pid = int((remote / "logs" / "train.pid").read_text())
+        os.kill(pid, 0)  # running, detached
+        logs = list((remote / "logs").glob("worker_*.log"))
+        assert len(logs) == 1 and "hello from fake train" in logs[0].read_text()
+    finally:
+        assert tpu.main(["stop", *common, "--grace-period", "10"], runner=local_worker) == 0
+    assert (remote / "terminated").exists()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert not (remote / "logs" / "train.pid").exists()
+    assert not list(tmp_path.rglob("PWNED"))
+
+
+def test_run_reports_early_crash(tmp_path, monkeypatch, capsys):
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    fake = tmp_path / "crashpython"
+    fake.write_text(f"#!{sys.executable}\nimport sys\nprint('boom: bad config', flush=True)\nsys.exit(7)\n")
+    fake.chmod(0o755)
+
+    def local_worker(cmd):
+        return subprocess.run(["bash", "-c", remote_command(cmd)], cwd=tmp_path, timeout=60,
+                              capture_output=True, text=True).returncode
+
+    rc = tpu.main(["run", *POD, "--remote-dir", str(remote), "--python", str(fake), "--startup-check", "1",
+                   "--retry-delay", "0"], runner=local_worker)
+    assert rc == 7
+
+
+# ------------------------------------------------------------------------------------------------
+# launch_local.py
+# ------------------------------------------------------------------------------------------------
+PROGRAM = """\
+import json, os, signal, sys, time
+args = dict(a.split("=", 1) for a in sys.argv[1:] if "=" in a)
+pid = int(args["distributed.process_id"])
+out = os.environ["OUT_DIR"]
+def on_term(*_):
+    open(os.path.join(out, f"term_{{pid}}"), "w").write("1")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, on_term)
+json.dump({{"argv": sys.argv[1:], "os_pid": os.getpid(), "jax_platforms": os.environ.get("JAX_PLATFORMS")}},
+          open(os.path.join(out, f"started_{{pid}}.json"), "w"))
+print(f"process {{pid}} says hi", flush=True)
+{body}
+"""
+
+
+def write_program(tmp_path, body):
+    prog = tmp_path / "prog.py"
+    prog.write_text(PROGRAM.format(body=textwrap.dedent(body)))
+    return prog
+
+
+def launch(tmp_path, prog, *extra, overrides=("name=t",), **kw):
+    env = dict(os.environ, OUT_DIR=str(tmp_path))
+    cmd = [sys.executable, str(LAUNCH_LOCAL), "--processes", "2", "--devices-per-process", "2",
+           "--program", str(prog), *extra, "--", *overrides]
+    return subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, **kw)
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_local_failure_stops_everyone(tmp_path):
+    prog = write_program(tmp_path, """
+        if pid == 1:
+            time.sleep(0.5)
+            print("process 1 fails", flush=True)
+            sys.exit(3)
+        time.sleep(60)
+    """)
+    t0 = time.time()
+    p = launch(tmp_path, prog, "--log-dir", str(tmp_path / "logs"))
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 3, err
+    assert time.time() - t0 < 30
+    for i in range(2):
+        assert (tmp_path / "logs" / f"process_{i}.log").exists()
+        assert not alive(json.loads((tmp_path / f"started_{i}.json").read_text())["os_pid"])
+    assert (tmp_path / "term_0").exists()  # the survivor got SIGTERM first
+    assert "process 1 fails" in (tmp_path / "logs" / "process_1.log").read_text()
+    assert "process 0 says hi" in out and "process 1 says hi" not in out  # only process 0 on console
+    assert "process 1 exited with code 3" in err and "process 1 fails" in err  # its log tail
+
+
+def test_local_success_args_and_default_log_dir(tmp_path):
+    prog = write_program(tmp_path, "")
+    odd = "msg='a b; $(touch PWNED)'"
+    p = launch(tmp_path, prog, "--port", "12345", overrides=("name=smoke", odd))
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    for i in range(2):
+        rec = json.loads((tmp_path / f"started_{i}.json").read_text())
+        assert rec["argv"] == ["name=smoke", odd, "distributed.coordinator_address=localhost:12345",
+                               "distributed.num_processes=2", f"distributed.process_id={i}",
+                               "distributed.local_device_count=2"]
+        assert rec["jax_platforms"] == "cpu"
+        log = tmp_path / "runs" / "smoke" / "logs" / f"process_{i}.log"
+        assert f"process {i} says hi" in log.read_text()
+    assert not list(tmp_path.rglob("PWNED"))
+
+
+def test_local_sigterm_is_forwarded(tmp_path):
+    prog = write_program(tmp_path, "time.sleep(60)")
+    p = launch(tmp_path, prog, "--log-dir", str(tmp_path / "logs"))
+    deadline = time.time() + 30
+    while not all((tmp_path / f"started_{i}.json").exists() for i in range(2)) and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 128 + signal.SIGTERM, err
+    assert (tmp_path / "term_0").exists() and (tmp_path / "term_1").exists()
+
+
+def test_local_grace_period_then_kill(tmp_path):
+    prog = write_program(tmp_path, """
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)   # a process that will not stop by itself
+        time.sleep(60)
+    """)
+    p = launch(tmp_path, prog, "--log-dir", str(tmp_path / "logs"), "--grace-period", "1")
+    deadline = time.time() + 30
+    while not all((tmp_path / f"started_{i}.json").exists() for i in range(2)) and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)
+    t0 = time.time()
+    p.send_signal(signal.SIGINT)
+    p.communicate(timeout=60)
+    assert p.returncode == 128 + signal.SIGINT
+    assert time.time() - t0 < 15
+    for i in range(2):
+        assert not alive(json.loads((tmp_path / f"started_{i}.json").read_text())["os_pid"])
+
+
+def test_local_rejects_distributed_overrides(tmp_path):
+    with pytest.raises(SystemExit):
+        launch_local.parse_args(["--processes", "2", "--devices-per-process", "1", "--",
+                                 "distributed.process_id=3"])
+    a = launch_local.parse_args(["-p", "2", "-d", "4", "--", "name=x", "+foo=bar"])
+    assert a.overrides == ["name=x", "+foo=bar"]

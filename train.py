@@ -1,0 +1,506 @@
+"""Pre-train a Llama-style model: `python train.py [hydra overrides]`.
+
+The run, top to bottom (each phase is a banner below):
+  config checks -> hosts and mesh -> input pipeline -> model, optimizer, shardings ->
+  init or restore -> jitted train step -> loop (batch, step, metrics, checkpoint, preemption).
+
+`train(cfg)` is the whole run and is what tests call; `main` is a thin Hydra wrapper that turns
+config mistakes into one error line. Defaults train the tiny model on the bundled sample on
+whatever devices JAX sees; `configs/` documents every setting.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import sys
+import time
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+PROJECT_ROOT = Path(__file__).resolve().parent
+if not OmegaConf.has_resolver("project_root"):
+    OmegaConf.register_new_resolver("project_root", lambda: str(PROJECT_ROOT))
+
+
+class ConfigError(ValueError):
+    """A config mistake found before anything expensive starts; `main` prints it as one line."""
+
+
+def train(cfg: DictConfig) -> dict:
+    """Runs (or resumes) the training run described by `cfg`; returns a summary dict."""
+    # Imports here keep `python train.py --help` and config errors fast.
+    import jax
+    import numpy as np
+
+    import data as data_lib
+    from model import flops as flops_lib
+    from model import sharding as sharding_lib
+    from model.checkpoint import Checkpointer, check_fingerprint
+    from model import step as step_lib
+    from model.llama import LlamaConfig
+    from model.optimizer import make_optimizer
+
+    t_start = time.perf_counter()
+
+    # ------------------------------------------------------------------ config checks
+    # Everything here is cheap: a bad setting fails in one line before any compile or spawn.
+    run_dir = Path(cfg.paths.run_dir)
+    data_map = OmegaConf.to_container(cfg.data, resolve=True)
+    eval_map = data_map.pop("eval", None) or {}
+    try:
+        model_cfg = LlamaConfig.from_mapping(cfg.model)
+        data_cfg = data_lib.DataConfig.from_mapping({**data_map, "paths": _as_list(data_map.get("paths")),
+                                                     "tokenizer": cfg.tokenizer.path})
+        data_cfg, eval_cfg = _split_eval(data_lib, data_cfg, eval_map)
+        tx, schedule = make_optimizer(cfg.optimizer, cfg.train.steps)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(str(e)) from e
+    if cfg.train.steps <= 0:
+        raise ConfigError(f"train.steps={cfg.train.steps} must be positive")
+    if data_cfg.seq_len > model_cfg.max_seq_len:
+        raise ConfigError(f"data.seq_len={data_cfg.seq_len} exceeds model.max_seq_len={model_cfg.max_seq_len}")
+
+    # ------------------------------------------------------------------ hosts and mesh
+    _init_distributed(cfg.distributed)
+    process_index, process_count = jax.process_index(), jax.process_count()
+    is_main = process_index == 0
+    try:
+        data_lib.validate(data_cfg, process_count, jax.local_device_count())
+        tokenizer = data_lib.load_tokenizer(data_cfg.tokenizer)
+        mesh = sharding_lib.make_mesh(cfg.mesh)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(str(e)) from e
+    if tokenizer.get_vocab_size() > model_cfg.vocab_size:
+        raise ConfigError(f"model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's "
+                          f"{tokenizer.get_vocab_size()} pieces (tokenizer.path={data_cfg.tokenizer})")
+    batch_ways = mesh.shape["data"] * mesh.shape["fsdp"]
+    if data_cfg.global_batch_size % batch_ways:
+        raise ConfigError(f"data.global_batch_size={data_cfg.global_batch_size} does not divide over the "
+                          f"{batch_ways} batch shards of mesh {dict(mesh.shape)} (mesh.data x mesh.fsdp)")
+    if (data_cfg.global_batch_size // batch_ways) % cfg.train.microbatches:
+        raise ConfigError(f"train.microbatches={cfg.train.microbatches} does not divide the "
+                          f"{data_cfg.global_batch_size // batch_ways} rows per batch shard")
+    rules = sharding_lib.rules_from_cfg(cfg.mesh)
+
+    if is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        # The resolved config documents the run; secrets never live in it (wandb reads its key
+        # from the environment).
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+
+    # ------------------------------------------------------------------ model, optimizer, shardings
+    abstract_state, state_shardings = step_lib.abstract_train_state(model_cfg, tx, mesh, rules)
+    batch_sharding = step_lib.batch_sharding(mesh, rules)
+    fingerprint = {"data": data_lib.fingerprint(data_cfg), "model": OmegaConf.to_container(cfg.model, resolve=True)}
+
+    # ------------------------------------------------------------------ init or restore
+    ckpt = Checkpointer(cfg.checkpoint)
+    wandb_id = None
+    shard_states = host_state = None
+    try:
+        resume = ckpt.find_resume()
+        if resume is not None:
+            meta, saved_data_states = ckpt.restore_meta_and_data(resume)
+            check_fingerprint(meta.get("fingerprint", {}), fingerprint,
+                              allow_data_change=cfg.checkpoint.allow_data_change)
+    except ValueError as e:
+        ckpt.close()
+        raise ConfigError(str(e)) from e
+    if resume is not None:
+        wandb_id = meta.get("wandb_id")
+        same_topology = (meta.get("process_count") == process_count
+                         and meta.get("num_workers") == data_cfg.num_workers and saved_data_states is not None
+                         and len(saved_data_states) == process_count)
+        if same_topology:
+            host_state = saved_data_states[process_index]
+        elif saved_data_states:
+            shard_states = data_lib.merge_host_states(saved_data_states)
+
+    # The input pipeline starts now (worker processes spawn, the first batches get tokenized)
+    # so that its start-up overlaps with restoring or initialising the model.
+    host_iter = data_lib.make_host_iterator(data_cfg, process_index, process_count, shard_states=shard_states)
+    if host_state is not None:
+        host_iter.set_state(host_state)
+    batches = data_lib.DevicePrefetcher(host_iter, batch_sharding, prefetch=data_cfg.prefetch)
+
+    if resume is not None:
+        state = ckpt.restore_state(resume, abstract_state)
+        start_step = int(jax.device_get(state["step"]))
+        if is_main:
+            print(f"Resuming from {resume.describe()} at step {start_step}", flush=True)
+    elif cfg.checkpoint.init_from:
+        state, _ = step_lib.init_train_state(model_cfg, tx, mesh, rules, cfg.seed)
+        try:
+            state["params"] = ckpt.restore_params(cfg.checkpoint.init_from, abstract_state["params"])
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+        start_step = 0
+        if is_main:
+            print(f"Initialised parameters from {cfg.checkpoint.init_from}; starting at step 0", flush=True)
+    else:
+        state, _ = step_lib.init_train_state(model_cfg, tx, mesh, rules, cfg.seed)
+        start_step = 0
+        if is_main:
+            print(f"Starting a new run in {run_dir}", flush=True)
+
+    # ------------------------------------------------------------------ jitted steps
+    train_step = step_lib.make_train_step(model_cfg, tx, mesh, rules, state_shardings, z_loss=cfg.train.z_loss,
+                                          microbatches=cfg.train.microbatches)
+    eval_set = None
+    if eval_cfg is not None and cfg.train.eval_every:
+        eval_step = step_lib.make_eval_step(model_cfg, mesh, rules, state_shardings)
+        eval_set = _EvalSet(data_lib, eval_cfg, cfg.train.eval_batches, batch_sharding, eval_step)
+    tokens_per_step = data_cfg.global_batch_size * data_cfg.seq_len
+    flops_per_step = flops_lib.flops_per_token(model_cfg, data_cfg.seq_len) * tokens_per_step
+    peak = flops_lib.peak_flops(jax.devices()[0].device_kind, cfg.train.peak_flops)
+    peak_total = peak * jax.device_count() if peak else None
+
+    logger = MetricsLogger(cfg, run_dir, enabled=is_main, start_step=start_step, wandb_id=wandb_id)
+    meta = {"fingerprint": fingerprint, "config": OmegaConf.to_container(cfg, resolve=True),
+            "wandb_id": logger.wandb_id, "process_count": process_count, "num_workers": data_cfg.num_workers}
+
+    # ------------------------------------------------------------------ loop
+    preempted = _PreemptionFlag(agree_every=cfg.train.log_every)
+    profile = _Profiler(cfg.profile.steps, run_dir / "profile", enabled=is_main)
+    step = start_step
+    pending = []            # device metrics of the steps since the last log, fetched lazily
+    timer = {"t": time.perf_counter(), "wait": 0.0, "steps": 0, "save_s": 0.0}
+    last = {}
+    try:
+        while step < cfg.train.steps:
+            profile.maybe_start(step + 1)
+            batch = next(batches)
+            state, metrics = train_step(state, batch)
+            step += 1
+            pending.append(metrics)
+            if step == start_step + 1:
+                # Keep compilation out of the throughput figures.
+                jax.block_until_ready(metrics)
+                timer.update(t=time.perf_counter(), wait=batches.stats()["wait_s"], steps=0)
+            else:
+                timer["steps"] += 1
+            profile.maybe_stop(step)
+
+            if step % cfg.train.log_every == 0 or step == cfg.train.steps:
+                fetched = jax.device_get(pending)
+                pending = []
+                last = _interval_metrics(step, fetched, timer, batches.stats(), schedule, tokens_per_step,
+                                         flops_per_step, peak_total, stop_on_nan=cfg.train.stop_on_nan)
+                if eval_set is not None and cfg.train.eval_every and step % cfg.train.eval_every == 0:
+                    last["eval_loss"] = eval_set.loss(state["params"])
+                logger.log(last)
+
+            stop = preempted.check(step)
+            if ckpt.should_save(step, cfg.train.steps) or stop:
+                t0 = time.perf_counter()
+                ckpt.save(step, state, batches.consumed_state(), meta)
+                timer["save_s"] += time.perf_counter() - t0
+                if stop:
+                    ckpt.wait()
+                    if is_main:
+                        print(f"Preempted: saved step {step} to {ckpt.directory}; exiting", flush=True)
+                    break
+        ckpt.wait()
+    finally:
+        profile.maybe_stop(None)
+        batches.close()
+        ckpt.close()
+        preempted.restore()
+        logger.close()
+
+    summary = {
+        "run_dir": str(run_dir),
+        "checkpoint_dir": str(ckpt.directory),
+        "start_step": start_step,
+        "steps": step,
+        "final_loss": last.get("loss"),
+        "tokens": (step - start_step) * tokens_per_step,
+        "wall_s": time.perf_counter() - t_start,
+        "preempted": preempted.fired,
+    }
+    if is_main:
+        print(f"Done: steps {start_step}->{step}, {summary['tokens']:,} tokens in {summary['wall_s']:.0f} s, "
+              f"final loss {summary['final_loss']}; checkpoints in {ckpt.directory}", flush=True)
+    return summary
+
+
+# ====================================================================== data
+def _as_list(paths) -> list:
+    """`data.paths` is one glob or a list of globs: data.paths='/mnt/rp/*/en_head.json.gz' works."""
+    return [paths] if isinstance(paths, str) else list(paths or [])
+
+
+def _split_eval(data_lib, data_cfg, eval_map: dict):
+    """The held-out set: `data.eval.paths` (must not overlap training files), or the last
+    `data.eval.holdout_files` files of the training list, removed from training."""
+    import dataclasses
+    import glob
+
+    unknown = set(eval_map) - {"paths", "holdout_files"}
+    if unknown:
+        raise ValueError(f"unknown setting(s): {', '.join(sorted('data.eval.' + k for k in unknown))}")
+    eval_paths, holdout = _as_list(eval_map.get("paths")), int(eval_map.get("holdout_files") or 0)
+    if not eval_paths and not holdout:
+        return data_cfg, None
+    if eval_paths and holdout:
+        raise ValueError("set data.eval.paths or data.eval.holdout_files, not both")
+    train_files = data_lib.list_files(data_cfg)
+    if not train_files:
+        raise ValueError(f"data.paths={list(data_cfg.paths)} matches no file")
+    if eval_paths:
+        eval_files = data_lib.list_files(dataclasses.replace(data_cfg, paths=tuple(eval_paths)))
+        if not eval_files:
+            raise ValueError(f"data.eval.paths={eval_paths} matches no file")
+        overlap = sorted(set(eval_files) & set(train_files))
+        if overlap:
+            raise ValueError(f"data.eval.paths overlaps the training files (e.g. {overlap[0]}); "
+                             "held-out data must not be trained on")
+    else:
+        if holdout >= len(train_files):
+            raise ValueError(f"data.eval.holdout_files={holdout} leaves no training file "
+                             f"(data.paths matches {len(train_files)})")
+        eval_files, train_files = train_files[-holdout:], train_files[:-holdout]
+        # Literal file names, escaped so that [ ] * ? in a name stay literal.
+        data_cfg = dataclasses.replace(data_cfg, paths=tuple(glob.escape(f) for f in train_files))
+    eval_cfg = dataclasses.replace(data_cfg, paths=tuple(glob.escape(f) for f in eval_files), num_workers=0,
+                                   num_shards=len(eval_files), shuffle_window=0, files_per_stream=1)
+    return data_cfg, eval_cfg
+
+
+# ====================================================================== hosts
+def _init_distributed(dcfg: DictConfig) -> None:
+    """jax.distributed on several hosts: explicit coordinator, or automatic on a TPU pod."""
+    import jax
+
+    if dcfg.local_device_count:
+        # Fake CPU devices for multi-process runs on one machine; only possible before the
+        # backend starts, which is why launch_local.py passes it per process.
+        jax.config.update("jax_num_cpu_devices", int(dcfg.local_device_count))
+    if jax.distributed.is_initialized():
+        return
+    if dcfg.coordinator_address:
+        jax.distributed.initialize(coordinator_address=dcfg.coordinator_address,
+                                   num_processes=dcfg.num_processes, process_id=dcfg.process_id)
+    elif _on_tpu_vm():
+        # The TPU VM's metadata describes the slice (one host or many), as MaxText relies on too.
+        jax.distributed.initialize()
+
+
+def _on_tpu_vm() -> bool:
+    # Checked without starting a JAX backend: after that, initialize() is too late.
+    import glob
+
+    return bool(os.environ.get("TPU_WORKER_HOSTNAMES") or glob.glob("/dev/accel[0-9]*")
+                or glob.glob("/dev/vfio/[0-9]*"))
+
+
+# ====================================================================== preemption
+class _PreemptionFlag:
+    """SIGTERM (a preempted VM, `scripts/tpu.py stop`) or JAX's preemption sync point on TPU:
+    save at the current step, wait for the save, exit 0; the next start resumes.
+
+    A save is collective, so every host must stop at the same step. TPU maintenance events come
+    through the sync point, which agrees by design; a SIGTERM is agreed at log boundaries on
+    several hosts (one tiny all-gather per interval, never per step) and at once on one host.
+    """
+
+    def __init__(self, agree_every: int):
+        import jax
+
+        self.fired = False
+        self._signalled = False
+        self._multi = jax.process_count() > 1
+        self._agree_every = max(1, agree_every)
+        self._previous = None
+        try:
+            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        except ValueError:      # not the main thread: leave signals alone
+            pass
+
+    def _on_sigterm(self, signum, frame):
+        self._signalled = True
+
+    def check(self, step: int) -> bool:
+        if self.fired:
+            return True
+        try:
+            from jax.experimental import multihost_utils
+            self.fired = bool(multihost_utils.reached_preemption_sync_point(step))
+        except Exception:       # the preemption service exists only on multi-host TPU runs
+            pass
+        if not self.fired and self._multi:
+            if step % self._agree_every == 0:
+                import numpy as np
+                from jax.experimental import multihost_utils
+                self.fired = bool(np.max(multihost_utils.process_allgather(np.int32(self._signalled))))
+        elif not self.fired:
+            self.fired = self._signalled
+        return self.fired
+
+    def restore(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+
+# ====================================================================== profiling
+class _Profiler:
+    """`profile.steps=[a,b]`: a JAX profiler trace of steps a..b in <run_dir>/profile (TensorBoard/Perfetto)."""
+
+    def __init__(self, steps, out_dir: Path, *, enabled: bool):
+        self.window = tuple(steps) if (steps and enabled) else None
+        self.out_dir = out_dir
+        self.active = False
+
+    def maybe_start(self, step: int) -> None:
+        if self.window and step == self.window[0] and not self.active:
+            import jax
+            jax.profiler.start_trace(str(self.out_dir))
+            self.active = True
+
+    def maybe_stop(self, step: int | None) -> None:
+        if self.active and (step is None or step >= self.window[1]):
+            import jax
+            jax.effects_barrier()
+            jax.profiler.stop_trace()
+            self.active = False
+
+
+# ====================================================================== evaluation
+class _EvalSet:
+    """A fixed set of held-out batches, built once and kept on device, so every evaluation sees
+    the same tokens. Every host reads the same eval rows and keeps its slice of each batch: the
+    held-out set may be a single file, fewer than the hosts."""
+
+    def __init__(self, data_lib, eval_cfg, n_batches: int, sharding, eval_step):
+        import jax
+
+        local = eval_cfg.global_batch_size // jax.process_count()
+        lo = jax.process_index() * local
+        it = data_lib.make_host_iterator(eval_cfg, 0, 1)
+        self.batches = []
+        for _ in range(n_batches):
+            rows = next(it)
+            self.batches.append({k: jax.make_array_from_process_local_data(sharding, v[lo:lo + local])
+                                 for k, v in rows.items()})
+        if hasattr(it, "close"):
+            it.close()
+        self.eval_step = eval_step
+
+    def loss(self, params) -> float:
+        import jax
+
+        sums = jax.device_get([self.eval_step(params, b) for b in self.batches])
+        return float(sum(s["loss_sum"] for s in sums) / max(1, sum(s["n_tokens"] for s in sums)))
+
+
+# ====================================================================== metrics
+def _interval_metrics(step, fetched, timer, stats, schedule, tokens_per_step, flops_per_step, peak_total,
+                      *, stop_on_nan: bool) -> dict:
+    """One log row from the steps since the last one. Throughput excludes the compile step."""
+    import jax
+    import numpy as np
+
+    losses = np.array([m["loss"] for m in fetched], dtype=np.float64)
+    if stop_on_nan and not np.all(np.isfinite(losses)):
+        raise FloatingPointError(f"loss is not finite in steps {step - len(fetched) + 1}..{step}: {losses.tolist()}")
+    now = time.perf_counter()
+    dt, n = now - timer["t"], timer["steps"]
+    wait = stats["wait_s"] - timer["wait"]
+    if jax.process_count() > 1:
+        # The step runs at the pace of the slowest host: report its wait.
+        from jax.experimental import multihost_utils
+        wait = float(np.max(multihost_utils.process_allgather(np.float64(wait))))
+    tokens_per_s = n * tokens_per_step / dt if n and dt > 0 else None
+    row = {
+        "step": step,
+        "loss": float(losses.mean()),
+        "perplexity": float(np.exp(min(losses.mean(), 50.0))),
+        "lr": float(schedule(step - 1)),
+        "grad_norm": float(fetched[-1]["grad_norm"]),
+        "param_norm": float(fetched[-1]["param_norm"]),
+        "tokens_per_s": tokens_per_s,
+        "tokens_per_s_per_device": tokens_per_s / jax.device_count() if tokens_per_s else None,
+        "step_time_s": dt / n if n else None,
+        "mfu": flops_per_step * n / dt / peak_total if (peak_total and n and dt > 0) else None,
+        "data_wait_frac": wait / dt if dt > 0 else 0.0,
+        "checkpoint_save_s": timer["save_s"],
+        "tokens_seen": step * tokens_per_step,
+        **{f"data/{k}": v for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)},
+        **{f"data/bad_{k}": v for k, v in stats.get("bad_records", {}).items()},
+    }
+    timer.update(t=now, wait=stats["wait_s"], steps=0, save_s=0.0)
+    return row
+
+
+# ====================================================================== metrics
+class MetricsLogger:
+    """Process 0 only: a progress bar, `metrics.jsonl` in the run directory, and wandb.
+
+    The wandb run id is kept in the checkpoint meta, so a resumed run continues the same wandb
+    run. The API key comes from the environment (WANDB_API_KEY), never from config.
+    """
+
+    def __init__(self, cfg: DictConfig, run_dir: Path, *, enabled: bool, start_step: int, wandb_id: str | None):
+        self.enabled = enabled
+        self.wandb_id = wandb_id
+        self._bar = self._jsonl = self._wandb = None
+        if not enabled:
+            return
+        lcfg = cfg.logger
+        if lcfg.jsonl:
+            self._jsonl = open(run_dir / "metrics.jsonl", "a")
+        if lcfg.wandb.mode != "disabled":
+            import wandb
+
+            # Chosen here (not by wandb) so the checkpoint can carry it to a resumed run.
+            self.wandb_id = wandb_id or "".join(secrets.choice("abcdefghijklmnopqrstuvwxyz0123456789") for _ in range(8))
+            self._wandb = wandb.init(
+                project=lcfg.wandb.project, entity=lcfg.wandb.entity, name=cfg.name, tags=list(lcfg.wandb.tags),
+                mode=lcfg.wandb.mode, dir=str(run_dir), id=self.wandb_id, resume="allow",
+                config=OmegaConf.to_container(cfg, resolve=True))
+        if lcfg.progress_bar:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=cfg.train.steps, initial=start_step, unit="step", dynamic_ncols=True,
+                             file=sys.stdout, mininterval=1.0)
+
+    def log(self, metrics: dict) -> None:
+        if not self.enabled:
+            return
+        if self._jsonl:
+            self._jsonl.write(json.dumps(metrics) + "\n")
+            self._jsonl.flush()
+        if self._wandb:
+            self._wandb.log({k: v for k, v in metrics.items() if v is not None}, step=metrics["step"])
+        tok_s = f"{metrics['tokens_per_s']:,.0f}" if metrics["tokens_per_s"] else "-"
+        if self._bar:
+            self._bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=tok_s, refresh=False)
+            self._bar.update(metrics["step"] - self._bar.n)
+        else:
+            print(f"step {metrics['step']} loss {metrics['loss']:.4f} tok/s {tok_s}", flush=True)
+
+    def close(self) -> None:
+        if self._bar:
+            self._bar.close()
+        if self._jsonl:
+            self._jsonl.close()
+        if self._wandb:
+            self._wandb.finish()
+
+
+# ====================================================================== CLI
+@hydra.main(version_base="1.3", config_path="configs", config_name="train")
+def main(cfg: DictConfig) -> None:
+    try:
+        train(cfg)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
