@@ -10,6 +10,7 @@ whatever devices JAX sees; `configs/` documents every setting.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import secrets
@@ -98,31 +99,42 @@ def train(cfg: DictConfig) -> dict:
     fingerprint = {"data": data_lib.fingerprint(data_cfg), "model": OmegaConf.to_container(cfg.model, resolve=True)}
 
     # ------------------------------------------------------------------ init or restore
+    # From here a SIGTERM means "save at the next step and exit", also during restore/compile.
+    preempted = _PreemptionFlag(agree_every=cfg.train.log_every)
     ckpt = Checkpointer(cfg.checkpoint)
     wandb_id = None
     shard_states = host_state = None
+    data_changes = []
     try:
         resume = ckpt.find_resume()
         if resume is not None:
             meta, saved_data_states = ckpt.restore_meta_and_data(resume)
-            check_fingerprint(meta.get("fingerprint", {}), fingerprint,
-                              allow_data_change=cfg.checkpoint.allow_data_change)
+            data_changes = check_fingerprint(meta.get("fingerprint", {}), fingerprint,
+                                             allow_data_change=cfg.checkpoint.allow_data_change)
     except ValueError as e:
         ckpt.close()
+        preempted.restore()
         raise ConfigError(str(e)) from e
     if resume is not None:
         wandb_id = meta.get("wandb_id")
         same_topology = (meta.get("process_count") == process_count
                          and meta.get("num_workers") == data_cfg.num_workers and saved_data_states is not None
                          and len(saved_data_states) == process_count)
-        if same_topology:
+        if data_changes:
+            # The saved positions describe another data set: read the new one from its start.
+            if is_main:
+                print("checkpoint.allow_data_change: the input pipeline starts afresh on the changed data ("
+                      + "; ".join(data_changes) + ")", flush=True)
+        elif same_topology:
             host_state = saved_data_states[process_index]
         elif saved_data_states:
             shard_states = data_lib.merge_host_states(saved_data_states)
 
     # The input pipeline starts now (worker processes spawn, the first batches get tokenized)
     # so that its start-up overlaps with restoring or initialising the model.
-    host_iter = data_lib.make_host_iterator(data_cfg, process_index, process_count, shard_states=shard_states)
+    debug_batches = bool(cfg.train.get("debug_batches", False))
+    host_iter = data_lib.make_host_iterator(data_cfg, process_index, process_count, shard_states=shard_states,
+                                            debug=debug_batches)
     if host_state is not None:
         host_iter.set_state(host_state)
     batches = data_lib.DevicePrefetcher(host_iter, batch_sharding, prefetch=data_cfg.prefetch)
@@ -164,8 +176,9 @@ def train(cfg: DictConfig) -> dict:
             "wandb_id": logger.wandb_id, "process_count": process_count, "num_workers": data_cfg.num_workers}
 
     # ------------------------------------------------------------------ loop
-    preempted = _PreemptionFlag(agree_every=cfg.train.log_every)
     profile = _Profiler(cfg.profile.steps, run_dir / "profile", enabled=is_main)
+    # Tests of exact resume: every process records what each step consumed (a host sync per step).
+    debug_log = open(run_dir / f"debug_batches.p{process_index}.jsonl", "a") if debug_batches else None
     step = start_step
     pending = []            # device metrics of the steps since the last log, fetched lazily
     timer = {"t": time.perf_counter(), "wait": 0.0, "steps": 0, "save_s": 0.0}
@@ -174,6 +187,8 @@ def train(cfg: DictConfig) -> dict:
         while step < cfg.train.steps:
             profile.maybe_start(step + 1)
             batch = next(batches)
+            if debug_log is not None:
+                batch = _log_debug_batch(debug_log, step + 1, batch)
             state, metrics = train_step(state, batch)
             step += 1
             pending.append(metrics)
@@ -211,6 +226,8 @@ def train(cfg: DictConfig) -> dict:
         ckpt.close()
         preempted.restore()
         logger.close()
+        if debug_log is not None:
+            debug_log.close()
 
     summary = {
         "run_dir": str(run_dir),
@@ -296,6 +313,37 @@ def _on_tpu_vm() -> bool:
 
     return bool(os.environ.get("TPU_WORKER_HOSTNAMES") or glob.glob("/dev/accel[0-9]*")
                 or glob.glob("/dev/vfio/[0-9]*"))
+
+
+# ====================================================================== exact-resume tests
+def _host_rows(arr):
+    """This process's rows of a batch-sharded global array, in order (replicas dropped)."""
+    import numpy as np
+
+    parts = {s.index[0].start or 0: np.asarray(s.data) for s in arr.addressable_shards}
+    return np.concatenate([parts[k] for k in sorted(parts)])
+
+
+def _log_debug_batch(f, step: int, batch: dict) -> dict:
+    """train.debug_batches: one line per step and process: a hash of the host batch, and per
+    row [virtual shard, first and last document id, hash of its tokens]. Returns the batch
+    without the debug-only keys."""
+    import numpy as np
+
+    from model.step import BATCH_KEYS
+
+    local = {k: np.ascontiguousarray(_host_rows(batch[k])) for k in BATCH_KEYS}
+    doc_ids, shards = np.asarray(batch["doc_ids"]), np.asarray(batch["row_shard"])
+    digest = hashlib.sha256(b"".join(local[k].tobytes() for k in BATCH_KEYS)).hexdigest()[:16]
+    rows = []
+    for b in range(len(shards)):
+        real = doc_ids[b][doc_ids[b] >= 0]
+        h = hashlib.sha256(local["inputs"][b].tobytes() + local["targets"][b].tobytes()
+                           + np.ascontiguousarray(doc_ids[b]).tobytes()).hexdigest()[:16]
+        rows.append([int(shards[b]), int(real[0]) if real.size else -1, int(real[-1]) if real.size else -1, h])
+    f.write(json.dumps({"step": step, "batch_hash": digest, "rows": rows}) + "\n")
+    f.flush()
+    return {k: batch[k] for k in BATCH_KEYS}
 
 
 # ====================================================================== preemption

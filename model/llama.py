@@ -228,6 +228,23 @@ def attention(q_btnh, k_bskh, v_bskh, segment_ids_bt, impl: str):
     raise ValueError(f"model.attention={impl!r}")
 
 
+def attention_cached(q_btnh, k_bskh, v_bskh, start):
+    """attention_xla against a KV cache (generation): the t queries sit at cache slots
+    start .. start+t-1 and query i sees slots <= start + i, so the empty slots beyond the
+    filled ones are masked too. One sequence per row (no packing): slot s holds position s.
+    """
+    b, t, n, h = q_btnh.shape
+    s, k = k_bskh.shape[1], k_bskh.shape[2]
+    q_btkgh = q_btnh.reshape(b, t, k, n // k, h)
+    logits_bkgts = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=jnp.float32)
+    logits_bkgts = logits_bkgts / math.sqrt(h)
+    visible_ts = jnp.arange(s)[None, :] <= start + jnp.arange(t)[:, None]
+    logits_bkgts = jnp.where(visible_ts, logits_bkgts, jnp.finfo(jnp.float32).min)
+    probs_bkgts = jax.nn.softmax(logits_bkgts, axis=-1).astype(v_bskh.dtype)
+    out_btkgh = jnp.einsum("bkgts,bskh->btkgh", probs_bkgts, v_bskh)
+    return out_btkgh.reshape(b, t, n, h)
+
+
 class Block(nnx.Module):
     """Pre-norm transformer layer: x + Attn(norm(x)), then x + SwiGLU(norm(x))."""
 
@@ -275,6 +292,30 @@ class Block(nnx.Module):
         h_btf = shd.constrain(jax.nn.silu(gate_btf) * up_btf, ("act_batch", "act_len", "act_mlp"))
         x_btd = x_btd + jnp.einsum("btf,fd->btd", h_btf, w(self.w_down_fd))
         return shd.constrain(x_btd, ("act_batch", "act_len", "act_embed"))
+
+    def decode(self, x_btd, positions_bt, k_cache_bskh, v_cache_bskh, start):
+        """__call__ for generation: the same weights and RoPE, one sequence per row.
+
+        Writes this call's RoPE'd keys and values into the cache at slots start..start+t-1 and
+        attends to every filled slot. Returns (x_btd, k_cache_bskh, v_cache_bskh).
+        """
+        dt = self.dtype
+        w = lambda p: p[...].astype(dt)  # noqa: E731
+
+        y_btd = self.attn_norm(x_btd)
+        q_btnh = rope(jnp.einsum("btd,dnh->btnh", y_btd, w(self.wq_dnh)), positions_bt, self.rope_theta)
+        k_btkh = rope(jnp.einsum("btd,dkh->btkh", y_btd, w(self.wk_dkh)), positions_bt, self.rope_theta)
+        v_btkh = jnp.einsum("btd,dkh->btkh", y_btd, w(self.wv_dkh))
+        k_cache_bskh = jax.lax.dynamic_update_slice_in_dim(k_cache_bskh, k_btkh.astype(k_cache_bskh.dtype), start, 1)
+        v_cache_bskh = jax.lax.dynamic_update_slice_in_dim(v_cache_bskh, v_btkh.astype(v_cache_bskh.dtype), start, 1)
+        o_btnh = attention_cached(q_btnh, k_cache_bskh, v_cache_bskh, start)
+        x_btd = x_btd + jnp.einsum("btnh,nhd->btd", o_btnh, w(self.wo_nhd))
+
+        y_btd = self.mlp_norm(x_btd)
+        h_btf = jax.nn.silu(jnp.einsum("btd,df->btf", y_btd, w(self.w_gate_df))) * jnp.einsum(
+            "btd,df->btf", y_btd, w(self.w_up_df))
+        x_btd = x_btd + jnp.einsum("btf,fd->btd", h_btf, w(self.w_down_fd))
+        return x_btd, k_cache_bskh, v_cache_bskh
 
 
 def _stacked_blocks(cfg: LlamaConfig, rngs: nnx.Rngs) -> Block:
@@ -333,3 +374,54 @@ class Llama(nnx.Module):
         # fp32 accumulation and output: the loss is a log-softmax over the vocab.
         logits_btv = jnp.einsum("btd,dv->btv", x_btd, head_dv.astype(dt), preferred_element_type=jnp.float32)
         return shd.constrain(logits_btv, ("act_batch", "act_len", "act_vocab"))
+
+    # ------------------------------------------------------------------------- generation
+    # KV-cache decoding (scripts/generate.py): `decode` the prompt once (prefill), then one
+    # token per call. The cache has a fixed size, so one jitted decode step serves every token.
+    # Attention is always the masked-einsum reference whatever `cfg.attention` says: the
+    # flash kernels take no cache. The training path above is untouched by any of this.
+
+    def init_cache(self, batch: int, max_len: int) -> dict:
+        """An empty cache for `batch` sequences of up to `max_len` tokens (prompt + generated).
+
+        {"k_lbskh", "v_lbskh": [layers, batch, max_len, kv heads, head dim] in the compute
+        dtype, keys stored after RoPE; "length": int32[], slots filled so far (every row alike)}.
+        """
+        cfg = self.cfg
+        shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.head_dim)
+        # Two separate buffers (not one array twice): a jitted step may donate both.
+        return {"k_lbskh": jnp.zeros(shape, jnp.dtype(cfg.dtype)), "v_lbskh": jnp.zeros(shape, jnp.dtype(cfg.dtype)),
+                "length": jnp.zeros((), jnp.int32)}
+
+    def decode(self, tokens_bt, positions_bt, cache: dict):
+        """(logits [b, t, v] fp32, cache) for t new tokens following the cache's `length`.
+
+        positions_bt is normally length + arange(t). The caller keeps length + t <= max_len:
+        past the end, XLA's dynamic_update_slice would clamp and overwrite the last slots.
+        """
+        cfg = self.cfg
+        dt = jnp.dtype(cfg.dtype)
+        start = cache["length"]
+        x_btd = jnp.take(self.embed_vd[...], tokens_bt, axis=0).astype(dt)
+        if cfg.scan_layers:
+            graphdef, state = nnx.split(self.layers)
+
+            def body(x_btd, layer):
+                state, k_bskh, v_bskh = layer
+                x_btd, k_bskh, v_bskh = nnx.merge(graphdef, state).decode(x_btd, positions_bt, k_bskh, v_bskh, start)
+                return x_btd, (k_bskh, v_bskh)
+
+            x_btd, (k_lbskh, v_lbskh) = jax.lax.scan(body, x_btd, (state, cache["k_lbskh"], cache["v_lbskh"]))
+        else:
+            ks, vs = [], []
+            for i, block in enumerate(self.layers):
+                x_btd, k_bskh, v_bskh = block.decode(x_btd, positions_bt, cache["k_lbskh"][i],
+                                                     cache["v_lbskh"][i], start)
+                ks.append(k_bskh)
+                vs.append(v_bskh)
+            k_lbskh, v_lbskh = jnp.stack(ks), jnp.stack(vs)
+        x_btd = self.final_norm(x_btd)
+        head_dv = self.embed_vd[...].T if cfg.tie_embeddings else self.lm_head_dv[...]
+        logits_btv = jnp.einsum("btd,dv->btv", x_btd, head_dv.astype(dt), preferred_element_type=jnp.float32)
+        cache = {"k_lbskh": k_lbskh, "v_lbskh": v_lbskh, "length": start + tokens_bt.shape[1]}
+        return logits_btv, cache

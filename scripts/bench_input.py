@@ -77,14 +77,15 @@ def tokenizer_alone(files, tok_path, text_key, max_chars, batch_docs=256):
     enc = BatchEncoder(load_tokenizer(tok_path).to_str())
     fn = enc._fast or enc.tok.encode_batch
     n_tok = n_chars = 0
-    spent = 0.0
+    spent = cpu = 0.0
     batch = []
 
     def run(batch):
-        nonlocal n_tok, spent
-        t0 = time.perf_counter()
+        nonlocal n_tok, spent, cpu
+        t0, c0 = time.perf_counter(), time.process_time()
         out = fn(batch, add_special_tokens=False)
         spent += time.perf_counter() - t0
+        cpu += time.process_time() - c0
         n_tok += sum(len(e.ids) + 1 for e in out)   # + EOS, as the pipeline counts
 
     for f in files:
@@ -104,7 +105,21 @@ def tokenizer_alone(files, tok_path, text_key, max_chars, batch_docs=256):
             break
     if batch:
         run(batch)
-    return n_tok / spent, n_tok, n_chars
+    return n_tok / spent, n_tok, n_chars, n_tok / cpu
+
+
+def tree_cpu_s() -> float:
+    """CPU seconds (user + system) of this process and its live children."""
+    import psutil
+    me = psutil.Process()
+    total = 0.0
+    for p in [me] + me.children(recursive=True):
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
 
 
 def run_pipeline(cfg, max_tokens, max_batches):
@@ -116,7 +131,7 @@ def run_pipeline(cfg, max_tokens, max_batches):
     per_batch = int((b["segment_ids"] > 0).sum())
     from data.pipeline import state_counters
     tok0 = state_counters(it.get_state())["tokens"]   # non-padding tokens of rows (L + 1)
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), tree_cpu_s()
     n_tok, n = 0, 0
     while n_tok < max_tokens and n < max_batches:
         next(it)
@@ -124,11 +139,12 @@ def run_pipeline(cfg, max_tokens, max_batches):
         if n % 16 == 0:
             n_tok = state_counters(it.get_state())["tokens"] - tok0
     dt = time.perf_counter() - t1
+    cpu = tree_cpu_s() - c1
     state = it.get_state()
     n_tok = state_counters(state)["tokens"] - tok0
     if hasattr(it, "close"):
         it.close()
-    return {"tok_s": n_tok / dt, "first_batch_s": first, "batches": n, "seconds": dt,
+    return {"tok_s": n_tok / dt, "tok_per_cpu_s": n_tok / cpu, "first_batch_s": first, "batches": n, "seconds": dt,
             "state": json.loads(json.dumps(state)), "tokens_per_batch": per_batch}
 
 
@@ -147,7 +163,7 @@ def measure_restore(cfg, state, reps=2):
     return best
 
 
-def simulate_training(cfg, capacity_batches_s, steps, frac=0.8):
+def simulate_training(cfg, steps, frac=0.8, capacity_batches=100):
     import jax
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -155,10 +171,14 @@ def simulate_training(cfg, capacity_batches_s, steps, frac=0.8):
     import data
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
     sh = NamedSharding(mesh, P("data"))
-    step_s = 1.0 / (frac * capacity_batches_s)
     pf = data.DevicePrefetcher(data.make_host_iterator(cfg, 0, 1), sh, prefetch=cfg.prefetch)
     b = next(pf)                      # warm-up (spawn, first window) not counted
     jax.block_until_ready(b["inputs"])
+    t0 = time.perf_counter()          # capacity, measured now, under the same conditions
+    for _ in range(capacity_batches):
+        b = next(pf)
+    capacity_batches_s = capacity_batches / (time.perf_counter() - t0)
+    step_s = 1.0 / (frac * capacity_batches_s)
     w0 = pf.stats()["wait_s"]
     t0 = time.perf_counter()
     for _ in range(steps):
@@ -199,7 +219,7 @@ def main():
                 files_per_stream=args.files_per_stream, text_key=args.text_key)
     data.validate(data.DataConfig(**base, num_workers=max(workers)), 1, 1)
 
-    tok_s, corpus_tokens, corpus_chars = tokenizer_alone(files, args.tokenizer, args.text_key,
+    tok_s, corpus_tokens, corpus_chars, tok_cpu = tokenizer_alone(files, args.tokenizer, args.text_key,
                                                          args.max_chars)
     print(f"tokenizer alone: {tok_s / 1e6:.3f} M tok/s over {corpus_tokens / 1e6:.1f} M tokens "
           f"({corpus_chars / 1e6:.1f} M chars)", flush=True)
@@ -217,13 +237,12 @@ def main():
     cfg = data.DataConfig(**base, num_workers=nmax)
     restore_s = measure_restore(cfg, res[nmax]["state"])
     print(f"restore (deep state, {nmax} workers) -> next batch: {restore_s:.2f} s", flush=True)
-    capacity = res[nmax]["tok_s"] / (args.batch_size * (args.seq_len + 1))
-    wait_frac, step_s, stats = simulate_training(cfg, capacity, args.sim_steps)
+    wait_frac, step_s, stats = simulate_training(cfg, args.sim_steps)
     print(f"simulated loop: step {step_s * 1e3:.1f} ms, wait fraction {wait_frac:.4f}; "
           f"stats {json.dumps({k: v for k, v in stats.items() if k != 'bad_examples'})}",
           flush=True)
     rss.stop()
-    tok_s_after, _, _ = tokenizer_alone(files, args.tokenizer, args.text_key,
+    tok_s_after, _, _, _ = tokenizer_alone(files, args.tokenizer, args.text_key,
                                         min(args.max_chars, 20e6))
     print(f"tokenizer alone again (load check): {tok_s_after / 1e6:.3f} M tok/s", flush=True)
     best = max(res.values(), key=lambda r: r["tok_s"])
@@ -232,6 +251,10 @@ def main():
         "pipeline_tok_s": {str(n): round(r["tok_s"]) for n, r in res.items()},
         "pipeline_vs_tokenizer": {str(n): round(r["tok_s"] / tok_s, 3) for n, r in res.items()},
         "best_pipeline_tok_s": round(best["tok_s"]),
+        # load-independent: tokens per CPU-second of the whole process tree, relative to
+        # the tokenizer alone (1.0 = no overhead beyond tokenization)
+        "cpu_efficiency": {str(n): round(r["tok_per_cpu_s"] / tok_cpu, 3)
+                           for n, r in res.items()},
         "first_batch_s": {str(n): round(r["first_batch_s"], 3) for n, r in res.items()},
         "restore_s": round(restore_s, 3),
         "peak_rss_mb": round(rss.peak / 2**20, 1),

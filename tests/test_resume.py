@@ -47,6 +47,8 @@ def per_step(run_dir, process=0):
     """{step: (loss, batch_hash)}; a step run twice (before a kill and after the restart)
     keeps its last record, the one the finished run stands on."""
     losses = {r["step"]: r["loss"] for r in read_jsonl(Path(run_dir) / "metrics.jsonl")}
+    if not (Path(run_dir) / f"debug_batches.p{process}.jsonl").exists():
+        pytest.fail(f"{TRAIN} wrote no debug_batches.p{process}.jsonl: it lacks train.debug_batches")
     hashes = {r["step"]: r["batch_hash"] for r in read_jsonl(Path(run_dir) / f"debug_batches.p{process}.jsonl")}
     assert sorted(losses) == sorted(hashes) == list(range(1, N + 1)), (sorted(losses), sorted(hashes))
     return {s: (losses[s], hashes[s]) for s in losses}

@@ -109,6 +109,8 @@ def run_cli(tmp_path, *overrides):
     (["tokenizer.path=/nonexistent/tokenizer.json"], "tokenizer.path"),
     (["data.global_batch_size=15"], "global_batch_size"),
     (["data.nonsense_key=1"], "nonsense_key"),
+    (["data.eval.holdout_files=0", "data.eval.paths=[${project_root:}/data/sample/0003/en_head.json.gz]"], "overlaps"),
+    (["data.num_workers=8"], "data.num_shards"),
 ])
 def test_bad_config_fails_fast_with_one_line(tmp_path, overrides, needle):
     result = run_cli(tmp_path, *overrides)

@@ -1,0 +1,60 @@
+"""What a run shows: metrics.jsonl and wandb (offline), evaluation, profiling, determinism.
+
+    pytest tests/test_monitoring.py -q
+"""
+import glob
+import json
+from pathlib import Path
+
+from test_train import make_cfg, read_metrics
+
+import train as train_mod
+
+RUN = ["train.log_every=2", "train.eval_every=2", "train.eval_batches=2", "checkpoint.every=0",
+       "data.num_workers=0", "optimizer.warmup_steps=1", "logger.wandb.mode=offline"]
+REQUIRED = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "data_wait_frac")
+
+
+def wandb_runs(run_dir):
+    return sorted(Path(run_dir, "wandb").glob("offline-run-*"))
+
+
+def test_metrics_wandb_profile_and_resume_keep_the_run(tmp_path):
+    run_dir = tmp_path / "run"
+    train_mod.train(make_cfg(run_dir, *RUN, "train.steps=4", "profile.steps=[3,4]"))
+
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [2, 4]
+    for row in rows:
+        for key in REQUIRED + ("eval_loss", "perplexity", "param_norm", "data/documents", "data/padding_frac"):
+            assert key in row, key
+
+    # The offline wandb run holds the same metrics and the resolved config.
+    [first_run] = wandb_runs(run_dir)
+    record = next(first_run.glob("run-*.wandb")).read_bytes()
+    for needle in (b"tokens_per_s", b"data_wait_frac", b"eval_loss", b"global_batch_size", b"raw_content",
+                   json.dumps(rows[-1]["loss"]).encode()):
+        assert needle in record, needle
+
+    # profile.steps=[3,4] wrote a trace.
+    assert glob.glob(str(run_dir / "profile" / "**" / "*.xplane.pb"), recursive=True)
+
+    # Resuming continues the same wandb run (the id travels in the checkpoint).
+    train_mod.train(make_cfg(run_dir, *RUN, "train.steps=6"))
+    runs = wandb_runs(run_dir)
+    assert len(runs) == 2
+    run_id = first_run.name.rsplit("-", 1)[1]
+    assert all(r.name.endswith("-" + run_id) for r in runs), runs
+    assert [r["step"] for r in read_metrics(run_dir)] == [2, 4, 6]
+
+
+def test_same_seed_same_losses_and_eval_losses(tmp_path):
+    a = tmp_path / "a"
+    b = tmp_path / "b"
+    for run_dir in (a, b):
+        train_mod.train(make_cfg(run_dir, *RUN, "train.steps=4", "logger.wandb.mode=disabled"))
+    rows_a, rows_b = read_metrics(a), read_metrics(b)
+    assert [r["loss"] for r in rows_a] == [r["loss"] for r in rows_b]
+    assert [r["eval_loss"] for r in rows_a] == [r["eval_loss"] for r in rows_b]
+    # Evaluation is on held-out data: a fixed set, so its loss moves only with the parameters.
+    assert rows_a[0]["eval_loss"] != rows_a[1]["eval_loss"]
