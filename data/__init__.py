@@ -3,11 +3,12 @@
 See data/stream.py for the virtual-shard design and its state.
 """
 from data.config import DataConfig, list_files, validate
-from data.pipeline import DevicePrefetcher, make_host_dataset, make_host_iterator
+from data.pipeline import (DevicePrefetcher, make_host_dataset, make_host_iterator,
+                           restore_host_iterator)
 from data.sources import BadDataError
 from data.state import fingerprint, merge_host_states
 from data.tokenizer import load_tokenizer
 
 __all__ = ["DataConfig", "DevicePrefetcher", "BadDataError", "fingerprint", "list_files",
            "load_tokenizer", "make_host_dataset", "make_host_iterator", "merge_host_states",
-           "validate"]
+           "restore_host_iterator", "validate"]

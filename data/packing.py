@@ -10,6 +10,8 @@ flushes its open bins at the end of every window), so their state is small JSON.
 """
 from __future__ import annotations
 
+import base64
+
 import numpy as np
 
 PAD_ID = 0
@@ -69,13 +71,15 @@ def carry_to_state(tok, did, first) -> dict:
         b = np.concatenate([[0], cut, [len(did)]])
         for s, e in zip(b[:-1], b[1:]):
             runs.append([int(did[s]), int(e - s), int(first[s])])
-    return {"tokens": tok.tolist(), "runs": runs}
+    # tokens as base64 little-endian int32: one short string pickles and serializes fast
+    return {"tokens": base64.b64encode(tok.astype("<i4").tobytes()).decode("ascii"),
+            "runs": runs}
 
 
 def carry_from_state(st: dict | None):
     if not st or not st.get("tokens"):
         return _empty()
-    tok = np.asarray(st["tokens"], np.int32)
+    tok = np.frombuffer(base64.b64decode(st["tokens"]), "<i4").astype(np.int32)
     did = np.concatenate([np.full(c, d, np.int64) for d, c, _ in st["runs"]])
     first = np.zeros(len(tok), bool)
     off = 0
@@ -147,8 +151,8 @@ class FirstFitPacker:
         return tok, did, first
 
     def add(self, tok, did, first, lasts_end=None):
-        """tok/did/first as from `assemble`; documents end where the next token is another
-        document's first token or at the end when `ends_with_doc_end`."""
+        """tok/did/first as from `assemble`. lasts_end: whether the block's last piece ends
+        its document (else that document's tokens so far are carried to the next block)."""
         out = []
         ct, cd, cf = self.carry
         tok = np.concatenate([ct, tok])

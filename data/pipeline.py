@@ -5,12 +5,10 @@ import queue
 import threading
 import time
 
-import numpy as np
-
 from data.config import DataConfig, check_shards, list_files
 from data.state import normalize_shard_states, sum_counters
 from data.stream import COUNTER_KEYS, HostIterDataset, StreamSpec, find_shard_states
-from data.tokenizer import load_tokenizer
+from data.tokenizer import load_tokenizer, special_ids
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 
@@ -30,13 +28,17 @@ def make_host_dataset(cfg: DataConfig, process_index: int, process_count: int,
         raise ValueError(f"data.global_batch_size={cfg.global_batch_size} is not divisible by "
                          f"the process count {process_count}")
     tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.tokenizer)
+    _, bos = special_ids(tok)   # raises when the tokenizer has no EOS
+    if cfg.add_bos and bos is None:
+        raise ValueError(f"data.add_bos=true but tokenizer.path={cfg.tokenizer!r} has no BOS "
+                         "token (<s>, <|begin_of_text|>, <bos>)")
     spec = StreamSpec(
         files=tuple(files), num_shards=cfg.num_shards, tokenizer_json=tok.to_str(),
         seq_len=cfg.seq_len, text_key=cfg.text_key, strict=cfg.strict, packing=cfg.packing,
         shuffle_window=cfg.shuffle_window, files_per_stream=cfg.files_per_stream,
         add_bos=cfg.add_bos, seed=cfg.seed,
         batch_rows=cfg.global_batch_size // process_count, num_workers=cfg.num_workers,
-        debug=debug)
+        debug=debug, process_index=process_index, process_count=process_count)
     states = normalize_shard_states(shard_states, cfg.num_shards)
     ds = HostIterDataset(spec, host_shards(cfg.num_shards, process_index, process_count),
                          states)
@@ -70,6 +72,47 @@ def make_host_iterator(cfg: DataConfig, process_index: int, process_count: int,
     """
     return iter(make_host_dataset(cfg, process_index, process_count, shard_states,
                                   debug=debug))
+
+
+def saved_topology(host_state) -> tuple[int, int, int] | None:
+    """(process_index, process_count, num_workers) recorded in a saved host state."""
+    found = []
+
+    def walk(x):
+        if isinstance(x, dict):
+            if "__vshards__" in x:
+                found.append(tuple(int(v) for v in x.get("topology", ())) or None)
+                return
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+    walk(host_state)
+    tops = {t for t in found if t}
+    return tops.pop() if len(tops) == 1 else None
+
+
+def restore_host_iterator(cfg: DataConfig, process_index: int, process_count: int,
+                          host_states: list[dict] | None, *, debug: bool = False):
+    """The host iterator positioned after the saved consumed states of ALL hosts.
+
+    Same topology (host count, this host's index, worker count): Grain's own set_state,
+    bit-identical continuation. Otherwise: merge_host_states -> per-shard states (elastic:
+    no document lost or repeated; the row interleaving order may differ).
+    """
+    from data.state import merge_host_states
+    if not host_states:
+        return make_host_iterator(cfg, process_index, process_count, debug=debug)
+    same = (len(host_states) == process_count and
+            saved_topology(host_states[process_index]) ==
+            (process_index, process_count, cfg.num_workers))
+    if same:
+        it = make_host_iterator(cfg, process_index, process_count, debug=debug)
+        it.set_state(host_states[process_index])
+        return it
+    return make_host_iterator(cfg, process_index, process_count,
+                              shard_states=merge_host_states(host_states), debug=debug)
 
 
 def state_counters(state) -> dict:

@@ -5,6 +5,19 @@ files in a seeded per-epoch order -> documents -> batched tokenization -> packer
 of >= W rows, each permuted with a seed from (seed, shard, window index).
 Its state: the reader + packer carry + counters at the start of the current window, and how
 many rows of the window were emitted. Restoring regenerates that one window and skips.
+
+Layout of a host batch (R = seq_len + 1 tokens per packed row, non-overlapping):
+inputs = row[:-1], targets = row[1:]; segment_ids count documents inside the row from 1
+(0 = padding); positions restart at 0 at each document start AND at the start of a row (a
+document continued from the previous row starts again at 0); loss_mask = 1 where target t
+belongs to the same document as input t. EOS ends every document (BOS optional).
+
+Host state (JSON): {"__vshards__": 1, "num_shards": V, "rr": next shard in the round robin,
+"topology": [process_index, process_count, num_workers], "shards": {"v": shard state}}.
+Shard state: {"start": {"reader", "carry", "win", "c"}, "emitted": k, "c": counters}; the
+counters (rows, docs, tokens, pad, segs, bad records) cover the rows emitted so far, so a
+consumed state gives exact consumed statistics. Bad records are counted when read (the
+window is read ahead of consumption).
 """
 from __future__ import annotations
 
@@ -41,6 +54,8 @@ class StreamSpec:
     batch_rows: int                 # rows per host batch
     num_workers: int
     debug: bool = False
+    process_index: int = 0
+    process_count: int = 1
 
 
 def zero_counters() -> dict:
@@ -114,7 +129,7 @@ class ShardStream:
         first batch). Depends only on (shard, window index): topology independent."""
         if self.win > 0:
             return self.W
-        frac = 0.25 + 0.75 * ((self.shard * 0.6180339887498949) % 1.0)
+        frac = 0.125 + 0.875 * ((self.shard * 0.6180339887498949) % 1.0)
         return max(1, int(self.W * frac))
 
     def _build_window(self) -> None:
@@ -266,7 +281,9 @@ class HostIterator(grain.DatasetIterator):
             shards = dict(self._states)
         else:
             shards = {str(s.shard): s.get_state() for s in self.streams}
-        return {_MARK: STATE_VERSION, "num_shards": self.spec.num_shards, "rr": self.rr,
+        sp = self.spec
+        return {_MARK: STATE_VERSION, "num_shards": sp.num_shards, "rr": self.rr,
+                "topology": [sp.process_index, sp.process_count, sp.num_workers],
                 "shards": shards}
 
     def set_state(self, state: dict) -> None:

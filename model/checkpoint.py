@@ -255,3 +255,56 @@ class DataStateSave(ocp.args.CheckpointArgs):
 @dataclasses.dataclass
 class DataStateRestore(ocp.args.CheckpointArgs):
     pass
+
+
+# ---------------------------------------------------------------- params for tools (generate, export, import)
+def resolve_checkpoint(path) -> tuple[str, int]:
+    """(manager directory, step) for a run directory (its checkpoint.dir from config.yaml, else
+    <run>/checkpoints; latest step), a manager directory (latest step) or one step directory."""
+    p = epath.Path(path)
+    if (p / "config.yaml").is_file():
+        import yaml
+
+        run_cfg = yaml.safe_load((p / "config.yaml").read_text()) or {}
+        ckpt_dir = (run_cfg.get("checkpoint") or {}).get("dir")
+        p = epath.Path(ckpt_dir) if ckpt_dir and epath.Path(ckpt_dir).is_dir() else p / "checkpoints"
+    point = _resolve("checkpoint", str(p), "tool")
+    return point.directory, point.step
+
+
+def load_params(path, **model_overrides):
+    """(model config, params on the first device, meta) of a checkpoint; never reads the
+    optimizer state. `model_overrides` change runtime fields (e.g. dtype="float32")."""
+    from model.hf import abstract_params
+    from model.llama import LlamaConfig
+
+    directory, step = resolve_checkpoint(path)
+    with _read_only_manager(directory) as manager:
+        meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"] or {}
+        model_map = (meta.get("config") or {}).get("model")
+        if not model_map:
+            raise ValueError(f"{directory}/{step}: its meta holds no config.model; cannot tell the model's shapes")
+        cfg = LlamaConfig.from_mapping({**model_map, **model_overrides})
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        target = {"params": jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
+                                         abstract_params(cfg))}
+        args = ocp.args.PyTreeRestore(item=target, partial_restore=True,
+                                      restore_args=ocp.checkpoint_utils.construct_restore_args(target))
+        params = manager.restore(step, args=ocp.args.Composite(state=args))["state"]["params"]
+    return cfg, params, dict(meta, step=step, directory=directory)
+
+
+def save_params(directory, params, meta: dict, step: int = 0) -> str:
+    """A checkpoint `checkpoint.init_from=<directory>` accepts: item "state" = {"params": ...}
+    (no optimizer state, no data state) and item "meta". Refuses a directory with steps in it."""
+    import os
+
+    directory = os.path.abspath(os.fspath(directory))
+    if os.path.isdir(directory) and os.listdir(directory):
+        raise FileExistsError(f"{directory} is not empty; choose a new directory")
+    options = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False)
+    with ocp.CheckpointManager(directory, item_names=ITEMS, options=options) as manager:
+        manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave({"params": params}),
+                                                   meta=ocp.args.JsonSave(meta)))
+        manager.wait_until_finished()
+    return directory

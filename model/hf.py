@@ -1,4 +1,4 @@
-"""Hugging Face Llama <-> our Llama: config, weight names and layouts, and parameter checkpoints.
+"""Hugging Face Llama <-> our Llama: config, weight names and layouts, safetensors.
 
 Used by scripts/export_hf.py, scripts/import_hf.py and scripts/generate.py; train.py never
 imports it. The numerical reference is tests/test_model_hf.py (HF logits to 1e-4 in fp32).
@@ -11,9 +11,7 @@ out, and the layers stacked on a leading axis when `scan_layers` (see model/llam
     lm_head.weight [v, d]   <->  lm_head_dv [d, v]   (absent when the embeddings are tied)
 Both use the "rotate half" RoPE layout, so no q/k permutation is needed either way.
 
-Checkpoints outside a run. `load_params` reads the parameters (only) of a training checkpoint
-given a run directory, a checkpoint directory or one step directory; `save_params` writes the
-layout `checkpoint.init_from` reads (model/checkpoint.py, Checkpointer.restore_params).
+Reading and writing parameter-only checkpoints is model/checkpoint.py's (load_params, save_params).
 """
 from __future__ import annotations
 
@@ -94,22 +92,20 @@ def from_hf_config(hf: Mapping[str, Any], **runtime) -> LlamaConfig:
 
 def model_yaml(cfg: LlamaConfig) -> str:
     """The configs/model/*.yaml text for `cfg` (every field, in declaration order)."""
-    lines = []
-    for f in dataclasses.fields(cfg):
-        v = getattr(cfg, f.name)
-        lines.append(f"{f.name}: {str(v).lower() if isinstance(v, bool) else v}")
-    return "\n".join(lines) + "\n"
+    import yaml
+
+    # safe_dump writes 1e-5 as 1.0e-05, which YAML 1.1 loaders read back as a float.
+    return yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)
 
 
 # ----------------------------------------------------------------------------- weights
 
-Table = list  # [(our path inside one layer, HF name inside "model.layers.{i}.", ours->HF, HF->ours)]
-
-
-def _layer_table(cfg: LlamaConfig) -> Table:
+def _layer_table(cfg: LlamaConfig) -> list[tuple[tuple[str, ...], str, Callable, Callable]]:
+    """One row per weight of a layer: (our path in the layer, HF name after "model.layers.{i}.",
+    ours -> HF, HF -> ours). Both directions sit side by side, so they cannot drift apart."""
     d, n, k, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    same: Callable = lambda w: w  # noqa: E731
-    T: Callable = lambda w: w.T  # noqa: E731
+    same = lambda w: w  # noqa: E731
+    T = lambda w: w.T  # noqa: E731
     return [
         (("attn_norm", "scale_d"), "input_layernorm.weight", same, same),
         (("wq_dnh",), "self_attn.q_proj.weight", lambda w: w.reshape(d, n * h).T, lambda w: w.T.reshape(d, n, h)),
@@ -176,7 +172,7 @@ def from_hf_state_dict(sd: Mapping[str, np.ndarray], cfg: LlamaConfig) -> dict:
     return params
 
 
-def _abstract_params(cfg: LlamaConfig) -> dict:
+def abstract_params(cfg: LlamaConfig) -> dict:
     from flax import nnx
 
     model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
@@ -184,7 +180,7 @@ def _abstract_params(cfg: LlamaConfig) -> dict:
 
 
 def _check_shapes(params, cfg: LlamaConfig) -> None:
-    want = jax.tree_util.tree_flatten_with_path(_abstract_params(cfg))[0]
+    want = jax.tree_util.tree_flatten_with_path(abstract_params(cfg))[0]
     got = dict(jax.tree_util.tree_flatten_with_path(params)[0])
     for path, abstract in want:
         shape = tuple(np.shape(got[path]))
@@ -212,79 +208,3 @@ def read_safetensors(hf_dir: str | os.PathLike) -> dict[str, np.ndarray]:
             for key in f.keys():
                 sd[key] = np.asarray(f.get_tensor(key))
     return sd
-
-
-# ----------------------------------------------------------------------------- checkpoints
-
-
-def resolve_checkpoint(path: str | os.PathLike) -> tuple[str, int]:
-    """(checkpoint manager directory, step) for a run directory (its checkpoint.dir from
-    config.yaml, else <run>/checkpoints; latest step), a manager directory (latest step) or
-    one step directory (`.../checkpoints/1200`)."""
-    from model.checkpoint import split_step_dir
-
-    p = Path(path)
-    if (p / "config.yaml").is_file():
-        import yaml
-
-        run_cfg = yaml.safe_load((p / "config.yaml").read_text()) or {}
-        ckpt_dir = (run_cfg.get("checkpoint") or {}).get("dir")
-        p = Path(ckpt_dir) if ckpt_dir and Path(ckpt_dir).is_dir() else p / "checkpoints"
-    directory, step = split_step_dir(str(p))
-    if not Path(directory).is_dir():
-        raise FileNotFoundError(f"{path}: no run, checkpoint or step directory there")
-    with _read_only_manager(directory) as manager:
-        steps = sorted(manager.all_steps())
-    if not steps:
-        raise FileNotFoundError(f"{path}: {directory} holds no complete checkpoint")
-    if step is None:
-        return directory, steps[-1]
-    if step not in steps:
-        raise FileNotFoundError(f"{path}: step {step} is not a complete checkpoint (steps: {steps})")
-    return directory, step
-
-
-def load_params(path: str | os.PathLike, **model_overrides) -> tuple[LlamaConfig, dict, dict]:
-    """(model config, params on the first device, meta) of a checkpoint; never reads the
-    optimizer state. `model_overrides` change runtime fields (e.g. dtype="float32")."""
-    import orbax.checkpoint as ocp
-
-    directory, step = resolve_checkpoint(path)
-    with _read_only_manager(directory) as manager:
-        meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"] or {}
-        model_map = (meta.get("config") or {}).get("model")
-        if not model_map:
-            raise ValueError(f"{directory}/{step}: its meta holds no config.model; cannot tell the model's shapes")
-        cfg = LlamaConfig.from_mapping({**model_map, **model_overrides})
-        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        target = {"params": jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
-                                         _abstract_params(cfg))}
-        args = ocp.args.PyTreeRestore(item=target, partial_restore=True,
-                                      restore_args=ocp.checkpoint_utils.construct_restore_args(target))
-        params = manager.restore(step, args=ocp.args.Composite(state=args))["state"]["params"]
-    return cfg, params, dict(meta, step=step, directory=directory)
-
-
-def save_params(directory: str | os.PathLike, params, meta: dict, step: int = 0) -> str:
-    """A checkpoint `checkpoint.init_from=<directory>` accepts: item "state" = {"params": ...}
-    (no optimizer state, no data state) and item "meta". Refuses a directory with steps in it."""
-    import orbax.checkpoint as ocp
-    from model.checkpoint import ITEMS
-
-    directory = os.path.abspath(os.fspath(directory))
-    if os.path.isdir(directory) and os.listdir(directory):
-        raise FileExistsError(f"{directory} is not empty; choose a new directory")
-    options = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False)
-    with ocp.CheckpointManager(directory, item_names=ITEMS, options=options) as manager:
-        manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave({"params": params}),
-                                                   meta=ocp.args.JsonSave(meta)))
-        manager.wait_until_finished()
-    return directory
-
-
-def _read_only_manager(directory: str):
-    import orbax.checkpoint as ocp
-    from model.checkpoint import ITEMS
-
-    return ocp.CheckpointManager(directory, item_names=ITEMS,
-                                 options=ocp.CheckpointManagerOptions(read_only=True, create=False))

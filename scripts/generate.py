@@ -15,6 +15,7 @@ training data puts between documents.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
 from pathlib import Path
@@ -107,11 +108,12 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default=None, help="compute dtype (default: the checkpoint's model.dtype)")
     args = ap.parse_args(argv)
+    logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's read-only notices
     if args.temperature < 0 or not 0 < args.top_p <= 1 or args.max_new_tokens < 1:
         ap.error("need --temperature >= 0, 0 < --top-p <= 1, --max-new-tokens >= 1")
 
     from data.tokenizer import load_tokenizer, special_ids
-    from model.hf import load_params
+    from model.checkpoint import load_params
 
     overrides = {"dtype": args.dtype} if args.dtype else {}
     cfg, params, meta = load_params(args.checkpoint, **overrides)

@@ -3,6 +3,7 @@ import gzip
 import json
 import os
 
+import numpy as np
 import pytest
 
 import data
@@ -125,3 +126,30 @@ def test_huge_document_is_pieced(tmp_path):
     from data.stream import find_shard_states
     rd = find_shard_states(it.get_state())["0"]["start"]["reader"]
     assert rd["slots"] and rd["slots"][0][2] > 0 and len(big) > 10 * PIECE_CHARS
+
+
+def test_restore_inside_a_huge_document(tmp_path):
+    os.makedirs(tmp_path / "d")
+    big = "lorem ipsum dolor sit amet " * (400_000 // 27)
+    small = [json.dumps({"raw_content": f"small doc {i} " + "x y " * 30}) for i in range(5)]
+    write_lines(str(tmp_path / "d" / "a.jsonl"),
+                [s.encode() for s in small[:2]] + [json.dumps({"raw_content": big}).encode()]
+                + [s.encode() for s in small[2:]])
+    c = cfg(tmp_path, paths=(str(tmp_path / "d" / "*.jsonl"),), num_shards=1, seq_len=64,
+            global_batch_size=4, shuffle_window=4)
+    it = data.make_host_iterator(c, 0, 1)
+    states, ref = [], []
+    for _ in range(400):
+        states.append(json.loads(json.dumps(it.get_state())))
+        ref.append(next(it))
+    from data.stream import find_shard_states
+    inside = [k for k, s in enumerate(states)
+              if any(sl[2] > 0 for sl in find_shard_states(s)["0"]["start"]["reader"]["slots"])]
+    assert len(inside) > 50
+    for k in inside[::40] + [inside[-1]]:
+        it2 = data.make_host_iterator(c, 0, 1)
+        it2.set_state(states[k])
+        for j in range(k, min(k + 3, 400)):
+            b = next(it2)
+            for key in b:
+                np.testing.assert_array_equal(b[key], ref[j][key])

@@ -145,3 +145,27 @@ def test_device_prefetcher(tmp_path):
     assert s["documents"] > 0 and s["docs_per_row"] >= 1 and s["wait_s"] >= 0
     assert s["bad_records"] == {}
     pf.close()
+
+
+def test_restore_host_iterator_picks_the_path(tmp_path):
+    write_corpus(tmp_path, n_files=8, docs_per_file=6, max_words=80)
+    c2 = cfg(tmp_path, num_shards=8, global_batch_size=8, shuffle_window=6, seq_len=16)
+    its = [data.make_host_iterator(c2, h, 2, debug=True) for h in range(2)]
+    for it in its:
+        take(it, 3)
+    saved = [jround(it.get_state()) for it in its]
+    ref = [take(it, 4) for it in its]
+    # same topology: exact continuation on every host
+    for h in range(2):
+        it = data.restore_host_iterator(c2, h, 2, saved, debug=True)
+        for a, b in zip(take(it, 4), ref[h]):
+            assert_batches_equal(a, b)
+    # other topology (1 host): the shards continue where they were, none lost or repeated
+    c1 = cfg_replace(c2, global_batch_size=4)
+    it = data.restore_host_iterator(c1, 0, 1, saved, debug=True)
+    got = _per_shard(rows_of(take(it, 8)))
+    canon = _canonical(c2, 20)
+    assert sorted(got) == list(range(8))
+    for shard, rows in got.items():
+        # each host consumed 3 batches of 4 rows from its 4 shards: 3 rows per shard
+        assert canon[shard][3:3 + len(rows)] == rows

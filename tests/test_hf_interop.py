@@ -1,0 +1,168 @@
+"""Hugging Face interop: export -> import is the identity on parameters, the exported directory
+loads in `transformers` and gives our logits to 1e-4 (fp32), sharded safetensors import, and
+`checkpoint.init_from` with an imported checkpoint trains from exactly those parameters.
+
+Run: pytest tests/test_hf_interop.py -q   (the transformers checks skip without torch/transformers)
+"""
+import dataclasses
+import importlib.util
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hydra import compose, initialize_config_dir
+
+import train as train_mod
+from model import checkpoint as ckpt_lib
+from model import hf
+from model.llama import Llama, LlamaConfig
+from model.step import model_from_params
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKENIZER = str(ROOT / "data" / "sample" / "tokenizer.json")
+
+
+def load_script(name):
+    spec = importlib.util.spec_from_file_location(f"scripts_{name}", ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+export_hf, import_hf = load_script("export_hf"), load_script("import_hf")
+
+
+def assert_same_params(a, b):
+    fa, fb = jax.tree_util.tree_flatten_with_path(a)[0], jax.tree_util.tree_flatten_with_path(b)[0]
+    assert [p for p, _ in fa] == [p for p, _ in fb]
+    for (path, x), (_, y) in zip(fa, fb):
+        assert np.asarray(x).dtype == np.asarray(y).dtype == np.float32, jax.tree_util.keystr(path)
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path))
+
+
+def random_checkpoint(directory, cfg: LlamaConfig, seed=0):
+    """A checkpoint of random weights with non-trivial norm scales (a swapped or transposed
+    norm would show), carrying the meta a training run writes."""
+    params = nnx.to_pure_dict(nnx.state(Llama(cfg, rngs=nnx.Rngs(seed)), nnx.Param))
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+    params = jax.tree.unflatten(treedef, [
+        x * (1.0 + 0.1 * jax.random.normal(key, x.shape)) if "scale_d" in jax.tree_util.keystr(path) else x
+        for (path, x), key in zip(leaves, keys)])
+    meta = {"config": {"model": dataclasses.asdict(cfg), "tokenizer": {"path": TOKENIZER}, "data": {"add_bos": False}}}
+    ckpt_lib.save_params(directory, params, meta)
+    return params
+
+
+# ---------------------------------------------------------------- a briefly trained run
+TINY_RUN = ["model.d_model=64", "model.n_layers=2", "model.d_ff=128", "model.tie_embeddings=false",
+            "data.seq_len=64", "data.global_batch_size=8", "data.num_workers=0", "train.log_every=1",
+            "train.eval_every=0", "checkpoint.every=0", "optimizer.warmup_steps=1", "logger.wandb.mode=disabled"]
+
+
+def make_cfg(run_dir, *overrides):
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        return compose("train", overrides=[f"paths.run_dir={run_dir}", "logger.progress_bar=false", *overrides])
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """(trained run dir, its HF export, the export imported back)."""
+    base = tmp_path_factory.mktemp("hf")
+    train_mod.train(make_cfg(base / "run", *TINY_RUN, "train.steps=3"))
+    export_hf.export(str(base / "run"), str(base / "hf"))
+    import_hf.import_hf(str(base / "hf"), str(base / "imported"), dtype="float32", remat="none")
+    return base / "run", base / "hf", base / "imported"
+
+
+def test_export_import_round_trip_is_identity(exported):
+    run, hf_dir, imported = exported
+    cfg_a, params_a, _ = ckpt_lib.load_params(run)
+    cfg_b, params_b, meta_b = ckpt_lib.load_params(imported)
+    assert cfg_a == cfg_b  # the run's model config (shapes and runtime settings) comes back
+    assert_same_params(params_a, params_b)
+    assert meta_b["config"]["tokenizer"]["path"] == str(hf_dir.resolve() / "tokenizer.json")
+    config = json.loads((hf_dir / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False and config["num_key_value_heads"] == cfg_a.n_kv_heads
+
+
+def test_sharded_safetensors_import(exported, tmp_path):
+    """model.safetensors.index.json + shards (how large HF models ship) reads like one file."""
+    from safetensors.numpy import save_file
+
+    run, hf_dir, _ = exported
+    sd = hf.read_safetensors(hf_dir)
+    names = sorted(sd)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    for f in ("config.json", "tokenizer.json"):
+        (sharded / f).write_bytes((hf_dir / f).read_bytes())
+    for fname, keys in shards.items():
+        save_file({k: sd[k] for k in keys}, str(sharded / fname))
+    index = {"metadata": {}, "weight_map": {k: f for f, keys in shards.items() for k in keys}}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    import_hf.import_hf(str(sharded), str(tmp_path / "ckpt"), dtype="float32", remat="none")
+    assert_same_params(ckpt_lib.load_params(run)[1], ckpt_lib.load_params(tmp_path / "ckpt")[1])
+
+
+def test_unsupported_hf_variants_are_refused():
+    base = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                num_attention_heads=2, num_key_value_heads=1)
+    assert hf.from_hf_config(base).d_model == 16
+    for bad in ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, {"attention_bias": True},
+                {"hidden_act": "gelu"}, {"head_dim": 4}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            hf.from_hf_config({**base, **bad})
+
+
+# ---------------------------------------------------------------- transformers loads the export
+@pytest.mark.parametrize("tie", [False, True])
+def test_exported_model_logits_match_transformers(tmp_path, tie):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    cfg = LlamaConfig(vocab_size=4096, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=160,
+                      rope_theta=5000.0, norm_eps=1e-5, max_seq_len=64, tie_embeddings=tie,
+                      dtype="float32", remat="none")
+    params = random_checkpoint(tmp_path / "ckpt", cfg)
+    export_hf.export(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
+
+    model = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"), attn_implementation="eager").eval()
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 24))
+    with torch.no_grad():
+        want = model(torch.from_numpy(tokens)).logits.numpy()
+    b, t = tokens.shape
+    got = np.asarray(model_from_params(cfg, params)(jnp.asarray(tokens, jnp.int32), jnp.broadcast_to(jnp.arange(t), (b, t)),
+                                                    jnp.ones((b, t), jnp.int32)))
+    assert np.abs(want).max() > 1.0  # not vacuous
+    assert np.abs(got - want).max() <= 1e-4, np.abs(got - want).max()
+
+
+def test_exported_tokenizer_loads_offline(exported):
+    transformers = pytest.importorskip("transformers")
+    from data.tokenizer import load_tokenizer
+
+    _, hf_dir, _ = exported
+    tok = transformers.AutoTokenizer.from_pretrained(str(hf_dir))
+    ours = load_tokenizer(TOKENIZER)
+    text = "The river was wide and slow."
+    assert tok(text)["input_ids"] == ours.encode(text, add_special_tokens=False).ids  # no BOS: add_bos=false
+    assert (tok.bos_token, tok.eos_token, tok.unk_token) == ("<s>", "</s>", "<unk>")
+    assert tok.eos_token_id == ours.token_to_id("</s>")
+    assert tok.decode(tok(text)["input_ids"]).strip() == text
+
+
+# ---------------------------------------------------------------- init_from an imported checkpoint
+def test_init_from_imported_checkpoint_trains_from_its_params(exported, tmp_path):
+    """lr=0: the step changes nothing, so the saved parameters must be the imported ones, not
+    a fresh init (a different seed makes a fresh init visibly different)."""
+    run, _, imported = exported
+    cfg = make_cfg(tmp_path / "run2", *TINY_RUN, "train.steps=2", "seed=7", "optimizer.lr=0.0",
+                   "model.dtype=float32", "model.remat=none", f"checkpoint.init_from={imported}")
+    summary = train_mod.train(cfg)
+    assert summary["start_step"] == 0 and summary["steps"] == 2
+    assert_same_params(ckpt_lib.load_params(tmp_path / "run2")[1], ckpt_lib.load_params(imported)[1])
