@@ -57,15 +57,26 @@ class DataConfig:
 
 
 def check_shards(cfg: DataConfig, process_count: int, n_files: int | None) -> None:
-    need = process_count * max(cfg.num_workers, 1)
-    if cfg.num_shards < need:
+    """Virtual shards fill fixed rows of the global batch (k = global_batch_size / V each) and
+    split over hosts in equal contiguous blocks: V divides the batch, P divides V."""
+    V, B = cfg.num_shards, cfg.global_batch_size
+    if V < 1 or B % V:
         raise ValueError(
-            f"data.num_shards={cfg.num_shards} is smaller than hosts x workers = "
+            f"data.num_shards={V} must divide data.global_batch_size={B} (each virtual shard "
+            f"fills the same number of rows of every batch): pick a divisor of {B}")
+    if V % process_count:
+        raise ValueError(
+            f"data.num_shards={V} does not split evenly over {process_count} hosts: pick a "
+            f"multiple of {process_count} that divides data.global_batch_size={B}")
+    need = process_count * max(cfg.num_workers, 1)
+    if V < need:
+        raise ValueError(
+            f"data.num_shards={V} is smaller than hosts x workers = "
             f"{process_count} x {max(cfg.num_workers, 1)} = {need}: raise data.num_shards "
             f"to at least {need} or lower data.num_workers")
-    if n_files is not None and cfg.num_shards > n_files:
+    if n_files is not None and V > n_files:
         raise ValueError(
-            f"data.num_shards={cfg.num_shards} is larger than the number of files "
+            f"data.num_shards={V} is larger than the number of files "
             f"({n_files}) matched by data.paths: lower data.num_shards to at most {n_files}")
 
 

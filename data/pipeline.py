@@ -7,14 +7,16 @@ import time
 
 from data.config import DataConfig, check_shards, list_files
 from data.state import normalize_shard_states, sum_counters
-from data.stream import COUNTER_KEYS, HostIterDataset, StreamSpec, find_shard_states
+from data.stream import COUNTER_KEYS, HostIterDataset, StreamSpec, WorkerMergeIterDataset, find_shard_states
 from data.tokenizer import load_tokenizer, special_ids
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 
 
 def host_shards(num_shards: int, process_index: int, process_count: int) -> list[int]:
-    return list(range(process_index, num_shards, process_count))
+    """A contiguous block: the host's rows of the global batch are its shards' rows."""
+    per_host = num_shards // process_count
+    return list(range(process_index * per_host, (process_index + 1) * per_host))
 
 
 def make_host_dataset(cfg: DataConfig, process_index: int, process_count: int,
@@ -37,7 +39,7 @@ def make_host_dataset(cfg: DataConfig, process_index: int, process_count: int,
         seq_len=cfg.seq_len, text_key=cfg.text_key, strict=cfg.strict, packing=cfg.packing,
         shuffle_window=cfg.shuffle_window, files_per_stream=cfg.files_per_stream,
         add_bos=cfg.add_bos, seed=cfg.seed,
-        batch_rows=cfg.global_batch_size // process_count, num_workers=cfg.num_workers,
+        rows_per_shard=cfg.global_batch_size // cfg.num_shards, num_workers=cfg.num_workers,
         debug=debug, process_index=process_index, process_count=process_count)
     states = normalize_shard_states(shard_states, cfg.num_shards)
     ds = HostIterDataset(spec, host_shards(cfg.num_shards, process_index, process_count),
@@ -50,7 +52,15 @@ def make_host_dataset(cfg: DataConfig, process_index: int, process_count: int,
         ds = ds.mp_prefetch(grain.multiprocessing.MultiprocessingOptions(
             num_workers=cfg.num_workers,
             per_worker_buffer_size=worker_buffer_size(cfg, process_count)))
+        ds = WorkerMergeIterDataset(ds, cfg.num_workers, keep_row_shard=debug)
+    elif not debug:
+        ds = ds.map(_drop_row_shard)
     return ds
+
+
+def _drop_row_shard(batch: dict) -> dict:
+    batch.pop("row_shard", None)
+    return batch
 
 
 def worker_buffer_size(cfg: DataConfig, process_count: int) -> int:

@@ -12,7 +12,15 @@ inputs = row[:-1], targets = row[1:]; segment_ids count documents inside the row
 document continued from the previous row starts again at 0); loss_mask = 1 where target t
 belongs to the same document as input t. EOS ends every document (BOS optional).
 
-Host state (JSON): {"__vshards__": 1, "num_shards": V, "rr": next shard in the round robin,
+The global batch has a fixed layout: virtual shard v fills rows [v*k, (v+1)*k) of every global
+batch, k = global_batch_size / V. Host h of P owns the contiguous shards [h*V/P, (h+1)*V/P), so
+its local batch is exactly its slice of the global batch, and the global batch is the same for
+any host count and any worker count: a run resumed on another topology sees the very batches an
+uninterrupted run would have seen. An iterator (a host's, or one Grain worker's slice of it)
+emits k rows of each of its shards, in shard order, plus "row_shard" so that the host can merge
+its workers' slabs back into shard order (WorkerMergeIterDataset).
+
+Host state (JSON): {"__vshards__": 1, "num_shards": V,
 "topology": [process_index, process_count, num_workers], "shards": {"v": shard state}}.
 Shard state: {"start": {"reader", "carry", "win", "c"}, "emitted": k, "c": counters}; the
 counters (rows, docs, tokens, pad, segs, bad records) cover the rows emitted so far, so a
@@ -51,7 +59,7 @@ class StreamSpec:
     files_per_stream: int
     add_bos: bool
     seed: int
-    batch_rows: int                 # rows per host batch
+    rows_per_shard: int             # k: rows each virtual shard adds to every global batch
     num_workers: int
     debug: bool = False
     process_index: int = 0
@@ -198,9 +206,9 @@ class ShardStream:
         out["tok"][b] = self.tok[i]
         out["seg"][b] = self.seg[i]
         out["pos"][b] = self.pos[i]
+        out["shard"][b] = self.shard
         if "did" in out:
             out["did"][b] = self.did[i]
-            out["shard"][b] = self.shard
 
 
 def progress(shard_state: dict) -> int:
@@ -208,7 +216,7 @@ def progress(shard_state: dict) -> int:
 
 
 class HostIterDataset(grain.IterDataset):
-    """Rows of this host's virtual shards, round-robin, batched to the host batch.
+    """k rows of each of this host's virtual shards per element, in shard order.
 
     `set_slice` (called by mp_prefetch in each worker) keeps a slice of the shards.
     """
@@ -237,10 +245,9 @@ class HostIterator(grain.DatasetIterator):
             raise ValueError("an input worker owns no virtual shard: raise data.num_shards or "
                              "lower data.num_workers")
         self.spec = spec
-        self.shard_ids = shard_ids
+        self.shard_ids = sorted(shard_ids)
         self._states = {str(v): shard_states.get(str(v)) or initial_shard_state()
                         for v in shard_ids}
-        self.rr = 0
         self.streams = None   # built lazily: get_state in the main process must stay cheap
 
     def _init(self) -> None:
@@ -255,25 +262,24 @@ class HostIterator(grain.DatasetIterator):
     def __next__(self):
         if self.streams is None:
             self._init()
-        B, R = self.spec.batch_rows, self.spec.seq_len + 1
+        k, R = self.spec.rows_per_shard, self.spec.seq_len + 1
+        B = k * len(self.streams)
         out = {"tok": np.empty((B, R), np.int32), "seg": np.empty((B, R), np.int32),
-               "pos": np.empty((B, R), np.int32)}
+               "pos": np.empty((B, R), np.int32), "shard": np.empty((B,), np.int32)}
         if self.spec.debug:
             out["did"] = np.empty((B, R), np.int64)
-            out["shard"] = np.empty((B,), np.int32)
-        ns = len(self.streams)
-        for b in range(B):
-            self.streams[self.rr].next_row_into(b, out)
-            self.rr = (self.rr + 1) % ns
+        for j, stream in enumerate(self.streams):
+            for b in range(j * k, (j + 1) * k):
+                stream.next_row_into(b, out)
         tok, seg = out["tok"], out["seg"]
         batch = {
             "inputs": tok[:, :-1].copy(), "targets": tok[:, 1:].copy(),
             "segment_ids": seg[:, :-1].copy(), "positions": out["pos"][:, :-1].copy(),
             "loss_mask": ((seg[:, 1:] == seg[:, :-1]) & (seg[:, :-1] > 0)).astype(np.int32),
+            "row_shard": out["shard"],
         }
         if self.spec.debug:
             batch["doc_ids"] = out["did"]
-            batch["row_shard"] = out["shard"]
         return batch
 
     def get_state(self) -> dict:
@@ -282,7 +288,7 @@ class HostIterator(grain.DatasetIterator):
         else:
             shards = {str(s.shard): s.get_state() for s in self.streams}
         sp = self.spec
-        return {_MARK: STATE_VERSION, "num_shards": sp.num_shards, "rr": self.rr,
+        return {_MARK: STATE_VERSION, "num_shards": sp.num_shards,
                 "topology": [sp.process_index, sp.process_count, sp.num_workers],
                 "shards": shards}
 
@@ -298,9 +304,6 @@ class HostIterator(grain.DatasetIterator):
             raise ValueError(f"saved input state lacks virtual shards {missing}: the host or "
                              "worker count changed; resume through merge_host_states")
         sts = {str(v): shards[str(v)] for v in self.shard_ids}
-        # A state from the unsliced main-process iterator only occurs before the first
-        # element (rr == 0); otherwise it belongs to exactly these shards.
-        self.rr = int(state["rr"]) % len(self.shard_ids)
         if self.streams is None:
             self._states = sts
         else:
@@ -339,3 +342,47 @@ def find_shard_states(state, out: dict | None = None) -> dict:
             except ValueError:
                 pass
     return out
+
+
+class WorkerMergeIterDataset(grain.IterDataset):
+    """After mp_prefetch: one host batch = one slab from each of the N workers (Grain reads its
+    workers round-robin), rows put back in shard order. Always consumed N elements at a time,
+    so the parent's state is at a group boundary whenever this iterator's state is taken."""
+
+    def __init__(self, parent: grain.IterDataset, num_workers: int, keep_row_shard: bool):
+        super().__init__(parent)
+        self.num_workers = num_workers
+        self.keep_row_shard = keep_row_shard
+
+    def __iter__(self):
+        return WorkerMergeIterator(self._parent.__iter__(), self.num_workers, self.keep_row_shard)
+
+    def __str__(self) -> str:
+        return f"WorkerMergeIterDataset(num_workers={self.num_workers})"
+
+
+class WorkerMergeIterator(grain.DatasetIterator):
+    def __init__(self, parent, num_workers: int, keep_row_shard: bool):
+        super().__init__(parent)
+        self.num_workers = num_workers
+        self.keep_row_shard = keep_row_shard
+
+    def __next__(self):
+        slabs = [next(self._parent) for _ in range(self.num_workers)]
+        row_shard = np.concatenate([s["row_shard"] for s in slabs])
+        order = np.argsort(row_shard, kind="stable")
+        batch = {key: np.concatenate([s[key] for s in slabs])[order] for key in slabs[0]}
+        if not self.keep_row_shard:
+            del batch["row_shard"]
+        return batch
+
+    def get_state(self):
+        return self._parent.get_state()
+
+    def set_state(self, state):
+        self._parent.set_state(state)
+
+    def close(self) -> None:
+        close = getattr(self._parent, "close", None)
+        if close is not None:
+            close()

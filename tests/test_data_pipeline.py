@@ -34,15 +34,15 @@ def test_exactly_once_per_epoch(tmp_path, P, packing):
     texts = write_corpus(tmp_path, n_files=8, docs_per_file=10,
                          long_doc_chars=110_000 if P == 1 else 0)
     files = sorted({p for p, _ in texts})
-    c = cfg(tmp_path, num_shards=8, packing=packing, global_batch_size=4 * P)
+    c = cfg(tmp_path, num_shards=8, packing=packing, global_batch_size=8)
     per_shard = [0] * 8
     for (path, _), t in texts.items():
         per_shard[files.index(path) % 8] += len(expected_tokens(t))
     # Enough rows for every shard (the biggest holds the long document) to pass epoch 1:
-    # each host batch takes 4 rows round-robin from its 8 / P shards.
+    # every global batch takes 1 row of each of the 8 shards (global_batch_size / num_shards).
     n_epochs = 2
     rows_needed = int((n_epochs + 0.6) * max(per_shard) / 33) + 2 * 8 + 16
-    n_batches = rows_needed * 8 // (4 * P) + 1
+    n_batches = rows_needed + 1
     rows = run_hosts(c, P, n_batches)
     docs = doc_tokens(rows, len(files))
     epochs = {}
@@ -145,7 +145,7 @@ def test_file_formats(tmp_path):
     write_lines(str(tmp_path / "a" / "y.jsonl.zst"), recs[2:4])
     write_lines(str(tmp_path / "a" / "z.json.gz"), recs[4:])
     c = cfg(tmp_path, paths=(str(tmp_path / "a" / "*"),), num_shards=3, text_key="text",
-            shuffle_window=0)
+            shuffle_window=0, global_batch_size=3)
     files = data.list_files(c)
     assert [os.path.basename(f) for f in files] == ["x.jsonl", "y.jsonl.zst", "z.json.gz"]
     rows = rows_of(take(data.make_host_iterator(c, 0, 1, debug=True), 20))
@@ -169,7 +169,11 @@ def test_validate_errors(tmp_path):
     with pytest.raises(ValueError, match="data.num_shards=4 is smaller"):
         data.validate(cfg(tmp_path, num_workers=2, global_batch_size=8), 4, 1)
     with pytest.raises(ValueError, match="lower data.num_shards"):
-        data.validate(cfg(tmp_path, num_shards=5), 1, 1)
+        data.validate(cfg(tmp_path, num_shards=8, global_batch_size=8), 1, 1)
+    with pytest.raises(ValueError, match="must divide data.global_batch_size"):
+        data.validate(cfg(tmp_path, num_shards=3), 1, 1)
+    with pytest.raises(ValueError, match="split evenly over 3 hosts"):
+        data.validate(cfg(tmp_path, num_shards=4, global_batch_size=12), 3, 1)
     with pytest.raises(FileNotFoundError, match="tokenizer.path"):
         data.load_tokenizer(str(tmp_path / "nothing" / "tokenizer.json"))
 

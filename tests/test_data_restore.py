@@ -85,30 +85,42 @@ def _check_prefix(per_shard_rows, canonical):
 ])
 def test_elastic_restore(tmp_path, P1, N1, P2, N2, k1):
     write_corpus(tmp_path, n_files=8, docs_per_file=6, max_words=80)
-    base = cfg(tmp_path, num_shards=8, shuffle_window=6, seq_len=16)
-    c1 = cfg_replace(base, num_workers=N1, global_batch_size=4 * P1)
-    c2 = cfg_replace(base, num_workers=N2, global_batch_size=4 * P2)
+    base = cfg(tmp_path, num_shards=8, shuffle_window=6, seq_len=16, global_batch_size=8)
+    c1 = cfg_replace(base, num_workers=N1)
+    c2 = cfg_replace(base, num_workers=N2)
     consumed = []
     host_states = []
+    before = [[] for _ in range(P1)]
     for h in range(P1):
         it = data.make_host_iterator(c1, h, P1, debug=True)
-        consumed += rows_of(take(it, k1))
+        before[h] = take(it, k1)
+        consumed += rows_of(before[h])
         host_states.append(jround(it.get_state()))
         if hasattr(it, "close"):
             it.close()
     merged = jround(data.merge_host_states(host_states))
     assert sorted(merged["shards"], key=int) == [str(v) for v in range(8)]
     k2 = 12
+    after = [[] for _ in range(P2)]
     for h in range(P2):
         it = data.make_host_iterator(c2, h, P2, shard_states=merged, debug=True)
-        consumed += rows_of(take(it, k2))
+        after[h] = take(it, k2)
+        consumed += rows_of(after[h])
         if hasattr(it, "close"):
             it.close()
     per_shard = _per_shard(consumed)
     canonical = _canonical(base, 60)
     _check_prefix(per_shard, canonical)
     # and every shard progressed in both phases: nothing skipped at the seam
-    assert sum(len(v) for v in per_shard.values()) == 4 * P1 * k1 + 4 * P2 * k2
+    assert sum(len(v) for v in per_shard.values()) == 8 * k1 + 8 * k2
+    # Stronger: the global batches (hosts' batches side by side) are exactly those of an
+    # uninterrupted single-host run, before and after the change of topology.
+    straight = take(data.make_host_iterator(cfg_replace(base, num_workers=0), 0, 1, debug=True), k1 + k2)
+    for step in range(k1 + k2):
+        hosts = [before[h][step] for h in range(P1)] if step < k1 else [after[h][step - k1] for h in range(P2)]
+        for key in ("inputs", "targets", "segment_ids", "positions", "loss_mask", "doc_ids", "row_shard"):
+            np.testing.assert_array_equal(np.concatenate([b[key] for b in hosts]), straight[step][key],
+                                          err_msg=f"step {step} {key}")
 
 
 def test_same_topology_state_rejects_other_topology(tmp_path):
@@ -161,11 +173,10 @@ def test_restore_host_iterator_picks_the_path(tmp_path):
         for a, b in zip(take(it, 4), ref[h]):
             assert_batches_equal(a, b)
     # other topology (1 host): the shards continue where they were, none lost or repeated
-    c1 = cfg_replace(c2, global_batch_size=4)
-    it = data.restore_host_iterator(c1, 0, 1, saved, debug=True)
+    it = data.restore_host_iterator(c2, 0, 1, saved, debug=True)
     got = _per_shard(rows_of(take(it, 8)))
     canon = _canonical(c2, 20)
     assert sorted(got) == list(range(8))
     for shard, rows in got.items():
-        # each host consumed 3 batches of 4 rows from its 4 shards: 3 rows per shard
+        # 3 global batches of 8 rows from 8 shards: 3 rows per shard consumed
         assert canon[shard][3:3 + len(rows)] == rows
