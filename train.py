@@ -147,7 +147,8 @@ def train(cfg: DictConfig) -> dict:
     elif cfg.checkpoint.init_from:
         state, _ = step_lib.init_train_state(model_cfg, tx, mesh, rules, cfg.seed)
         try:
-            state["params"] = ckpt.restore_params(cfg.checkpoint.init_from, abstract_state["params"])
+            state["params"] = ckpt.restore_params(cfg.checkpoint.init_from, abstract_state["params"],
+                                                  model=fingerprint["model"])
         except ValueError as e:
             raise ConfigError(str(e)) from e
         start_step = 0

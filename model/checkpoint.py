@@ -41,7 +41,7 @@ ITEMS = ("state", "data", "meta")
 
 # Model settings that change how a step runs but not what the state holds: a run may resume
 # with another attention kernel, remat policy, compute dtype or context limit.
-MODEL_RUNTIME_KEYS = frozenset({"remat", "attention", "dtype", "max_seq_len"})
+MODEL_RUNTIME_KEYS = frozenset({"remat", "attention", "dtype", "param_dtype", "max_seq_len"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,9 +93,19 @@ class Checkpointer:
         whatever mesh or process count wrote them (Orbax reads only each device's slices)."""
         return self._restore(resume, ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))["state"]
 
-    def restore_params(self, path: str, abstract_params):
-        """checkpoint.init_from: parameters only (the optimizer state is never read)."""
+    def restore_params(self, path: str, abstract_params, model: Mapping | None = None):
+        """checkpoint.init_from: parameters only (the optimizer state is never read).
+
+        With `model` (the run's model config), a checkpoint whose meta names another model is
+        refused: a different rope_theta or norm_eps would load without a shape error into a
+        different network."""
         point = _resolve("checkpoint.init_from", path, "init_from")
+        if model is not None:
+            meta = self._restore(point, ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"] or {}
+            saved = (meta.get("config") or {}).get("model")
+            diffs = fingerprint_diffs({"model": saved}, {"model": dict(model)}) if saved else []
+            if diffs:
+                raise ValueError(f"checkpoint.init_from={path} holds a different model:\n  " + "\n  ".join(diffs))
         target = {"params": abstract_params}
         args = ocp.args.PyTreeRestore(item=target, partial_restore=True,
                                       restore_args=ocp.checkpoint_utils.construct_restore_args(target))
