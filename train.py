@@ -182,7 +182,7 @@ def train(cfg: DictConfig) -> dict:
     debug_log = open(run_dir / f"debug_batches.p{process_index}.jsonl", "a") if debug_batches else None
     step = start_step
     pending = []            # device metrics of the steps since the last log, fetched lazily
-    timer = {"t": time.perf_counter(), "wait": 0.0, "steps": 0, "save_s": 0.0}
+    timer = {"t": time.perf_counter(), "wait": 0.0, "steps": 0, "save_s": 0.0, "documents": 0}
     last = {}
     try:
         while step < cfg.train.steps:
@@ -196,19 +196,27 @@ def train(cfg: DictConfig) -> dict:
             if step == start_step + 1:
                 # Keep compilation out of the throughput figures.
                 jax.block_until_ready(metrics)
-                timer.update(t=time.perf_counter(), wait=batches.stats()["wait_s"], steps=0)
+                first = batches.stats()
+                timer.update(t=time.perf_counter(), wait=first["wait_s"], steps=0, documents=first["documents"])
             else:
                 timer["steps"] += 1
             profile.maybe_stop(step)
 
-            if step % cfg.train.log_every == 0 or step == cfg.train.steps:
-                fetched = jax.device_get(pending)
-                pending = []
-                last = _interval_metrics(step, fetched, timer, batches.stats(), schedule, tokens_per_step,
-                                         flops_per_step, peak_total, stop_on_nan=cfg.train.stop_on_nan)
-                if eval_set is not None and cfg.train.eval_every and step % cfg.train.eval_every == 0:
-                    last["eval_loss"] = eval_set.loss(state["params"])
-                logger.log(last)
+            log_now = step % cfg.train.log_every == 0 or step == cfg.train.steps
+            eval_now = eval_set is not None and cfg.train.eval_every and step % cfg.train.eval_every == 0
+            if log_now or eval_now:
+                row = {"step": step}
+                if log_now:
+                    fetched = jax.device_get(pending)
+                    pending = []
+                    row = last = _interval_metrics(step, fetched, timer, batches.stats(), schedule, tokens_per_step,
+                                                   flops_per_step, peak_total, stop_on_nan=cfg.train.stop_on_nan)
+                if eval_now:
+                    t0 = time.perf_counter()
+                    row["eval_loss"] = eval_set.loss(state["params"])
+                    # Evaluation time is not training time: keep it out of tokens/s and MFU.
+                    timer["t"] += time.perf_counter() - t0
+                logger.log(row)
 
             stop = preempted.check(step)
             if ckpt.should_save(step, cfg.train.steps) or stop:
@@ -240,9 +248,13 @@ def train(cfg: DictConfig) -> dict:
         "wall_s": time.perf_counter() - t_start,
         "preempted": preempted.fired,
     }
-    if is_main:
+    if is_main and step == start_step:
+        print(f"Nothing to do: the run is at step {step} and train.steps={cfg.train.steps} "
+              f"(raise train.steps to train further); checkpoints in {ckpt.directory}", flush=True)
+    elif is_main:
+        final = f"{summary['final_loss']:.4f}" if summary["final_loss"] is not None else "-"
         print(f"Done: steps {start_step}->{step}, {summary['tokens']:,} tokens in {summary['wall_s']:.0f} s, "
-              f"final loss {summary['final_loss']}; checkpoints in {ckpt.directory}", flush=True)
+              f"final loss {final}; checkpoints in {ckpt.directory}", flush=True)
     return summary
 
 
@@ -464,6 +476,7 @@ def _interval_metrics(step, fetched, timer, stats, schedule, tokens_per_step, fl
         from jax.experimental import multihost_utils
         wait = float(np.max(multihost_utils.process_allgather(np.float64(wait))))
     tokens_per_s = n * tokens_per_step / dt if n and dt > 0 else None
+    documents = stats.get("documents", 0)
     row = {
         "step": step,
         "loss": float(losses.mean()),
@@ -476,12 +489,13 @@ def _interval_metrics(step, fetched, timer, stats, schedule, tokens_per_step, fl
         "step_time_s": dt / n if n else None,
         "mfu": flops_per_step * n / dt / peak_total if (peak_total and n and dt > 0) else None,
         "data_wait_frac": wait / dt if dt > 0 else 0.0,
+        "documents_per_s": (documents - timer["documents"]) / dt if dt > 0 else None,
         "checkpoint_save_s": timer["save_s"],
         "tokens_seen": step * tokens_per_step,
         **{f"data/{k}": v for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)},
         **{f"data/bad_{k}": v for k, v in stats.get("bad_records", {}).items()},
     }
-    timer.update(t=now, wait=stats["wait_s"], steps=0, save_s=0.0)
+    timer.update(t=now, wait=stats["wait_s"], steps=0, save_s=0.0, documents=documents)
     return row
 
 
@@ -507,10 +521,15 @@ class MetricsLogger:
 
             # Chosen here (not by wandb) so the checkpoint can carry it to a resumed run.
             self.wandb_id = wandb_id or "".join(secrets.choice("abcdefghijklmnopqrstuvwxyz0123456789") for _ in range(8))
+            # silent: the progress bar and our summary are the console; wandb's own banner and
+            # end-of-run charts would bury them.
             self._wandb = wandb.init(
                 project=lcfg.wandb.project, entity=lcfg.wandb.entity, name=cfg.name, tags=list(lcfg.wandb.tags),
                 mode=lcfg.wandb.mode, dir=str(run_dir), id=self.wandb_id, resume="allow",
-                config=OmegaConf.to_container(cfg, resolve=True))
+                config=OmegaConf.to_container(cfg, resolve=True), settings=wandb.Settings(silent=True))
+            offline_dir = Path(self._wandb.dir).parent
+            where = self._wandb.url if lcfg.wandb.mode == "online" else f"{offline_dir} (`wandb sync` it to upload)"
+            print(f"wandb run {self.wandb_id}: {where}", flush=True)
         if lcfg.progress_bar:
             from tqdm import tqdm
 
@@ -525,6 +544,8 @@ class MetricsLogger:
             self._jsonl.flush()
         if self._wandb:
             self._wandb.log({k: v for k, v in metrics.items() if v is not None}, step=metrics["step"])
+        if "loss" not in metrics:        # an evaluation-only row
+            return
         tok_s = f"{metrics['tokens_per_s']:,.0f}" if metrics["tokens_per_s"] else "-"
         if self._bar:
             self._bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=tok_s, refresh=False)

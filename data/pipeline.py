@@ -136,7 +136,16 @@ class _Stop:
 class DevicePrefetcher:
     """Background thread: host batch -> global jax.Array, `prefetch` batches ahead."""
 
+    # The prefetch thread does Python work (Grain's IPC, merging worker slabs, building global
+    # arrays) while holding the GIL; at CPython's default 5 ms switch interval the training
+    # loop's next() -- and its step dispatch -- can wait that long for the GIL although the
+    # batch is ready. Measured with scripts/bench_input.py on 2 cores: sim_wait_frac 0.009 at
+    # 5 ms, 0.003 at 0.1-0.2 ms.
+    GIL_SWITCH_INTERVAL_S = 0.0002
+
     def __init__(self, host_iterator, sharding, prefetch: int = 2):
+        import sys
+        sys.setswitchinterval(min(sys.getswitchinterval(), self.GIL_SWITCH_INTERVAL_S))
         self._it = host_iterator
         self._sharding = sharding
         self._q: queue.Queue = queue.Queue(maxsize=max(1, prefetch))

@@ -26,7 +26,9 @@ def test_metrics_wandb_profile_and_resume_keep_the_run(tmp_path):
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [2, 4]
     for row in rows:
-        for key in REQUIRED + ("eval_loss", "perplexity", "param_norm", "data/documents", "data/padding_frac"):
+        for key in REQUIRED + ("eval_loss", "perplexity", "param_norm", "tokens_per_s_per_device", "step_time_s",
+                               "checkpoint_save_s", "documents_per_s", "data/documents", "data/padding_frac",
+                               "data/truncated_tokens", "data/dropped_tokens"):
             assert key in row, key
 
     # The offline wandb run holds the same metrics and the resolved config.
