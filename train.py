@@ -11,6 +11,7 @@ whatever devices JAX sees; `configs/` documents every setting.
 from __future__ import annotations
 
 import hashlib
+import contextlib
 import json
 import os
 import secrets
@@ -99,92 +100,99 @@ def train(cfg: DictConfig) -> dict:
     fingerprint = {"data": data_lib.fingerprint(data_cfg), "model": OmegaConf.to_container(cfg.model, resolve=True)}
 
     # ------------------------------------------------------------------ init or restore
-    # From here a SIGTERM means "save at the next step and exit", also during restore/compile.
-    preempted = _PreemptionFlag(agree_every=cfg.train.log_every)
-    ckpt = Checkpointer(cfg.checkpoint)
-    wandb_id = None
-    shard_states = host_state = None
-    data_changes = []
-    try:
-        resume = ckpt.find_resume()
-        if resume is not None:
-            meta, saved_data_states = ckpt.restore_meta_and_data(resume)
-            data_changes = check_fingerprint(meta.get("fingerprint", {}), fingerprint,
-                                             allow_data_change=cfg.checkpoint.allow_data_change)
-    except ValueError as e:
-        ckpt.close()
-        preempted.restore()
-        raise ConfigError(str(e)) from e
-    if resume is not None:
-        wandb_id = meta.get("wandb_id")
-        same_topology = (meta.get("process_count") == process_count
-                         and meta.get("num_workers") == data_cfg.num_workers and saved_data_states is not None
-                         and len(saved_data_states) == process_count)
-        if data_changes:
-            # The saved positions describe another data set: read the new one from its start.
-            if is_main:
-                print("checkpoint.allow_data_change: the input pipeline starts afresh on the changed data ("
-                      + "; ".join(data_changes) + ")", flush=True)
-        elif same_topology:
-            host_state = saved_data_states[process_index]
-        elif saved_data_states:
-            shard_states = data_lib.merge_host_states(saved_data_states)
-
-    # The input pipeline starts now (worker processes spawn, the first batches get tokenized)
-    # so that its start-up overlaps with restoring or initialising the model.
-    debug_batches = bool(cfg.train.get("debug_batches", False))
-    host_iter = data_lib.make_host_iterator(data_cfg, process_index, process_count, shard_states=shard_states,
-                                            debug=debug_batches)
-    if host_state is not None:
-        host_iter.set_state(host_state)
-    batches = data_lib.DevicePrefetcher(host_iter, batch_sharding, prefetch=data_cfg.prefetch)
-
-    if resume is not None:
-        state = ckpt.restore_state(resume, abstract_state)
-        start_step = int(jax.device_get(state["step"]))
-        if is_main:
-            print(f"Resuming from {resume.describe()} at step {start_step}", flush=True)
-    elif cfg.checkpoint.init_from:
-        state, _ = step_lib.init_train_state(model_cfg, tx, mesh, rules, cfg.seed)
+    # Everything started from here (checkpoint manager, data workers, wandb, the profiler, the
+    # SIGTERM handler) is closed on the way out, on success and on error alike.
+    with contextlib.ExitStack() as cleanup:
+        # From here a SIGTERM means "save at the next step and exit", also during restore/compile.
+        preempted = _PreemptionFlag(agree_every=cfg.train.log_every)
+        cleanup.callback(preempted.restore)
+        ckpt = Checkpointer(cfg.checkpoint)
+        cleanup.callback(ckpt.close)
+        wandb_id = None
+        shard_states = host_state = None
+        data_changes = []
         try:
-            state["params"] = ckpt.restore_params(cfg.checkpoint.init_from, abstract_state["params"],
-                                                  model=fingerprint["model"])
+            resume = ckpt.find_resume()
+            if resume is not None:
+                meta, saved_data_states = ckpt.restore_meta_and_data(resume)
+                data_changes = check_fingerprint(meta.get("fingerprint", {}), fingerprint,
+                                                 allow_data_change=cfg.checkpoint.allow_data_change)
         except ValueError as e:
             raise ConfigError(str(e)) from e
-        start_step = 0
-        if is_main:
-            print(f"Initialised parameters from {cfg.checkpoint.init_from}; starting at step 0", flush=True)
-    else:
-        state, _ = step_lib.init_train_state(model_cfg, tx, mesh, rules, cfg.seed)
-        start_step = 0
-        if is_main:
-            print(f"Starting a new run in {run_dir}", flush=True)
+        if resume is not None:
+            wandb_id = meta.get("wandb_id")
+            same_topology = (meta.get("process_count") == process_count
+                             and meta.get("num_workers") == data_cfg.num_workers and saved_data_states is not None
+                             and len(saved_data_states) == process_count)
+            if data_changes:
+                # The saved positions describe another data set: read the new one from its start.
+                if is_main:
+                    print("checkpoint.allow_data_change: the input pipeline starts afresh on the changed data ("
+                          + "; ".join(data_changes) + ")", flush=True)
+            elif same_topology:
+                host_state = saved_data_states[process_index]
+            elif saved_data_states:
+                shard_states = data_lib.merge_host_states(saved_data_states)
 
-    # ------------------------------------------------------------------ jitted steps
-    train_step = step_lib.make_train_step(model_cfg, tx, mesh, rules, state_shardings, z_loss=cfg.train.z_loss,
-                                          microbatches=cfg.train.microbatches)
-    eval_set = None
-    if eval_cfg is not None and cfg.train.eval_every:
-        eval_step = step_lib.make_eval_step(model_cfg, mesh, rules, state_shardings)
-        eval_set = _EvalSet(data_lib, eval_cfg, cfg.train.eval_batches, batch_sharding, eval_step)
-    tokens_per_step = data_cfg.global_batch_size * data_cfg.seq_len
-    flops_per_step = flops_lib.flops_per_token(model_cfg, data_cfg.seq_len) * tokens_per_step
-    peak = flops_lib.peak_flops(jax.devices()[0].device_kind, cfg.train.peak_flops)
-    peak_total = peak * jax.device_count() if peak else None
+        # The input pipeline starts now (worker processes spawn, the first batches get tokenized)
+        # so that its start-up overlaps with restoring or initialising the model.
+        debug_batches = bool(cfg.train.get("debug_batches", False))
+        host_iter = data_lib.make_host_iterator(data_cfg, process_index, process_count, shard_states=shard_states,
+                                                debug=debug_batches)
+        if host_state is not None:
+            host_iter.set_state(host_state)
+        batches = data_lib.DevicePrefetcher(host_iter, batch_sharding, prefetch=data_cfg.prefetch)
+        cleanup.callback(batches.close)
 
-    logger = MetricsLogger(cfg, run_dir, enabled=is_main, start_step=start_step, wandb_id=wandb_id)
-    meta = {"fingerprint": fingerprint, "config": OmegaConf.to_container(cfg, resolve=True),
-            "wandb_id": logger.wandb_id, "process_count": process_count, "num_workers": data_cfg.num_workers}
+        if resume is not None:
+            state = ckpt.restore_state(resume, abstract_state)
+            start_step = int(jax.device_get(state["step"]))
+            if is_main:
+                print(f"Resuming from {resume.describe()} at step {start_step}", flush=True)
+        elif cfg.checkpoint.init_from:
+            state, _ = step_lib.init_train_state(model_cfg, tx, mesh, rules, cfg.seed)
+            try:
+                state["params"] = ckpt.restore_params(cfg.checkpoint.init_from, abstract_state["params"],
+                                                      model=fingerprint["model"])
+            except ValueError as e:
+                raise ConfigError(str(e)) from e
+            start_step = 0
+            if is_main:
+                print(f"Initialised parameters from {cfg.checkpoint.init_from}; starting at step 0", flush=True)
+        else:
+            state, _ = step_lib.init_train_state(model_cfg, tx, mesh, rules, cfg.seed)
+            start_step = 0
+            if is_main:
+                print(f"Starting a new run in {run_dir}", flush=True)
 
-    # ------------------------------------------------------------------ loop
-    profile = _Profiler(cfg.profile.steps, run_dir / "profile", enabled=is_main)
-    # Tests of exact resume: every process records what each step consumed (a host sync per step).
-    debug_log = open(run_dir / f"debug_batches.p{process_index}.jsonl", "a") if debug_batches else None
-    step = start_step
-    pending = []            # device metrics of the steps since the last log, fetched lazily
-    timer = {"t": time.perf_counter(), "wait": 0.0, "steps": 0, "save_s": 0.0, "documents": 0}
-    last = {}
-    try:
+        # ------------------------------------------------------------------ jitted steps
+        train_step = step_lib.make_train_step(model_cfg, tx, mesh, rules, state_shardings, z_loss=cfg.train.z_loss,
+                                              microbatches=cfg.train.microbatches)
+        eval_set = None
+        if eval_cfg is not None and cfg.train.eval_every:
+            eval_step = step_lib.make_eval_step(model_cfg, mesh, rules, state_shardings)
+            eval_set = _EvalSet(data_lib, eval_cfg, cfg.train.eval_batches, batch_sharding, eval_step)
+        tokens_per_step = data_cfg.global_batch_size * data_cfg.seq_len
+        flops_per_step = flops_lib.flops_per_token(model_cfg, data_cfg.seq_len) * tokens_per_step
+        peak = flops_lib.peak_flops(jax.devices()[0].device_kind, cfg.train.peak_flops)
+        peak_total = peak * jax.device_count() if peak else None
+
+        logger = MetricsLogger(cfg, run_dir, enabled=is_main, start_step=start_step, wandb_id=wandb_id)
+        cleanup.callback(logger.close)
+        meta = {"fingerprint": fingerprint, "config": OmegaConf.to_container(cfg, resolve=True),
+                "wandb_id": logger.wandb_id, "process_count": process_count, "num_workers": data_cfg.num_workers}
+
+        # ------------------------------------------------------------------ loop
+        profile = _Profiler(cfg.profile.steps, run_dir / "profile", enabled=is_main)
+        cleanup.callback(profile.maybe_stop, None)
+        # Tests of exact resume: every process records what each step consumed (a host sync per step).
+        debug_log = open(run_dir / f"debug_batches.p{process_index}.jsonl", "a") if debug_batches else None
+        if debug_log is not None:
+            cleanup.callback(debug_log.close)
+        step = start_step
+        pending = []            # device metrics of the steps since the last log, fetched lazily
+        timer = {"t": time.perf_counter(), "wait": 0.0, "steps": 0, "save_s": 0.0, "documents": 0}
+        last = {}
         while step < cfg.train.steps:
             profile.maybe_start(step + 1)
             batch = next(batches)
@@ -229,14 +237,6 @@ def train(cfg: DictConfig) -> dict:
                         print(f"Preempted: saved step {step} to {ckpt.directory}; exiting", flush=True)
                     break
         ckpt.wait()
-    finally:
-        profile.maybe_stop(None)
-        batches.close()
-        ckpt.close()
-        preempted.restore()
-        logger.close()
-        if debug_log is not None:
-            debug_log.close()
 
     summary = {
         "run_dir": str(run_dir),
