@@ -151,7 +151,12 @@ def attention_mask(segment_ids_bt):
 
 
 def attention_xla(q_btnh, k_bskh, v_bskh, segment_ids_bt):
-    """Reference attention: plain einsums, softmax in fp32. Runs on every backend.
+    """Reference attention: plain einsums, softmax in fp32. Runs on every backend."""
+    return _gqa_attention(q_btnh, k_bskh, v_bskh, attention_mask(segment_ids_bt)[:, None, None])
+
+
+def _gqa_attention(q_btnh, k_bskh, v_bskh, mask):
+    """Masked softmax attention; `mask` broadcasts to [b, k, g, t, s].
 
     GQA without repeating K/V: query heads are grouped [k, g] against their shared kv head.
     """
@@ -160,9 +165,8 @@ def attention_xla(q_btnh, k_bskh, v_bskh, segment_ids_bt):
     q_btkgh = q_btnh.reshape(b, t, k, n // k, h)
     logits_bkgts = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=jnp.float32)
     logits_bkgts = logits_bkgts / math.sqrt(h)
-    mask_b11ts = attention_mask(segment_ids_bt)[:, None, None]
     # Finite fill (not -inf): the diagonal is always allowed, so no row is fully masked.
-    logits_bkgts = jnp.where(mask_b11ts, logits_bkgts, jnp.finfo(jnp.float32).min)
+    logits_bkgts = jnp.where(mask, logits_bkgts, jnp.finfo(jnp.float32).min)
     probs_bkgts = jax.nn.softmax(logits_bkgts, axis=-1).astype(v_bskh.dtype)
     out_btkgh = jnp.einsum("bkgts,bskh->btkgh", probs_bkgts, v_bskh)
     return out_btkgh.reshape(b, t, n, h)
@@ -233,16 +237,9 @@ def attention_cached(q_btnh, k_bskh, v_bskh, start):
     start .. start+t-1 and query i sees slots <= start + i, so the empty slots beyond the
     filled ones are masked too. One sequence per row (no packing): slot s holds position s.
     """
-    b, t, n, h = q_btnh.shape
-    s, k = k_bskh.shape[1], k_bskh.shape[2]
-    q_btkgh = q_btnh.reshape(b, t, k, n // k, h)
-    logits_bkgts = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=jnp.float32)
-    logits_bkgts = logits_bkgts / math.sqrt(h)
+    t, s = q_btnh.shape[1], k_bskh.shape[1]
     visible_ts = jnp.arange(s)[None, :] <= start + jnp.arange(t)[:, None]
-    logits_bkgts = jnp.where(visible_ts, logits_bkgts, jnp.finfo(jnp.float32).min)
-    probs_bkgts = jax.nn.softmax(logits_bkgts, axis=-1).astype(v_bskh.dtype)
-    out_btkgh = jnp.einsum("bkgts,bskh->btkgh", probs_bkgts, v_bskh)
-    return out_btkgh.reshape(b, t, n, h)
+    return _gqa_attention(q_btnh, k_bskh, v_bskh, visible_ts)
 
 
 class Block(nnx.Module):
@@ -268,30 +265,37 @@ class Block(nnx.Module):
         self.attention_impl = cfg.attention
         self.dtype = jnp.dtype(cfg.dtype)
 
-    def __call__(self, x_btd, positions_bt, segment_ids_bt):
-        dt = self.dtype
-        w = lambda p: p[...].astype(dt)  # noqa: E731  fp32 master -> compute dtype
+    def _w(self, p):
+        return p[...].astype(self.dtype)   # fp32 master -> compute dtype
 
+    def _qkv(self, x_btd, positions_bt):
+        """norm -> q, k, v projections -> RoPE on q and k."""
         y_btd = self.attn_norm(x_btd)
-        q_btnh = jnp.einsum("btd,dnh->btnh", y_btd, w(self.wq_dnh))
-        k_btkh = jnp.einsum("btd,dkh->btkh", y_btd, w(self.wk_dkh))
-        v_btkh = jnp.einsum("btd,dkh->btkh", y_btd, w(self.wv_dkh))
+        q_btnh = jnp.einsum("btd,dnh->btnh", y_btd, self._w(self.wq_dnh))
+        k_btkh = jnp.einsum("btd,dkh->btkh", y_btd, self._w(self.wk_dkh))
+        v_btkh = jnp.einsum("btd,dkh->btkh", y_btd, self._w(self.wv_dkh))
         q_btnh = shd.constrain(q_btnh, ("act_batch", "act_len", "act_heads", None))
         k_btkh = shd.constrain(k_btkh, ("act_batch", "act_len", "act_kv_heads", None))
         v_btkh = shd.constrain(v_btkh, ("act_batch", "act_len", "act_kv_heads", None))
-        q_btnh = rope(q_btnh, positions_bt, self.rope_theta)
-        k_btkh = rope(k_btkh, positions_bt, self.rope_theta)
-        o_btnh = attention(q_btnh, k_btkh, v_btkh, segment_ids_bt, self.attention_impl)
+        return rope(q_btnh, positions_bt, self.rope_theta), rope(k_btkh, positions_bt, self.rope_theta), v_btkh
+
+    def _out_and_mlp(self, x_btd, o_btnh):
+        """Attention output projection into the residual, then the SwiGLU branch."""
         o_btnh = shd.constrain(o_btnh, ("act_batch", "act_len", "act_heads", None))
-        x_btd = x_btd + jnp.einsum("btnh,nhd->btd", o_btnh, w(self.wo_nhd))
+        x_btd = x_btd + jnp.einsum("btnh,nhd->btd", o_btnh, self._w(self.wo_nhd))
         x_btd = shd.constrain(x_btd, ("act_batch", "act_len", "act_embed"))
 
         y_btd = self.mlp_norm(x_btd)
-        gate_btf = jnp.einsum("btd,df->btf", y_btd, w(self.w_gate_df))
-        up_btf = jnp.einsum("btd,df->btf", y_btd, w(self.w_up_df))
+        gate_btf = jnp.einsum("btd,df->btf", y_btd, self._w(self.w_gate_df))
+        up_btf = jnp.einsum("btd,df->btf", y_btd, self._w(self.w_up_df))
         h_btf = shd.constrain(jax.nn.silu(gate_btf) * up_btf, ("act_batch", "act_len", "act_mlp"))
-        x_btd = x_btd + jnp.einsum("btf,fd->btd", h_btf, w(self.w_down_fd))
+        x_btd = x_btd + jnp.einsum("btf,fd->btd", h_btf, self._w(self.w_down_fd))
         return shd.constrain(x_btd, ("act_batch", "act_len", "act_embed"))
+
+    def __call__(self, x_btd, positions_bt, segment_ids_bt):
+        q_btnh, k_btkh, v_btkh = self._qkv(x_btd, positions_bt)
+        o_btnh = attention(q_btnh, k_btkh, v_btkh, segment_ids_bt, self.attention_impl)
+        return self._out_and_mlp(x_btd, o_btnh)
 
     def decode(self, x_btd, positions_bt, k_cache_bskh, v_cache_bskh, start):
         """__call__ for generation: the same weights and RoPE, one sequence per row.
@@ -299,23 +303,11 @@ class Block(nnx.Module):
         Writes this call's RoPE'd keys and values into the cache at slots start..start+t-1 and
         attends to every filled slot. Returns (x_btd, k_cache_bskh, v_cache_bskh).
         """
-        dt = self.dtype
-        w = lambda p: p[...].astype(dt)  # noqa: E731
-
-        y_btd = self.attn_norm(x_btd)
-        q_btnh = rope(jnp.einsum("btd,dnh->btnh", y_btd, w(self.wq_dnh)), positions_bt, self.rope_theta)
-        k_btkh = rope(jnp.einsum("btd,dkh->btkh", y_btd, w(self.wk_dkh)), positions_bt, self.rope_theta)
-        v_btkh = jnp.einsum("btd,dkh->btkh", y_btd, w(self.wv_dkh))
+        q_btnh, k_btkh, v_btkh = self._qkv(x_btd, positions_bt)
         k_cache_bskh = jax.lax.dynamic_update_slice_in_dim(k_cache_bskh, k_btkh.astype(k_cache_bskh.dtype), start, 1)
         v_cache_bskh = jax.lax.dynamic_update_slice_in_dim(v_cache_bskh, v_btkh.astype(v_cache_bskh.dtype), start, 1)
         o_btnh = attention_cached(q_btnh, k_cache_bskh, v_cache_bskh, start)
-        x_btd = x_btd + jnp.einsum("btnh,nhd->btd", o_btnh, w(self.wo_nhd))
-
-        y_btd = self.mlp_norm(x_btd)
-        h_btf = jax.nn.silu(jnp.einsum("btd,df->btf", y_btd, w(self.w_gate_df))) * jnp.einsum(
-            "btd,df->btf", y_btd, w(self.w_up_df))
-        x_btd = x_btd + jnp.einsum("btf,fd->btd", h_btf, w(self.w_down_fd))
-        return x_btd, k_cache_bskh, v_cache_bskh
+        return self._out_and_mlp(x_btd, o_btnh), k_cache_bskh, v_cache_bskh
 
 
 def _stacked_blocks(cfg: LlamaConfig, rngs: nnx.Rngs) -> Block:

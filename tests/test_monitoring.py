@@ -53,10 +53,14 @@ def test_metrics_wandb_profile_and_resume_keep_the_run(tmp_path):
 def test_same_seed_same_losses_and_eval_losses(tmp_path):
     a = tmp_path / "a"
     b = tmp_path / "b"
+    # Evaluation every 3 steps, logging every 2: step 3 gets an evaluation-only row.
     for run_dir in (a, b):
-        train_mod.train(make_cfg(run_dir, *RUN, "train.steps=4", "logger.wandb.mode=disabled"))
+        train_mod.train(make_cfg(run_dir, *RUN, "train.steps=6", "train.eval_every=3", "logger.wandb.mode=disabled"))
     rows_a, rows_b = read_metrics(a), read_metrics(b)
-    assert [r["loss"] for r in rows_a] == [r["loss"] for r in rows_b]
-    assert [r["eval_loss"] for r in rows_a] == [r["eval_loss"] for r in rows_b]
+    assert [r["step"] for r in rows_a] == [2, 3, 4, 6]
+    assert rows_a[1].keys() == {"step", "eval_loss"}
+    assert [r.get("loss") for r in rows_a] == [r.get("loss") for r in rows_b]
+    evals_a = [r["eval_loss"] for r in rows_a if "eval_loss" in r]
+    assert len(evals_a) == 2 and evals_a == [r["eval_loss"] for r in rows_b if "eval_loss" in r]
     # Evaluation is on held-out data: a fixed set, so its loss moves only with the parameters.
-    assert rows_a[0]["eval_loss"] != rows_a[1]["eval_loss"]
+    assert evals_a[0] != evals_a[1]
