@@ -317,7 +317,13 @@ def _init_distributed(dcfg: DictConfig) -> None:
                                    num_processes=dcfg.num_processes, process_id=dcfg.process_id)
     elif _on_tpu_vm():
         # The TPU VM's metadata describes the slice (one host or many), as MaxText relies on too.
-        jax.distributed.initialize()
+        try:
+            jax.distributed.initialize()
+        except Exception as e:  # noqa: BLE001 - the device files are only a hint
+            if "," in os.environ.get("TPU_WORKER_HOSTNAMES", ""):
+                raise                   # certainly a multi-host slice: never run hosts apart
+            print(f"warning: automatic jax.distributed.initialize() failed ({e}); running as one "
+                  "process (set distributed.coordinator_address for a multi-host run)", file=sys.stderr)
 
 
 def _on_tpu_vm() -> bool:
