@@ -1,13 +1,15 @@
 """The per-host Grain pipeline and the device prefetcher."""
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
 
 from data.config import DataConfig, check_shards, list_files
 from data.state import normalize_shard_states, sum_counters
-from data.stream import COUNTER_KEYS, HostIterDataset, StreamSpec, WorkerMergeIterDataset, find_shard_states
+from data.stream import (COUNTER_KEYS, HostIterDataset, StreamSpec, WorkerMergeIterDataset, find_shard_states,
+                         slab_to_batch)
 from data.tokenizer import load_tokenizer, special_ids
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
@@ -53,14 +55,9 @@ def make_host_dataset(cfg: DataConfig, process_index: int, process_count: int,
             num_workers=cfg.num_workers,
             per_worker_buffer_size=worker_buffer_size(cfg, process_count)))
         ds = WorkerMergeIterDataset(ds, cfg.num_workers, keep_row_shard=debug)
-    elif not debug:
-        ds = ds.map(_drop_row_shard)
+    else:
+        ds = ds.map(functools.partial(slab_to_batch, keep_debug=debug))
     return ds
-
-
-def _drop_row_shard(batch: dict) -> dict:
-    batch.pop("row_shard", None)
-    return batch
 
 
 def worker_buffer_size(cfg: DataConfig, process_count: int) -> int:

@@ -260,27 +260,26 @@ class HostIterator(grain.DatasetIterator):
         self._states = None
 
     def __next__(self):
+        """A slab: {"rows": int32 [B, 3, R] (tokens, segment ids, positions), "row_shard"}.
+
+        Few, large arrays: each array of an element crosses from a Grain worker to the host
+        process through its own shared-memory block, so the batch layout (inputs, targets,
+        masks) is derived on the host side by `slab_to_batch`."""
         if self.streams is None:
             self._init()
         k, R = self.spec.rows_per_shard, self.spec.seq_len + 1
         B = k * len(self.streams)
-        out = {"tok": np.empty((B, R), np.int32), "seg": np.empty((B, R), np.int32),
-               "pos": np.empty((B, R), np.int32), "shard": np.empty((B,), np.int32)}
+        rows = np.empty((B, 3, R), np.int32)
+        out = {"tok": rows[:, 0], "seg": rows[:, 1], "pos": rows[:, 2], "shard": np.empty((B,), np.int32)}
         if self.spec.debug:
             out["did"] = np.empty((B, R), np.int64)
         for j, stream in enumerate(self.streams):
             for b in range(j * k, (j + 1) * k):
                 stream.next_row_into(b, out)
-        tok, seg = out["tok"], out["seg"]
-        batch = {
-            "inputs": tok[:, :-1].copy(), "targets": tok[:, 1:].copy(),
-            "segment_ids": seg[:, :-1].copy(), "positions": out["pos"][:, :-1].copy(),
-            "loss_mask": ((seg[:, 1:] == seg[:, :-1]) & (seg[:, :-1] > 0)).astype(np.int32),
-            "row_shard": out["shard"],
-        }
+        slab = {"rows": rows, "row_shard": out["shard"]}
         if self.spec.debug:
-            batch["doc_ids"] = out["did"]
-        return batch
+            slab["doc_ids"] = out["did"]
+        return slab
 
     def get_state(self) -> dict:
         if self.streams is None:
@@ -371,10 +370,8 @@ class WorkerMergeIterator(grain.DatasetIterator):
         slabs = [next(self._parent) for _ in range(self.num_workers)]
         row_shard = np.concatenate([s["row_shard"] for s in slabs])
         order = np.argsort(row_shard, kind="stable")
-        batch = {key: np.concatenate([s[key] for s in slabs])[order] for key in slabs[0]}
-        if not self.keep_row_shard:
-            del batch["row_shard"]
-        return batch
+        merged = {key: np.concatenate([s[key] for s in slabs])[order] for key in slabs[0]}
+        return slab_to_batch(merged, self.keep_row_shard)
 
     def get_state(self):
         return self._parent.get_state()
@@ -386,3 +383,18 @@ class WorkerMergeIterator(grain.DatasetIterator):
         close = getattr(self._parent, "close", None)
         if close is not None:
             close()
+
+
+def slab_to_batch(slab: dict, keep_debug: bool = False) -> dict:
+    """Packed rows of R = seq_len + 1 tokens -> the model's batch (int32 [B, seq_len] each)."""
+    tok, seg, pos = slab["rows"][:, 0], slab["rows"][:, 1], slab["rows"][:, 2]
+    batch = {
+        "inputs": np.ascontiguousarray(tok[:, :-1]), "targets": np.ascontiguousarray(tok[:, 1:]),
+        "segment_ids": np.ascontiguousarray(seg[:, :-1]), "positions": np.ascontiguousarray(pos[:, :-1]),
+        "loss_mask": ((seg[:, 1:] == seg[:, :-1]) & (seg[:, :-1] > 0)).astype(np.int32),
+    }
+    if keep_debug:
+        batch["row_shard"] = slab["row_shard"]
+        if "doc_ids" in slab:
+            batch["doc_ids"] = slab["doc_ids"]
+    return batch
