@@ -17,8 +17,9 @@ batch, k = global_batch_size / V. Host h of P owns the contiguous shards [h*V/P,
 its local batch is exactly its slice of the global batch, and the global batch is the same for
 any host count and any worker count: a run resumed on another topology sees the very batches an
 uninterrupted run would have seen. An iterator (a host's, or one Grain worker's slice of it)
-emits k rows of each of its shards, in shard order, plus "row_shard" so that the host can merge
-its workers' slabs back into shard order (WorkerMergeIterDataset).
+emits a slab: k rows of each of its shards in shard order, packed as one [rows, 3, R] array,
+plus "row_shard"; the host merges its workers' slabs back into shard order
+(WorkerMergeIterDataset) and derives the batch arrays (slab_to_batch).
 
 Host state (JSON): {"__vshards__": 1, "num_shards": V,
 "topology": [process_index, process_count, num_workers], "shards": {"v": shard state}}.
