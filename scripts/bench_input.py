@@ -109,12 +109,12 @@ def tokenizer_alone(files, tok_path, text_key, max_chars, batch_docs=256):
     return n_tok / spent, n_tok, n_chars, n_tok / cpu
 
 
-def tree_cpu_s() -> float:
-    """CPU seconds (user + system) of this process and its live children."""
+def tree_cpu_s(main_only: bool = False) -> float:
+    """CPU seconds (user + system) of this process and (unless main_only) its live children."""
     import psutil
     me = psutil.Process()
     total = 0.0
-    for p in [me] + me.children(recursive=True):
+    for p in [me] + ([] if main_only else me.children(recursive=True)):
         try:
             t = p.cpu_times()
             total += t.user + t.system
@@ -132,7 +132,7 @@ def run_pipeline(cfg, max_tokens, max_batches):
     per_batch = int((b["segment_ids"] > 0).sum())
     from data.pipeline import state_counters
     tok0 = state_counters(it.get_state())["tokens"]   # non-padding tokens of rows (L + 1)
-    t1, c1 = time.perf_counter(), tree_cpu_s()
+    t1, c1, m1 = time.perf_counter(), tree_cpu_s(), tree_cpu_s(main_only=True)
     n_tok, n = 0, 0
     while n_tok < max_tokens and n < max_batches:
         next(it)
@@ -141,11 +141,13 @@ def run_pipeline(cfg, max_tokens, max_batches):
             n_tok = state_counters(it.get_state())["tokens"] - tok0
     dt = time.perf_counter() - t1
     cpu = tree_cpu_s() - c1
+    cpu_main = tree_cpu_s(main_only=True) - m1
     state = it.get_state()
     n_tok = state_counters(state)["tokens"] - tok0
     if hasattr(it, "close"):
         it.close()
     return {"tok_s": n_tok / dt, "tok_per_cpu_s": n_tok / cpu, "first_batch_s": first,
+            "cores_main": cpu_main / dt, "cores_workers": (cpu - cpu_main) / dt,
             "batches": n, "seconds": dt,
             "state": json.loads(json.dumps(state)), "tokens_per_batch": per_batch}
 
@@ -268,6 +270,9 @@ def main():
                                   for n, r in res.items()},
         "tokenizer_tok_s_paired": {str(n): round(v) for n, v in paired.items()},
         "best_pipeline_tok_s": round(best["tok_s"]),
+        # cores busy in the host process and in the Grain workers while the pipeline ran
+        "cores_main": {str(n): round(r["cores_main"], 2) for n, r in res.items()},
+        "cores_workers": {str(n): round(r["cores_workers"], 2) for n, r in res.items()},
         # load-independent: tokens per CPU-second of the whole process tree, relative to
         # the tokenizer alone (1.0 = no overhead beyond tokenization)
         "cpu_efficiency": {str(n): round(r["tok_per_cpu_s"] / tok_cpu, 3)
