@@ -57,7 +57,7 @@ def train(cfg: DictConfig) -> dict:
         model_cfg = LlamaConfig.from_mapping(cfg.model)
         data_cfg = data_lib.DataConfig.from_mapping({**data_map, "paths": _as_list(data_map.get("paths")),
                                                      "tokenizer": cfg.tokenizer.path})
-        data_cfg, eval_cfg = _split_eval(data_lib, data_cfg, eval_map)
+        data_cfg, eval_cfg, train_files = _split_eval(data_lib, data_cfg, eval_map)
         tx, schedule = make_optimizer(cfg.optimizer, cfg.train.steps)
     except (TypeError, ValueError) as e:
         raise ConfigError(str(e)) from e
@@ -97,7 +97,8 @@ def train(cfg: DictConfig) -> dict:
     # ------------------------------------------------------------------ model, optimizer, shardings
     abstract_state, state_shardings = step_lib.abstract_train_state(model_cfg, tx, mesh, rules)
     batch_sharding = step_lib.batch_sharding(mesh, rules)
-    fingerprint = {"data": data_lib.fingerprint(data_cfg), "model": OmegaConf.to_container(cfg.model, resolve=True)}
+    fingerprint = {"data": data_lib.fingerprint(data_cfg, tokenizer=tokenizer, files=train_files),
+                   "model": OmegaConf.to_container(cfg.model, resolve=True)}
 
     # ------------------------------------------------------------------ init or restore
     # Everything started from here (checkpoint manager, data workers, wandb, the profiler, the
@@ -109,7 +110,7 @@ def train(cfg: DictConfig) -> dict:
         ckpt = Checkpointer(cfg.checkpoint)
         cleanup.callback(ckpt.close)
         wandb_id = None
-        shard_states = host_state = None
+        saved_data_states = None
         data_changes = []
         try:
             resume = ckpt.find_resume()
@@ -121,26 +122,18 @@ def train(cfg: DictConfig) -> dict:
             raise ConfigError(str(e)) from e
         if resume is not None:
             wandb_id = meta.get("wandb_id")
-            same_topology = (meta.get("process_count") == process_count
-                             and meta.get("num_workers") == data_cfg.num_workers and saved_data_states is not None
-                             and len(saved_data_states) == process_count)
             if data_changes:
                 # The saved positions describe another data set: read the new one from its start.
+                saved_data_states = None
                 if is_main:
                     print("checkpoint.allow_data_change: the input pipeline starts afresh on the changed data ("
                           + "; ".join(data_changes) + ")", flush=True)
-            elif same_topology:
-                host_state = saved_data_states[process_index]
-            elif saved_data_states:
-                shard_states = data_lib.merge_host_states(saved_data_states)
 
         # The input pipeline starts now (worker processes spawn, the first batches get tokenized)
         # so that its start-up overlaps with restoring or initialising the model.
         debug_batches = bool(cfg.train.get("debug_batches", False))
-        host_iter = data_lib.make_host_iterator(data_cfg, process_index, process_count, shard_states=shard_states,
-                                                debug=debug_batches)
-        if host_state is not None:
-            host_iter.set_state(host_state)
+        host_iter = data_lib.restore_host_iterator(data_cfg, process_index, process_count, saved_data_states,
+                                                   debug=debug_batches, files=train_files, tokenizer=tokenizer)
         batches = data_lib.DevicePrefetcher(host_iter, batch_sharding, prefetch=data_cfg.prefetch)
         cleanup.callback(batches.close)
 
@@ -171,7 +164,7 @@ def train(cfg: DictConfig) -> dict:
         eval_set = None
         if eval_cfg is not None and cfg.train.eval_every:
             eval_step = step_lib.make_eval_step(model_cfg, mesh, rules, state_shardings)
-            eval_set = _EvalSet(data_lib, eval_cfg, cfg.train.eval_batches, batch_sharding, eval_step)
+            eval_set = _EvalSet(data_lib, eval_cfg, cfg.train.eval_batches, batch_sharding, eval_step, tokenizer)
         tokens_per_step = data_cfg.global_batch_size * data_cfg.seq_len
         flops_per_step = flops_lib.flops_per_token(model_cfg, data_cfg.seq_len) * tokens_per_step
         peak = flops_lib.peak_flops(jax.devices()[0].device_kind, cfg.train.peak_flops)
@@ -265,8 +258,9 @@ def _as_list(paths) -> list:
 
 
 def _split_eval(data_lib, data_cfg, eval_map: dict):
-    """The held-out set: `data.eval.paths` (must not overlap training files), or the last
-    `data.eval.holdout_files` files of the training list, removed from training."""
+    """(training config, held-out config or None, training files). The held-out set is
+    `data.eval.paths` (must not overlap training files), or the last `data.eval.holdout_files`
+    files of the training list, removed from training. The one listing of data.paths."""
     import dataclasses
     import glob
 
@@ -274,13 +268,13 @@ def _split_eval(data_lib, data_cfg, eval_map: dict):
     if unknown:
         raise ValueError(f"unknown setting(s): {', '.join(sorted('data.eval.' + k for k in unknown))}")
     eval_paths, holdout = _as_list(eval_map.get("paths")), int(eval_map.get("holdout_files") or 0)
-    if not eval_paths and not holdout:
-        return data_cfg, None
     if eval_paths and holdout:
         raise ValueError("set data.eval.paths or data.eval.holdout_files, not both")
     train_files = data_lib.list_files(data_cfg)
     if not train_files:
         raise ValueError(f"data.paths={list(data_cfg.paths)} matches no file")
+    if not eval_paths and not holdout:
+        return data_cfg, None, train_files
     if eval_paths:
         eval_files = data_lib.list_files(dataclasses.replace(data_cfg, paths=tuple(eval_paths)))
         if not eval_files:
@@ -298,7 +292,7 @@ def _split_eval(data_lib, data_cfg, eval_map: dict):
         data_cfg = dataclasses.replace(data_cfg, paths=tuple(glob.escape(f) for f in train_files))
     eval_cfg = dataclasses.replace(data_cfg, paths=tuple(glob.escape(f) for f in eval_files), num_workers=0,
                                    num_shards=len(eval_files), shuffle_window=0, files_per_stream=1)
-    return data_cfg, eval_cfg
+    return data_cfg, eval_cfg, train_files
 
 
 # ====================================================================== hosts
@@ -442,12 +436,12 @@ class _EvalSet:
     the same tokens. Every host reads the same eval rows and keeps its slice of each batch: the
     held-out set may be a single file, fewer than the hosts."""
 
-    def __init__(self, data_lib, eval_cfg, n_batches: int, sharding, eval_step):
+    def __init__(self, data_lib, eval_cfg, n_batches: int, sharding, eval_step, tokenizer):
         import jax
 
         local = eval_cfg.global_batch_size // jax.process_count()
         lo = jax.process_index() * local
-        it = data_lib.make_host_iterator(eval_cfg, 0, 1)
+        it = data_lib.make_host_iterator(eval_cfg, 0, 1, tokenizer=tokenizer)
         self.batches = []
         for _ in range(n_batches):
             rows = next(it)

@@ -70,15 +70,18 @@ def worker_buffer_size(cfg: DataConfig, process_count: int) -> int:
 
 
 def make_host_iterator(cfg: DataConfig, process_index: int, process_count: int,
-                       shard_states: dict | None = None, *, debug: bool = False):
+                       shard_states: dict | None = None, *, debug: bool = False,
+                       files: list[str] | None = None, tokenizer=None):
     """A Grain DatasetIterator of host batches (dicts of int32 [B_host, seq_len]).
 
     shard_states: per-virtual-shard states from merge_host_states (elastic resume).
     debug=True adds "doc_ids" (int64 [B, seq_len + 1], global document ids, -1 = padding)
     and "row_shard" (int32 [B]) for tests.
+    files / tokenizer: already listed / loaded by the caller (a glob over thousands of shards
+    on a mounted bucket is slow: list once per run).
     """
     return iter(make_host_dataset(cfg, process_index, process_count, shard_states,
-                                  debug=debug))
+                                  debug=debug, files=files, tokenizer=tokenizer))
 
 
 def saved_topology(host_state) -> tuple[int, int, int] | None:
@@ -101,25 +104,29 @@ def saved_topology(host_state) -> tuple[int, int, int] | None:
 
 
 def restore_host_iterator(cfg: DataConfig, process_index: int, process_count: int,
-                          host_states: list[dict] | None, *, debug: bool = False):
-    """The host iterator positioned after the saved consumed states of ALL hosts.
+                          host_states: list[dict] | None, *, debug: bool = False,
+                          files: list[str] | None = None, tokenizer=None):
+    """The host iterator positioned after the saved consumed states of ALL hosts (None or
+    empty: from the start).
 
-    Same topology (host count, this host's index, worker count): Grain's own set_state,
-    bit-identical continuation. Otherwise: merge_host_states -> per-shard states (elastic:
-    no document lost or repeated; the row interleaving order may differ).
+    Same topology (host count, this host's index, worker count): Grain's own set_state.
+    Otherwise: merge_host_states -> per-shard states, every shard continuing where it stopped.
+    Either way the batches are those of an uninterrupted run (the batch layout does not
+    depend on the topology).
     """
     from data.state import merge_host_states
+    kw = dict(debug=debug, files=files, tokenizer=tokenizer)
     if not host_states:
-        return make_host_iterator(cfg, process_index, process_count, debug=debug)
+        return make_host_iterator(cfg, process_index, process_count, **kw)
     same = (len(host_states) == process_count and
             saved_topology(host_states[process_index]) ==
             (process_index, process_count, cfg.num_workers))
     if same:
-        it = make_host_iterator(cfg, process_index, process_count, debug=debug)
+        it = make_host_iterator(cfg, process_index, process_count, **kw)
         it.set_state(host_states[process_index])
         return it
     return make_host_iterator(cfg, process_index, process_count,
-                              shard_states=merge_host_states(host_states), debug=debug)
+                              shard_states=merge_host_states(host_states), **kw)
 
 
 def state_counters(state) -> dict:
