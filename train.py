@@ -290,8 +290,12 @@ def _split_eval(data_lib, data_cfg, eval_map: dict):
         eval_files, train_files = train_files[-holdout:], train_files[:-holdout]
         # Literal file names, escaped so that [ ] * ? in a name stay literal.
         data_cfg = dataclasses.replace(data_cfg, paths=tuple(glob.escape(f) for f in train_files))
+    # Virtual shards must divide the batch (fixed batch layout) and not outnumber the files; the
+    # largest such count spreads the fixed eval batches over the most held-out files.
+    batch = data_cfg.global_batch_size
+    eval_shards = max(v for v in range(1, min(len(eval_files), batch) + 1) if batch % v == 0)
     eval_cfg = dataclasses.replace(data_cfg, paths=tuple(glob.escape(f) for f in eval_files), num_workers=0,
-                                   num_shards=len(eval_files), shuffle_window=0, files_per_stream=1)
+                                   num_shards=eval_shards, shuffle_window=0, files_per_stream=1)
     return data_cfg, eval_cfg, train_files
 
 

@@ -119,3 +119,14 @@ def test_bad_config_fails_fast_with_one_line(tmp_path, overrides, needle):
     # Nothing expensive started: no checkpoint, no metrics.
     assert not (tmp_path / "run" / "checkpoints").exists()
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_eval_files_need_not_divide_the_batch(tmp_path):
+    # 3 held-out files and a batch of 16: the eval set picks a shard count that divides the batch
+    # instead of failing on a data.num_shards the user never set.
+    sample = "${project_root:}/data/sample"
+    train_mod.train(make_cfg(tmp_path, *TINY_FAST, "train.steps=3", "train.log_every=3", "train.eval_every=3",
+                             f"data.paths=['{sample}/000[0-4]/en_head.json.gz']", "data.eval.holdout_files=0",
+                             f"data.eval.paths=['{sample}/000[5-7]/en_head.json.gz']"))
+    [row] = read_metrics(tmp_path)
+    assert row["eval_loss"] > 0
