@@ -55,8 +55,8 @@ def train(cfg: DictConfig) -> dict:
     eval_map = data_map.pop("eval", None) or {}
     try:
         model_cfg = LlamaConfig.from_mapping(cfg.model)
-        data_cfg = data_lib.DataConfig.from_mapping({**data_map, "paths": _as_list(data_map.get("paths")),
-                                                     "tokenizer": cfg.tokenizer.path})
+        # data.paths may be one glob or a list: DataConfig takes either.
+        data_cfg = data_lib.DataConfig.from_mapping({**data_map, "tokenizer": cfg.tokenizer.path})
         data_cfg, eval_cfg, train_files = _split_eval(data_lib, data_cfg, eval_map)
         tx, schedule = make_optimizer(cfg.optimizer, cfg.train.steps)
     except (TypeError, ValueError) as e:
@@ -253,7 +253,7 @@ def train(cfg: DictConfig) -> dict:
 
 # ====================================================================== data
 def _as_list(paths) -> list:
-    """`data.paths` is one glob or a list of globs: data.paths='/mnt/rp/*/en_head.json.gz' works."""
+    """One glob or a list of globs (data.eval.paths='/mnt/rp/held_out/*.json.gz' works)."""
     return [paths] if isinstance(paths, str) else list(paths or [])
 
 
