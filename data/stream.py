@@ -1,10 +1,17 @@
 """The per-virtual-shard row stream and the per-host Grain IterDataset built on it.
 
 A virtual shard's stream is deterministic and independent of hosts and workers:
-files in a seeded per-epoch order -> documents -> batched tokenization -> packer -> windows
-of >= W rows, each permuted with a seed from (seed, shard, window index).
+files in a seeded per-epoch order -> documents -> chunks of ~one window of text -> batched
+tokenization -> packer -> windows of whole chunks (>= W rows), each permuted with a seed
+from (seed, shard, window index).
 Its state: the reader + packer carry + counters at the start of the current window, and how
 many rows of the window were emitted. Restoring regenerates that one window and skips.
+
+Where the cores go: a chunk is handed to the tokenizer's thread pool as soon as it is read
+(BatchEncoder.submit; the tokenizer releases the GIL), and each shard keeps as many chunks
+read ahead as the pool has threads, so the tokenizer runs on every core while this thread
+reads and packs. The read-ahead never shows in the data: a chunk depends only on the reader
+position it starts from, and the next window's start state is the first read-ahead chunk's.
 
 Layout of a host batch (R = seq_len + 1 tokens per packed row, non-overlapping):
 inputs = row[:-1], targets = row[1:]; segment_ids count documents inside the row from 1
@@ -17,19 +24,22 @@ batch, k = global_batch_size / V. Host h of P owns the contiguous shards [h*V/P,
 its local batch is exactly its slice of the global batch, and the global batch is the same for
 any host count and any worker count: a run resumed on another topology sees the very batches an
 uninterrupted run would have seen. An iterator (a host's, or one Grain worker's slice of it)
-emits a slab: k rows of each of its shards in shard order, packed as one [rows, 3, R] array,
-plus "row_shard"; the host merges its workers' slabs back into shard order
+emits a slab of G batches: k rows of each of its shards in shard order, packed as one
+[G, rows, 3, R] array, plus "row_shard" (G = 1 in-process; a Grain worker sends ~256k tokens
+per element); the host merges its workers' slabs back into shard order
 (WorkerMergeIterDataset) and derives the batch arrays (slab_to_batch).
 
-Host state (JSON): {"__vshards__": 1, "num_shards": V,
-"topology": [process_index, process_count, num_workers], "shards": {"v": shard state}}.
+Host state (JSON): {"__vshards__": 2, "num_shards": V,
+"topology": [process_index, process_count, num_workers], "shards": {"v": shard state}}, and
+with workers "grain": {"state": Grain's state at the start of the current group, "skip": n}.
 Shard state: {"start": {"reader", "carry", "win", "c"}, "emitted": k, "c": counters}; the
 counters (rows, docs, tokens, pad, segs, bad records) cover the rows emitted so far, so a
-consumed state gives exact consumed statistics. Bad records are counted when read (the
-window is read ahead of consumption).
+consumed state gives exact consumed statistics. Bad records are counted when read and
+reported per window (the window is read ahead of consumption).
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import grain
@@ -39,11 +49,28 @@ from data import packing
 from data.sources import BadRecords, ShardReader
 from data.tokenizer import BatchEncoder, available_cores, set_thread_env
 
-STATE_VERSION = 1
+STATE_VERSION = 2   # 2: windows are whole CHUNK_CHARS chunks
 _MARK = "__vshards__"
 COUNTER_KEYS = ("rows", "docs", "tokens", "pad", "segs", "trunc", "drop")
-MAX_BLOCK_CHARS = 1 << 21
-CHARS_PER_TOKEN_GUESS = 3
+# Characters per tokenizer call: about one shuffle window of text, at most CHUNK_CHARS.
+# Windows are whole chunks, so this is part of the data order: changing it changes the
+# batches (and needs a new STATE_VERSION).
+CHUNK_CHARS = 1 << 17
+CHUNK_CHARS_PER_TOKEN = 4
+MAX_ENCODE_THREADS = 4
+
+
+class _Chunk:
+    """Pieces handed to the encoder thread, with the reader position and bad-record counts
+    from just before they were read."""
+    __slots__ = ("reader_state", "bad_counts", "bad_examples", "meta", "future")
+
+    def __init__(self, reader_state, bad_counts, bad_examples):
+        self.reader_state = reader_state
+        self.bad_counts = bad_counts
+        self.bad_examples = bad_examples
+        self.meta = None
+        self.future = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +92,7 @@ class StreamSpec:
     debug: bool = False
     process_index: int = 0
     process_count: int = 1
+    group: int = 1                  # host batches per element (per worker IPC message)
 
 
 def zero_counters() -> dict:
@@ -100,16 +128,19 @@ class ShardStream:
         else:
             self.packer = packing.FirstFitPacker(R)
         self.W = max(int(spec.shuffle_window), 1)
+        self.chunk_chars = min(CHUNK_CHARS, max(256, self.W * R * CHUNK_CHARS_PER_TOKEN))
+        self._ahead = collections.deque()   # chunks read ahead, being tokenized
         self._restore(state)
 
     # ---- state ----
     def get_state(self) -> dict:
-        c = self.c
+        bad, badex = self._bad_now
         return {"start": self._start, "emitted": self.emitted,
-                "c": {**c, "bad": dict(self.bad.counts), "badex": list(self.bad.examples)}}
+                "c": {**self.c, "bad": dict(bad), "badex": list(badex)}}
 
     def _restore(self, st: dict) -> None:
         s = st["start"]
+        self._ahead.clear()   # drop read-ahead chunks: reading restarts at s["reader"]
         self.reader.set_state(s["reader"])
         self.packer.set_carry(s["carry"])
         self.win = int(s["win"])
@@ -127,9 +158,11 @@ class ShardStream:
             self._take()
 
     def _snapshot(self) -> dict:
-        return {"reader": self.reader.get_state(), "carry": self.packer.carry_state(),
-                "win": self.win, "c": {**self.c, "bad": dict(self.bad.counts),
-                                       "badex": list(self.bad.examples)}}
+        """The next window's start: where its first (read-ahead) chunk began reading."""
+        nxt = self._ahead[0]
+        return {"reader": nxt.reader_state, "carry": self.packer.carry_state(),
+                "win": self.win, "c": {**self.c, "bad": dict(nxt.bad_counts),
+                                       "badex": list(nxt.bad_examples)}}
 
     # ---- rows ----
     def _target_rows(self) -> int:
@@ -141,23 +174,42 @@ class ShardStream:
         frac = 0.125 + 0.875 * ((self.shard * 0.6180339887498949) % 1.0)
         return max(1, int(self.W * frac))
 
+    def _read_chunk(self) -> "_Chunk":
+        """Reads pieces up to chunk_chars and hands them to the encoder thread at once, so the
+        tokenizer (Rust, GIL released) runs while this thread reads the next chunk and packs
+        the previous one. A chunk depends only on the reader position it starts at, which
+        keeps windows (whole chunks) identical after a restore."""
+        ch = _Chunk(self.reader.get_state(), dict(self.bad.counts), list(self.bad.examples))
+        texts, dids, firsts, lasts = [], [], [], []
+        chars = 0
+        next_piece = self.reader.next_piece
+        while chars < self.chunk_chars:
+            text, did, first, last = next_piece()
+            texts.append(text)
+            dids.append(did)
+            firsts.append(first)
+            lasts.append(last)
+            chars += len(text)
+        ch.meta = (dids, firsts, lasts)
+        ch.future = self.enc.submit(texts)
+        return ch
+
     def _build_window(self) -> None:
-        R = self.spec.seq_len + 1
+        """Whole chunks until the window has its target rows. `enc.threads` chunks are kept
+        read ahead, so that many tokenizer calls run while this thread packs; the next window
+        starts at the first of them, and that chunk's recorded reader position and bad-record
+        counts are the next window's start state."""
+        depth = self.enc.threads
+        while len(self._ahead) < depth:
+            self._ahead.append(self._read_chunk())
         parts = []
         n = 0
         target = self._target_rows()
         while n < target:
-            budget = min(MAX_BLOCK_CHARS, max(1024, (target - n) * R * CHARS_PER_TOKEN_GUESS))
-            texts, dids, firsts, lasts = [], [], [], []
-            chars = 0
-            while chars < budget:
-                text, did, first, last = self.reader.next_piece()
-                texts.append(text)
-                dids.append(did)
-                firsts.append(first)
-                lasts.append(last)
-                chars += len(text)
-            flat, lens = self.enc.encode(texts)
+            ch = self._ahead.popleft()
+            self._ahead.append(self._read_chunk())
+            flat, lens = ch.future.result()
+            dids, firsts, lasts = ch.meta
             tok, did, first = packing.assemble(
                 flat, lens, dids, firsts, lasts, self.enc.eos,
                 self.enc.bos if self.spec.add_bos else None)
@@ -170,6 +222,8 @@ class ShardStream:
         fl = self.packer.flush()
         if fl is not None:
             parts.append(fl)
+        # bad records read for this window (the read-ahead chunks' are not yet reported)
+        self._bad_now = (self._ahead[0].bad_counts, self._ahead[0].bad_examples)
         tok = np.concatenate([p[0] for p in parts])
         did = np.concatenate([p[1] for p in parts])
         first = np.concatenate([p[2] for p in parts])
@@ -207,7 +261,6 @@ class ShardStream:
         out["tok"][b] = self.tok[i]
         out["seg"][b] = self.seg[i]
         out["pos"][b] = self.pos[i]
-        out["shard"][b] = self.shard
         if "did" in out:
             out["did"][b] = self.did[i]
 
@@ -252,34 +305,47 @@ class HostIterator(grain.DatasetIterator):
         self.streams = None   # built lazily: get_state in the main process must stay cheap
 
     def _init(self) -> None:
-        n = max(self.spec.num_workers, 1)
-        set_thread_env(available_cores() // n if self.spec.num_workers > 0
-                       else available_cores())
-        enc = BatchEncoder(self.spec.tokenizer_json)
+        # Each tokenizer call is serial; this process's share of the cores runs that many calls
+        # at once (capped: one shard's read-ahead feeds the pool, and deeper read-ahead costs
+        # memory on hosts with many shards; use more workers on large machines).
+        set_thread_env(1)
+        threads = min(MAX_ENCODE_THREADS,
+                      max(1, available_cores() // max(self.spec.num_workers, 1)))
+        self.enc = enc = BatchEncoder(self.spec.tokenizer_json, threads)
         self.streams = [ShardStream(self.spec, v, enc, self._states[str(v)])
                         for v in self.shard_ids]
         self._states = None
 
     def __next__(self):
-        """A slab: {"rows": int32 [B, 3, R] (tokens, segment ids, positions), "row_shard"}.
+        """A slab of `spec.group` consecutive host batches (this iterator's rows of each):
+        {"rows": int32 [G, B, 3, R] (tokens, segment ids, positions), "row_shard": [B]}, and
+        in a Grain worker "states": the shard states after each of the G batches.
 
-        Few, large arrays: each array of an element crosses from a Grain worker to the host
-        process through its own shared-memory block, so the batch layout (inputs, targets,
-        masks) is derived on the host side by `slab_to_batch`."""
+        Few, large messages: every element a worker sends costs a fixed amount of IPC work in
+        both processes, so a worker sends G batches at a time (G from make_dataset) and the
+        batch layout (inputs, targets, masks) is derived on the host side by `slab_to_batch`."""
         if self.streams is None:
             self._init()
-        k, R = self.spec.rows_per_shard, self.spec.seq_len + 1
+        sp = self.spec
+        k, R, G = sp.rows_per_shard, sp.seq_len + 1, sp.group
         B = k * len(self.streams)
-        rows = np.empty((B, 3, R), np.int32)
-        out = {"tok": rows[:, 0], "seg": rows[:, 1], "pos": rows[:, 2], "shard": np.empty((B,), np.int32)}
-        if self.spec.debug:
-            out["did"] = np.empty((B, R), np.int64)
-        for j, stream in enumerate(self.streams):
-            for b in range(j * k, (j + 1) * k):
-                stream.next_row_into(b, out)
-        slab = {"rows": rows, "row_shard": out["shard"]}
-        if self.spec.debug:
-            slab["doc_ids"] = out["did"]
+        rows = np.empty((G, B, 3, R), np.int32)
+        dids = np.empty((G, B, R), np.int64) if sp.debug else None
+        states = []
+        for g in range(G):
+            out = {"tok": rows[g, :, 0], "seg": rows[g, :, 1], "pos": rows[g, :, 2]}
+            if dids is not None:
+                out["did"] = dids[g]
+            for j, stream in enumerate(self.streams):
+                for b in range(j * k, (j + 1) * k):
+                    stream.next_row_into(b, out)
+            if sp.num_workers > 0:
+                states.append({str(s.shard): s.get_state() for s in self.streams})
+        slab = {"rows": rows, "row_shard": np.repeat(np.asarray(self.shard_ids, np.int32), k)}
+        if dids is not None:
+            slab["doc_ids"] = dids
+        if states:
+            slab["states"] = _Opaque(states)
         return slab
 
     def get_state(self) -> dict:
@@ -314,6 +380,7 @@ class HostIterator(grain.DatasetIterator):
         if self.streams:
             for s in self.streams:
                 s.reader.close()
+            self.enc.close()
 
 
 def find_shard_states(state, out: dict | None = None) -> dict:
@@ -344,41 +411,107 @@ def find_shard_states(state, out: dict | None = None) -> dict:
     return out
 
 
-class WorkerMergeIterDataset(grain.IterDataset):
-    """After mp_prefetch: one host batch = one slab from each of the N workers (Grain reads its
-    workers round-robin), rows put back in shard order. Always consumed N elements at a time,
-    so the parent's state is at a group boundary whenever this iterator's state is taken."""
+class _Opaque:
+    """A leaf for Grain's tree traversals (which would otherwise walk every key of the
+    per-batch shard states); pickled as a whole with the element."""
+    __slots__ = ("value",)
 
-    def __init__(self, parent: grain.IterDataset, num_workers: int, keep_row_shard: bool):
+    def __init__(self, value):
+        self.value = value
+
+    def __getstate__(self):
+        return self.value
+
+    def __setstate__(self, value):
+        self.value = value
+
+
+class WorkerMergeIterDataset(grain.IterDataset):
+    """After mp_prefetch: one element from each of the N workers (Grain reads its workers
+    round-robin) holds G host batches; their rows are put back in shard order and the G
+    batches are handed out one by one.
+
+    State: the per-shard states after the last batch handed out (exact, topology-independent:
+    what `merge_host_states` and `restore_host_iterator` use), plus Grain's own state at the
+    start of the current group and how many of its batches were handed out (for set_state on
+    the same topology)."""
+
+    def __init__(self, parent: grain.IterDataset, spec: StreamSpec, keep_row_shard: bool):
         super().__init__(parent)
-        self.num_workers = num_workers
+        self.spec = spec
         self.keep_row_shard = keep_row_shard
 
     def __iter__(self):
-        return WorkerMergeIterator(self._parent.__iter__(), self.num_workers, self.keep_row_shard)
+        return WorkerMergeIterator(self._parent.__iter__(), self.spec, self.keep_row_shard)
 
     def __str__(self) -> str:
-        return f"WorkerMergeIterDataset(num_workers={self.num_workers})"
+        return f"WorkerMergeIterDataset(num_workers={self.spec.num_workers})"
 
 
 class WorkerMergeIterator(grain.DatasetIterator):
-    def __init__(self, parent, num_workers: int, keep_row_shard: bool):
+    def __init__(self, parent, spec: StreamSpec, keep_row_shard: bool):
         super().__init__(parent)
-        self.num_workers = num_workers
+        self.spec = spec
+        self.num_workers = spec.num_workers
         self.keep_row_shard = keep_row_shard
+        self._group_start = None     # Grain's state at the start of the current group
+        self._pos = 0                # batches of that group handed out
+        self._group = None           # {"rows": [G, B, 3, R], "row_shard", "doc_ids"?}
+        self._states = None          # per batch of the group: {shard: state}
+        self._shards = None          # {shard: state} after the last batch handed out
+
+    def _pull(self) -> None:
+        self._group_start = self._parent.get_state()
+        els = [next(self._parent) for _ in range(self.num_workers)]
+        row_shard = np.concatenate([e["row_shard"] for e in els])
+        order = np.argsort(row_shard, kind="stable")
+        grp = {"rows": np.concatenate([e["rows"] for e in els], axis=1)[:, order],
+               "row_shard": row_shard[order]}
+        if "doc_ids" in els[0]:
+            grp["doc_ids"] = np.concatenate([e["doc_ids"] for e in els], axis=1)[:, order]
+        per_worker = [e["states"].value for e in els]
+        self._states = [{v: st for sts in per_worker for v, st in sts[g].items()}
+                        for g in range(grp["rows"].shape[0])]
+        self._group = grp
+        self._pos = 0
 
     def __next__(self):
-        slabs = [next(self._parent) for _ in range(self.num_workers)]
-        row_shard = np.concatenate([s["row_shard"] for s in slabs])
-        order = np.argsort(row_shard, kind="stable")
-        merged = {key: np.concatenate([s[key] for s in slabs])[order] for key in slabs[0]}
-        return slab_to_batch(merged, self.keep_row_shard)
+        if self._group is None:          # first batch, or after set_state: skip into the group
+            skip = self._pos
+            self._pull()
+            self._pos = skip
+        if self._pos >= len(self._states):
+            self._pull()
+        g = self._pos
+        self._pos += 1
+        self._shards = self._states[g]
+        grp = self._group
+        slab = {"rows": grp["rows"][g], "row_shard": grp["row_shard"]}
+        if "doc_ids" in grp:
+            slab["doc_ids"] = grp["doc_ids"][g]
+        return slab_to_batch(slab, self.keep_row_shard)
 
     def get_state(self):
-        return self._parent.get_state()
+        sp = self.spec
+        if self._group_start is None:
+            self._group_start = self._parent.get_state()
+        shards = self._shards
+        if shards is None:               # nothing handed out: the workers' start states
+            shards = find_shard_states(self._group_start)
+        return {_MARK: STATE_VERSION, "num_shards": sp.num_shards,
+                "topology": [sp.process_index, sp.process_count, sp.num_workers],
+                "shards": dict(shards), "grain": {"state": self._group_start, "skip": self._pos}}
 
     def set_state(self, state):
-        self._parent.set_state(state)
+        if state.get(_MARK) != STATE_VERSION or "grain" not in state:
+            raise ValueError("not an input-pipeline state of this version with input workers "
+                             "(resume through restore_host_iterator)")
+        g = state["grain"]
+        self._parent.set_state(g["state"])
+        self._group_start = g["state"]
+        self._pos = int(g["skip"])
+        self._group = self._states = None
+        self._shards = dict(state["shards"])
 
     def close(self) -> None:
         close = getattr(self._parent, "close", None)

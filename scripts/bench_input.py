@@ -4,8 +4,11 @@
       --seq-len 1024 --batch-size 16 --workers 0,1,2
 
 Figures:
-  tokenizer_tok_s   tokenizer alone (encode_batch_fast, all cores) on the corpus documents:
-                    the floor of what the pipeline can reach on these cores.
+  tokenizer_tok_s   tokenizer alone (encode_batch_fast on all cores, the faster of one parallel
+                    call at a time or one serial call per core; documents already in memory,
+                    only the encode calls timed): the floor of what the pipeline can reach.
+  pipeline_vs_tokenizer  per worker count: pipeline rate / tokenizer alone measured around
+                    the same runs (interleaved rounds: the machine's speed drifts).
   pipeline_tok_s    per worker count: steady-state non-padding tokens/s out of the host
                     iterator (after the first batch), over one epoch or --max-batches.
   first_batch_s     per worker count: iterator creation -> first batch.
@@ -69,44 +72,58 @@ class RssSampler:
         self._t.join()
 
 
-def tokenizer_alone(files, tok_path, text_key, max_chars, batch_docs=256):
-    """Streams the corpus documents, timing only the encode calls (all cores)."""
+def load_texts(files, text_key, max_chars):
+    """The corpus documents in file order, up to max_chars characters."""
     from data.sources import open_lines, parse_line
-    from data.tokenizer import available_cores, set_thread_env
-    set_thread_env(available_cores())
-    from data.tokenizer import BatchEncoder, load_tokenizer
-    enc = BatchEncoder(load_tokenizer(tok_path).to_str())
-    fn = enc._fast or enc.tok.encode_batch
-    n_tok = n_chars = 0
-    spent = cpu = 0.0
-    batch = []
-
-    def run(batch):
-        nonlocal n_tok, spent, cpu
-        t0, c0 = time.perf_counter(), time.process_time()
-        out = fn(batch, add_special_tokens=False)
-        spent += time.perf_counter() - t0
-        cpu += time.process_time() - c0
-        n_tok += sum(len(e.ids) + 1 for e in out)   # + EOS, as the pipeline counts
-
+    texts, n_chars = [], 0
     for f in files:
         with open_lines(f) as fh:
             for line in fh:
                 text, bad = parse_line(line, text_key)
                 if bad:
                     continue
-                batch.append(text)
+                texts.append(text)
                 n_chars += len(text)
-                if len(batch) == batch_docs:
-                    run(batch)
-                    batch = []
                 if n_chars >= max_chars:
-                    break
-        if n_chars >= max_chars:
-            break
-    if batch:
-        run(batch)
-    return n_tok / spent, n_tok, n_chars, n_tok / cpu
+                    return texts
+    return texts
+
+
+def tokenizer_alone(texts, tok_path, method):
+    """The tokenizer alone on all cores, timing only the encode calls; two ways to use the
+    cores, the faster of which is the floor:
+      rayon    one call of 256 documents at a time, parallel inside the tokenizer;
+      threads  one serial call of 32 documents per core at a time, on a thread per core.
+    -> (tokens/s, tokens incl. one EOS per document, tokens per CPU-second)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import tokenizers
+
+    from data.tokenizer import available_cores, set_thread_env
+    cores = available_cores()
+    set_thread_env(cores if method == "rayon" else 1)
+    tok = tokenizers.Tokenizer.from_file(tok_path)
+    batch = 256 if method == "rayon" else 32
+    chunks = [texts[i:i + batch] for i in range(0, len(texts), batch)]
+
+    def run(chunk):
+        return sum(len(e.ids) + 1 for e in tok.encode_batch_fast(chunk, add_special_tokens=False))
+
+    run(chunks[0][:8])   # warm up (thread pool start)
+    t0, c0 = time.perf_counter(), time.process_time()
+    if method == "rayon":
+        n_tok = sum(run(c) for c in chunks)
+    else:
+        with ThreadPoolExecutor(cores) as ex:
+            n_tok = sum(ex.map(run, chunks))
+    spent, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return n_tok / spent, n_tok, n_tok / cpu
+
+
+def best_tokenizer_alone(texts, tok_path):
+    runs = {m: tokenizer_alone(texts, tok_path, m) for m in ("rayon", "threads")}
+    best = max(runs, key=lambda m: runs[m][0])
+    return runs[best], best, runs
 
 
 def tree_cpu_s(main_only: bool = False) -> float:
@@ -153,12 +170,12 @@ def run_pipeline(cfg, max_tokens, max_batches):
 
 
 def measure_restore(cfg, state, reps=2):
+    """As train.py resumes: restore_host_iterator from the saved host states -> next batch."""
     import data
     best = None
     for _ in range(reps):
         t0 = time.perf_counter()
-        it = data.make_host_iterator(cfg, 0, 1)
-        it.set_state(state)
+        it = data.restore_host_iterator(cfg, 0, 1, [state])
         next(it)
         dt = time.perf_counter() - t0
         if hasattr(it, "close"):
@@ -213,9 +230,10 @@ def main():
     ap.add_argument("--max-chars", type=float, default=80e6,
                     help="corpus characters for the tokenizer-alone figure")
     ap.add_argument("--sim-steps", type=int, default=600)
-    ap.add_argument("--paired", type=int, default=1,
-                    help="re-measure the tokenizer alone before each pipeline run (1/0)")
-    ap.add_argument("--pair-chars", type=float, default=30e6)
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="pipeline runs per worker count, interleaved with tokenizer-alone runs")
+    ap.add_argument("--pair-chars", type=float, default=30e6,
+                    help="corpus characters for each tokenizer-alone run between pipeline runs")
     args = ap.parse_args()
 
     import data
@@ -227,29 +245,55 @@ def main():
                 files_per_stream=args.files_per_stream, text_key=args.text_key)
     data.validate(data.DataConfig(**base, num_workers=max(workers)), 1, 1)
 
-    tok_s, corpus_tokens, corpus_chars, tok_cpu = tokenizer_alone(
-        files, args.tokenizer, args.text_key, args.max_chars)
+    texts = load_texts(files, args.text_key, args.max_chars)
+    corpus_chars = sum(len(t) for t in texts)
+    (tok_s, corpus_tokens, tok_cpu), method, by_method = best_tokenizer_alone(
+        texts, args.tokenizer)
     print(f"tokenizer alone: {tok_s / 1e6:.3f} M tok/s over {corpus_tokens / 1e6:.1f} M tokens "
-          f"({corpus_chars / 1e6:.1f} M chars)", flush=True)
+          f"({corpus_chars / 1e6:.1f} M chars; "
+          + ", ".join(f"{m} {r[0] / 1e6:.3f}" for m, r in by_method.items()) + ")", flush=True)
+    # the tokenizer-alone runs between pipeline runs use the faster way, on fewer documents
+    pair_texts, n = [], 0
+    for t in texts:
+        if n >= args.pair_chars:
+            break
+        pair_texts.append(t)
+        n += len(t)
+    del texts
 
     rss = RssSampler().start()
-    res = {}
-    paired = {}
+    # The machine may be shared and its speed drifts: the tokenizer alone is measured between
+    # every two pipeline runs (on the same documents), each pipeline run is paired with the
+    # mean of the measurements just before and after it, and the rounds go over all worker
+    # counts in turn, so a slow spell does not land on one worker count only.
+    runs = {n: [] for n in workers}
+    pair = {n: [] for n in workers}
+    def tok_now():
+        return tokenizer_alone(pair_texts, args.tokenizer, method)[0]
+    before = tok_now()
+    for rnd in range(args.rounds):
+        for n in workers:
+            cfg = data.DataConfig(**base, num_workers=n)
+            r = run_pipeline(cfg, min(corpus_tokens, args.max_chars / 3.0), args.max_batches)
+            after = tok_now()
+            runs[n].append(r)
+            pair[n].append((before + after) / 2)
+            print(f"round {rnd + 1}, workers={n}: {r['tok_s'] / 1e6:.3f} M tok/s "
+                  f"({r['tok_s'] / pair[n][-1]:.2f} x tokenizer alone around it: "
+                  f"{before / 1e6:.3f} / {after / 1e6:.3f} M tok/s), first batch "
+                  f"{r['first_batch_s']:.2f} s, {r['batches']} batches in {r['seconds']:.1f} s",
+                  flush=True)
+            before = after
+
+    def mean(xs):
+        return sum(xs) / len(xs)
+    res = {n: {k: mean([r[k] for r in rs]) for k in
+               ("tok_s", "tok_per_cpu_s", "cores_main", "cores_workers")}
+           for n, rs in runs.items()}
     for n in workers:
-        # The machine may be shared: the tokenizer-alone rate is measured again right before
-        # each pipeline run, on the same documents, and the ratio is taken per pair.
-        if args.paired:
-            paired[n] = tokenizer_alone(files, args.tokenizer, args.text_key,
-                                        min(args.max_chars, args.pair_chars))[0]
-        else:
-            paired[n] = tok_s
-        cfg = data.DataConfig(**base, num_workers=n)
-        r = run_pipeline(cfg, min(corpus_tokens, args.max_chars / 3.0), args.max_batches)
-        res[n] = r
-        print(f"workers={n}: {r['tok_s'] / 1e6:.3f} M tok/s ({r['tok_s'] / paired[n]:.2f} x "
-              f"tokenizer alone measured just before: {paired[n] / 1e6:.3f} M tok/s), first "
-              f"batch {r['first_batch_s']:.2f} s, {r['batches']} batches in "
-              f"{r['seconds']:.1f} s", flush=True)
+        res[n]["first_batch_s"] = min(r["first_batch_s"] for r in runs[n])
+        res[n]["state"] = runs[n][-1]["state"]
+    paired = {n: mean(v) for n, v in pair.items()}
     nmax = max(workers)
     cfg = data.DataConfig(**base, num_workers=nmax)
     restore_s = measure_restore(cfg, res[nmax]["state"])
@@ -259,16 +303,20 @@ def main():
           f"stats {json.dumps({k: v for k, v in stats.items() if k != 'bad_examples'})}",
           flush=True)
     rss.stop()
-    tok_s_after, _, _, _ = tokenizer_alone(files, args.tokenizer, args.text_key,
-                                        min(args.max_chars, 20e6))
+    tok_s_after = tok_now()
     print(f"tokenizer alone again (load check): {tok_s_after / 1e6:.3f} M tok/s", flush=True)
     best = max(res.values(), key=lambda r: r["tok_s"])
     out = {
         "tokenizer_tok_s": round(tok_s),
+        "tokenizer_method": method,
+        "tokenizer_tok_s_by_method": {m: round(r[0]) for m, r in by_method.items()},
         "pipeline_tok_s": {str(n): round(r["tok_s"]) for n, r in res.items()},
         "pipeline_vs_tokenizer": {str(n): round(r["tok_s"] / paired[n], 3)
                                   for n, r in res.items()},
+        # the tokenizer alone measured around each worker count's runs (mean)
         "tokenizer_tok_s_paired": {str(n): round(v) for n, v in paired.items()},
+        "pipeline_tok_s_runs": {str(n): [round(r["tok_s"]) for r in rs]
+                                for n, rs in runs.items()},
         "best_pipeline_tok_s": round(best["tok_s"]),
         # cores busy in the host process and in the Grain workers while the pipeline ran
         "cores_main": {str(n): round(r["cores_main"], 2) for n, r in res.items()},

@@ -180,3 +180,43 @@ def test_restore_host_iterator_picks_the_path(tmp_path):
     for shard, rows in got.items():
         # 3 global batches of 8 rows from 8 shards: 3 rows per shard consumed
         assert canon[shard][3:3 + len(rows)] == rows
+
+
+def test_worker_states_are_the_in_process_states(tmp_path):
+    """With workers, a batch's state (sent G batches at a time) holds, for every virtual shard,
+    exactly the state the in-process pipeline has after the same batch: what resuming on any
+    topology starts from. Checked after every batch, across group boundaries."""
+    write_corpus(tmp_path, n_files=8, docs_per_file=6, max_words=80)
+    base = cfg(tmp_path, num_shards=8, shuffle_window=6, seq_len=16, global_batch_size=8)
+    w0 = data.make_host_iterator(cfg_replace(base, num_workers=0), 0, 1)
+    w2 = data.make_host_iterator(cfg_replace(base, num_workers=2), 0, 1)
+    from data.pipeline import worker_group
+    group = worker_group(cfg_replace(base, num_workers=2), 1)
+    assert group > 1, "the test must cross group boundaries"
+    for k in range(group + 3):
+        assert_batches_equal(next(w2), next(w0), f"batch {k}")
+        s0, s2 = jround(w0.get_state()), jround(w2.get_state())
+        assert s2["shards"] == s0["shards"], f"after batch {k}"
+        assert s2["grain"]["skip"] == (k % group) + 1
+    w2.close()
+
+
+def test_encoder_threads_do_not_change_the_data(tmp_path, monkeypatch):
+    """Tokenizer calls run ahead on a thread pool sized from the cores; the chunks, windows
+    and batches must not depend on how many threads there are."""
+    import data.stream as stream
+    write_corpus(tmp_path, n_files=4, docs_per_file=8, max_words=100, long_doc_chars=3000)
+    c = cfg(tmp_path, num_shards=4, shuffle_window=5, seq_len=16, global_batch_size=4)
+    runs = []
+    for threads in (1, 3):
+        monkeypatch.setattr(stream, "MAX_ENCODE_THREADS", threads)
+        monkeypatch.setattr(stream, "available_cores", lambda: 8)
+        it = data.make_host_iterator(c, 0, 1, debug=True)
+        batches = take(it, 30)
+        host = it._parent   # the HostIterator under Grain's map
+        assert host.enc.threads == threads
+        assert all(len(s._ahead) == threads for s in host.streams)
+        runs.append((batches, jround(it.get_state())))
+    for a, b in zip(runs[0][0], runs[1][0]):
+        assert_batches_equal(a, b)
+    assert runs[0][1] == runs[1][1]
