@@ -45,25 +45,30 @@ def make_host_dataset(cfg: DataConfig, process_index: int, process_count: int,
         debug=debug, process_index=process_index, process_count=process_count,
         group=worker_group(cfg, process_count))
     states = normalize_shard_states(shard_states, cfg.num_shards)
-    ds = HostIterDataset(spec, host_shards(cfg.num_shards, process_index, process_count),
-                         states)
-    if cfg.num_workers > 0:
-        import grain
-        from absl import flags
-        if not flags.FLAGS.is_parsed():
-            flags.FLAGS.mark_as_parsed()
-        # Slabs travel pickled through the worker's pipe, not through shared memory: a fresh
-        # shared-memory block per element (create, register with the resource tracker, open,
-        # unlink) cost the host process ~1 ms per batch, more than copying a few MB.
-        ds = grain.experimental.WithOptionsIterDataset(
-            ds, grain.experimental.DatasetOptions(min_shm_size=MIN_SHM_BYTES))
-        ds = ds.mp_prefetch(grain.multiprocessing.MultiprocessingOptions(
-            num_workers=cfg.num_workers,
-            per_worker_buffer_size=worker_buffer_size(cfg, process_count)))
-        ds = WorkerMergeIterDataset(ds, spec, keep_row_shard=debug)
-    else:
-        ds = ds.map(functools.partial(_only_batch, keep_debug=debug))
-    return ds
+    shards = host_shards(cfg.num_shards, process_index, process_count)
+    if cfg.num_workers == 0:
+        ds = HostIterDataset(spec, shards, states)
+        return ds.map(functools.partial(_only_batch, keep_debug=debug))
+    import grain
+    from absl import flags
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+    # One single-process mp_prefetch pipeline per worker (worker i owns shards i, i+N, ...)
+    # rather than one mp_prefetch with N workers: Grain's interleave starts worker i+1 only
+    # once worker i has sent its first element, so N workers took N x (spawn + imports) to
+    # the first batch; WorkerMergeIterator starts separate pipelines all at once.
+    workers = []
+    for i in range(cfg.num_workers):
+        w = HostIterDataset(spec, shards[i::cfg.num_workers], states)
+        # Slabs travel pickled through the worker's pipe, not through shared memory: a
+        # fresh shared-memory block per element (create, register with the resource
+        # tracker, open, unlink) cost the host process ~1 ms per batch, more than copying
+        # a few MB.
+        w = grain.experimental.WithOptionsIterDataset(
+            w, grain.experimental.DatasetOptions(min_shm_size=MIN_SHM_BYTES))
+        workers.append(w.mp_prefetch(grain.multiprocessing.MultiprocessingOptions(
+            num_workers=1, per_worker_buffer_size=worker_buffer_size(cfg, process_count))))
+    return WorkerMergeIterDataset(workers, spec, keep_row_shard=debug)
 
 
 MIN_SHM_BYTES = 64 << 20

@@ -26,12 +26,14 @@ any host count and any worker count: a run resumed on another topology sees the 
 uninterrupted run would have seen. An iterator (a host's, or one Grain worker's slice of it)
 emits a slab of G batches: k rows of each of its shards in shard order, packed as one
 [G, rows, 3, R] array, plus "row_shard" (G = 1 in-process; a Grain worker sends ~256k tokens
-per element); the host merges its workers' slabs back into shard order
-(WorkerMergeIterDataset) and derives the batch arrays (slab_to_batch).
+per element after a ramp 1, 2, 4, ... that keeps the first batch early); the host merges its
+workers' slabs back into shard order (WorkerMergeIterDataset) and derives the batch arrays
+(slab_to_batch).
 
 Host state (JSON): {"__vshards__": 2, "num_shards": V,
 "topology": [process_index, process_count, num_workers], "shards": {"v": shard state}}, and
-with workers "grain": {"state": Grain's state at the start of the current group, "skip": n}.
+with workers "grain": {"state": [each worker pipeline's Grain state at the start of the current
+group], "skip": n}.
 Shard state: {"start": {"reader", "carry", "win", "c"}, "emitted": k, "c": counters}; the
 counters (rows, docs, tokens, pad, segs, bad records) cover the rows emitted so far, so a
 consumed state gives exact consumed statistics. Bad records are counted when read and
@@ -270,20 +272,14 @@ def progress(shard_state: dict) -> int:
 
 
 class HostIterDataset(grain.IterDataset):
-    """k rows of each of this host's virtual shards per element, in shard order.
-
-    `set_slice` (called by mp_prefetch in each worker) keeps a slice of the shards.
-    """
+    """k rows of each of the given virtual shards per element, in shard order (a host's
+    shards in-process, or one input worker's share of them)."""
 
     def __init__(self, spec: StreamSpec, shard_ids: list[int], shard_states: dict | None):
         super().__init__()
         self.spec = spec
         self.shard_ids = list(shard_ids)
         self.shard_states = shard_states or {}
-
-    def set_slice(self, sl: slice, sequential_slice: bool = False) -> None:
-        del sequential_slice
-        self.shard_ids = self.shard_ids[sl]
 
     def __iter__(self):
         return HostIterator(self.spec, self.shard_ids, self.shard_states)
@@ -303,6 +299,7 @@ class HostIterator(grain.DatasetIterator):
         self._states = {str(v): shard_states.get(str(v)) or initial_shard_state()
                         for v in shard_ids}
         self.streams = None   # built lazily: get_state in the main process must stay cheap
+        self._elements = 0    # elements emitted (sets the group size of the next one)
 
     def _init(self) -> None:
         # Each tokenizer call is serial; this process's share of the cores runs that many calls
@@ -317,17 +314,21 @@ class HostIterator(grain.DatasetIterator):
         self._states = None
 
     def __next__(self):
-        """A slab of `spec.group` consecutive host batches (this iterator's rows of each):
+        """A slab of G consecutive host batches (this iterator's rows of each):
         {"rows": int32 [G, B, 3, R] (tokens, segment ids, positions), "row_shard": [B]}, and
         in a Grain worker "states": the shard states after each of the G batches.
 
         Few, large messages: every element a worker sends costs a fixed amount of IPC work in
-        both processes, so a worker sends G batches at a time (G from make_dataset) and the
-        batch layout (inputs, targets, masks) is derived on the host side by `slab_to_batch`."""
+        both processes, so a worker sends up to `spec.group` batches at a time and the batch
+        layout (inputs, targets, masks) is derived on the host side by `slab_to_batch`."""
         if self.streams is None:
             self._init()
         sp = self.spec
-        k, R, G = sp.rows_per_shard, sp.seq_len + 1, sp.group
+        # The first elements are small (1, 2, 4, ... batches up to G): a fresh or restored
+        # worker sends its first batch as soon as its windows are built.
+        G = min(sp.group, 1 << min(self._elements, 16))
+        self._elements += 1
+        k, R = sp.rows_per_shard, sp.seq_len + 1
         B = k * len(self.streams)
         rows = np.empty((G, B, 3, R), np.int32)
         dids = np.empty((G, B, R), np.int64) if sp.debug else None
@@ -356,7 +357,7 @@ class HostIterator(grain.DatasetIterator):
         sp = self.spec
         return {_MARK: STATE_VERSION, "num_shards": sp.num_shards,
                 "topology": [sp.process_index, sp.process_count, sp.num_workers],
-                "shards": shards}
+                "shards": shards, "elements": self._elements}
 
     def set_state(self, state: dict) -> None:
         if state.get(_MARK) != STATE_VERSION:
@@ -370,6 +371,7 @@ class HostIterator(grain.DatasetIterator):
             raise ValueError(f"saved input state lacks virtual shards {missing}: the host or "
                              "worker count changed; resume through merge_host_states")
         sts = {str(v): shards[str(v)] for v in self.shard_ids}
+        self._elements = int(state.get("elements", 0))
         if self.streams is None:
             self._states = sts
         else:
@@ -427,42 +429,52 @@ class _Opaque:
 
 
 class WorkerMergeIterDataset(grain.IterDataset):
-    """After mp_prefetch: one element from each of the N workers (Grain reads its workers
-    round-robin) holds G host batches; their rows are put back in shard order and the G
-    batches are handed out one by one.
+    """Over N single-worker mp_prefetch pipelines (worker i owns the host's shards i, i+N,
+    ...): one element from each holds G host batches; their rows are put back in shard order
+    and the G batches are handed out one by one.
 
     State: the per-shard states after the last batch handed out (exact, topology-independent:
-    what `merge_host_states` and `restore_host_iterator` use), plus Grain's own state at the
-    start of the current group and how many of its batches were handed out (for set_state on
-    the same topology)."""
+    what `merge_host_states` and `restore_host_iterator` use), plus the workers' Grain states
+    at the start of the current group and how many of its batches were handed out (for
+    set_state on the same topology)."""
 
-    def __init__(self, parent: grain.IterDataset, spec: StreamSpec, keep_row_shard: bool):
-        super().__init__(parent)
+    def __init__(self, workers: list, spec: StreamSpec, keep_row_shard: bool):
+        super().__init__(workers)
         self.spec = spec
         self.keep_row_shard = keep_row_shard
 
     def __iter__(self):
-        return WorkerMergeIterator(self._parent.__iter__(), self.spec, self.keep_row_shard)
+        return WorkerMergeIterator([w.__iter__() for w in self._parents], self.spec,
+                                   self.keep_row_shard)
 
     def __str__(self) -> str:
         return f"WorkerMergeIterDataset(num_workers={self.spec.num_workers})"
 
 
 class WorkerMergeIterator(grain.DatasetIterator):
-    def __init__(self, parent, spec: StreamSpec, keep_row_shard: bool):
-        super().__init__(parent)
+    def __init__(self, workers: list, spec: StreamSpec, keep_row_shard: bool):
+        super().__init__(workers)
         self.spec = spec
-        self.num_workers = spec.num_workers
+        self.workers = list(workers)
         self.keep_row_shard = keep_row_shard
-        self._group_start = None     # Grain's state at the start of the current group
+        self._started = False        # a worker process starts at its pipeline's first next()
+        self._group_start = None     # the workers' Grain states at the start of the group
         self._pos = 0                # batches of that group handed out
         self._group = None           # {"rows": [G, B, 3, R], "row_shard", "doc_ids"?}
         self._states = None          # per batch of the group: {shard: state}
         self._shards = None          # {shard: state} after the last batch handed out
 
     def _pull(self) -> None:
-        self._group_start = self._parent.get_state()
-        els = [next(self._parent) for _ in range(self.num_workers)]
+        self._group_start = [w.get_state() for w in self.workers]
+        if self._started:
+            els = [next(w) for w in self.workers]
+        else:
+            # All workers spawn and import at once (each takes ~1-2 s before its first row).
+            import concurrent.futures
+            with concurrent.futures.ThreadPoolExecutor(len(self.workers)) as pool:
+                futs = [pool.submit(next, w) for w in self.workers]
+                els = [f.result() for f in futs]
+            self._started = True
         row_shard = np.concatenate([e["row_shard"] for e in els])
         order = np.argsort(row_shard, kind="stable")
         grp = {"rows": np.concatenate([e["rows"] for e in els], axis=1)[:, order],
@@ -494,7 +506,7 @@ class WorkerMergeIterator(grain.DatasetIterator):
     def get_state(self):
         sp = self.spec
         if self._group_start is None:
-            self._group_start = self._parent.get_state()
+            self._group_start = [w.get_state() for w in self.workers]
         shards = self._shards
         if shards is None:               # nothing handed out: the workers' start states
             shards = find_shard_states(self._group_start)
@@ -507,16 +519,22 @@ class WorkerMergeIterator(grain.DatasetIterator):
             raise ValueError("not an input-pipeline state of this version with input workers "
                              "(resume through restore_host_iterator)")
         g = state["grain"]
-        self._parent.set_state(g["state"])
-        self._group_start = g["state"]
+        if len(g["state"]) != len(self.workers):
+            raise ValueError(f"saved input state is from {len(g['state'])} input workers, "
+                             f"data.num_workers={len(self.workers)}: resume through "
+                             "restore_host_iterator")
+        for w, st in zip(self.workers, g["state"]):
+            w.set_state(st)
+        self._group_start = list(g["state"])
         self._pos = int(g["skip"])
         self._group = self._states = None
         self._shards = dict(state["shards"])
 
     def close(self) -> None:
-        close = getattr(self._parent, "close", None)
-        if close is not None:
-            close()
+        for w in self.workers:
+            close = getattr(w, "close", None)
+            if close is not None:
+                close()
 
 
 def slab_to_batch(slab: dict, keep_debug: bool = False) -> dict:
