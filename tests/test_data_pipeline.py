@@ -216,3 +216,35 @@ def test_files_interleaved_inside_a_shard(tmp_path):
                 seq.append(f)
     # documents alternate between the two open files
     assert len(set(seq[:6])) == 2 and all(a != b for a, b in zip(seq, seq[1:]))
+
+
+def test_input_workers_start_together(tmp_path):
+    """Each worker process takes ~1 s to start (spawn, importing Grain and JAX) before its
+    first row. Started one after another (what one mp_prefetch with N workers does: its
+    interleave starts worker i + 1 once worker i has sent an element), N workers would take
+    N such starts to the first batch. The worker processes must be created at about the same
+    moment: a small fraction of the time to the first batch apart."""
+    import time
+
+    import psutil
+    write_corpus(tmp_path, n_files=4, docs_per_file=6, max_words=80)
+    c = cfg(tmp_path, num_shards=4, num_workers=2, seq_len=16, global_batch_size=4)
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    t0 = time.time()
+    it = data.make_host_iterator(c, 0, 1)
+    next(it)
+    first_batch_s = time.time() - t0
+    workers = []
+    for p in me.children(recursive=True):
+        try:
+            cmd = " ".join(p.cmdline())
+            if p.pid not in before and "spawn_main" in cmd:
+                workers.append(p.create_time())
+        except psutil.Error:
+            pass
+    it.close()
+    assert len(workers) == 2, f"expected 2 input worker processes, found {len(workers)}"
+    gap = max(workers) - min(workers)
+    assert gap < 0.25 * first_batch_s, (
+        f"workers created {gap:.2f} s apart; first batch after {first_batch_s:.2f} s")
