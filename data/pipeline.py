@@ -6,6 +6,9 @@ import queue
 import threading
 import time
 
+import grain
+from absl import flags
+
 from data.config import DataConfig, check_shards, list_files
 from data.state import normalize_shard_states, sum_counters
 from data.stream import (COUNTER_KEYS, HostIterDataset, StreamSpec, WorkerMergeIterDataset, find_shard_states,
@@ -49,9 +52,7 @@ def make_host_dataset(cfg: DataConfig, process_index: int, process_count: int,
     if cfg.num_workers == 0:
         ds = HostIterDataset(spec, shards, states)
         return ds.map(functools.partial(_only_batch, keep_debug=debug))
-    import grain
-    from absl import flags
-    if not flags.FLAGS.is_parsed():
+    if not flags.FLAGS.is_parsed():   # mp_prefetch outside absl.app.run (Hydra) needs this
         flags.FLAGS.mark_as_parsed()
     # One single-process mp_prefetch pipeline per worker (worker i owns shards i, i+N, ...)
     # rather than one mp_prefetch with N workers: Grain's interleave starts worker i+1 only

@@ -42,6 +42,7 @@ reported per window (the window is read ahead of consumption).
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 
 import grain
@@ -63,7 +64,7 @@ MAX_ENCODE_THREADS = 4
 
 
 class _Chunk:
-    """Pieces handed to the encoder thread, with the reader position and bad-record counts
+    """Pieces handed to the encoder's thread pool, with the reader position and bad-record counts
     from just before they were read."""
     __slots__ = ("reader_state", "bad_counts", "bad_examples", "meta", "future")
 
@@ -177,7 +178,7 @@ class ShardStream:
         return max(1, int(self.W * frac))
 
     def _read_chunk(self) -> "_Chunk":
-        """Reads pieces up to chunk_chars and hands them to the encoder thread at once, so the
+        """Reads pieces up to chunk_chars and hands them to the encoder's pool at once, so the
         tokenizer (Rust, GIL released) runs while this thread reads the next chunk and packs
         the previous one. A chunk depends only on the reader position it starts at, which
         keeps windows (whole chunks) identical after a restore."""
@@ -465,12 +466,11 @@ class WorkerMergeIterator(grain.DatasetIterator):
         self._shards = None          # {shard: state} after the last batch handed out
 
     def _pull(self) -> None:
-        self._group_start = [w.get_state() for w in self.workers]
+        self._group_start = self._worker_states()
         if self._started:
             els = [next(w) for w in self.workers]
         else:
             # All workers spawn and import at once (each takes ~1-2 s before its first row).
-            import concurrent.futures
             with concurrent.futures.ThreadPoolExecutor(len(self.workers)) as pool:
                 futs = [pool.submit(next, w) for w in self.workers]
                 els = [f.result() for f in futs]
@@ -486,6 +486,9 @@ class WorkerMergeIterator(grain.DatasetIterator):
                         for g in range(grp["rows"].shape[0])]
         self._group = grp
         self._pos = 0
+
+    def _worker_states(self) -> list:
+        return [w.get_state() for w in self.workers]
 
     def __next__(self):
         if self._group is None:          # first batch, or after set_state: skip into the group
@@ -506,7 +509,7 @@ class WorkerMergeIterator(grain.DatasetIterator):
     def get_state(self):
         sp = self.spec
         if self._group_start is None:
-            self._group_start = [w.get_state() for w in self.workers]
+            self._group_start = self._worker_states()
         shards = self._shards
         if shards is None:               # nothing handed out: the workers' start states
             shards = find_shard_states(self._group_start)
@@ -532,9 +535,7 @@ class WorkerMergeIterator(grain.DatasetIterator):
 
     def close(self) -> None:
         for w in self.workers:
-            close = getattr(w, "close", None)
-            if close is not None:
-                close()
+            w.close()
 
 
 def slab_to_batch(slab: dict, keep_debug: bool = False) -> dict:
