@@ -1,6 +1,7 @@
 """Input pipeline: sharded JSON-lines text -> tokens -> packed rows -> global jax.Arrays.
 
-See data/stream.py for the virtual-shard design and its state.
+See data/shard.py (one virtual shard's stream and state), data/host.py (the fixed batch
+layout, a host's iterator) and data/workers.py (input worker processes).
 """
 from data.config import DataConfig, list_files, validate
 from data.pipeline import (DevicePrefetcher, make_host_dataset, make_host_iterator,

@@ -11,8 +11,9 @@ from absl import flags
 
 from data.config import DataConfig, check_shards, list_files
 from data.state import normalize_shard_states, sum_counters
-from data.stream import (COUNTER_KEYS, HostIterDataset, StreamSpec, WorkerMergeIterDataset, find_shard_states,
-                         slab_to_batch)
+from data.host import HostIterDataset, find_shard_states
+from data.shard import COUNTER_KEYS, StreamSpec
+from data.workers import WorkerMergeIterDataset, slab_to_batch
 from data.tokenizer import load_tokenizer, special_ids
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")

@@ -5,7 +5,8 @@ import hashlib
 import os
 
 from data.config import DataConfig, list_files
-from data.stream import COUNTER_KEYS, find_shard_states
+from data.host import find_shard_states
+from data.shard import COUNTER_KEYS
 from data.tokenizer import load_tokenizer, tokenizer_hash
 
 

@@ -123,7 +123,7 @@ def test_huge_document_is_pieced(tmp_path):
     cnt = state_counters(it.get_state())
     assert cnt["rows"] == 320 and cnt["tokens"] == ntok
     # the stream's reader is inside the document (pieces), not past it
-    from data.stream import find_shard_states
+    from data.host import find_shard_states
     rd = find_shard_states(it.get_state())["0"]["start"]["reader"]
     assert rd["slots"] and rd["slots"][0][2] > 0 and len(big) > 10 * PIECE_CHARS
 
@@ -142,7 +142,7 @@ def test_restore_inside_a_huge_document(tmp_path):
     for _ in range(400):
         states.append(json.loads(json.dumps(it.get_state())))
         ref.append(next(it))
-    from data.stream import find_shard_states
+    from data.host import find_shard_states
     inside = [k for k, s in enumerate(states)
               if any(sl[2] > 0 for sl in find_shard_states(s)["0"]["start"]["reader"]["slots"])]
     assert len(inside) > 50

@@ -49,7 +49,7 @@ def test_restore_sweep(tmp_path, workers, packing):
 
 
 def _reader_states(state):
-    from data.stream import find_shard_states
+    from data.host import find_shard_states
     return [st["start"]["reader"] for st in find_shard_states(state).values()]
 
 
@@ -207,7 +207,7 @@ def test_worker_states_are_the_in_process_states(tmp_path):
 def test_encoder_threads_do_not_change_the_data(tmp_path, monkeypatch):
     """Tokenizer calls run ahead on a thread pool sized from the cores; the chunks, windows
     and batches must not depend on how many threads there are."""
-    import data.stream as stream
+    import data.host as stream
     write_corpus(tmp_path, n_files=4, docs_per_file=8, max_words=100, long_doc_chars=3000)
     c = cfg(tmp_path, num_shards=4, shuffle_window=5, seq_len=16, global_batch_size=4)
     runs = []

@@ -54,7 +54,7 @@ def test_two_processes_equal_one_process_and_resume_in_both(tmp_path):
     # Each host read only its own virtual shards, and together exactly what the single host read.
     data_dir = multi / "checkpoints" / "6" / "data"
     states = [json.loads((data_dir / f"process_{i}-of-2.json").read_text()) for i in range(2)]
-    from data.stream import find_shard_states
+    from data.host import find_shard_states
 
     shards = [find_shard_states(s) for s in states]
     advanced = [{v for v, st in sh.items() if st["c"]["rows"] > 0} for sh in shards]

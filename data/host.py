@@ -1,0 +1,187 @@
+"""The per-host Grain IterDataset: k rows of each of the host's virtual shards per element.
+
+The global batch has a fixed layout: virtual shard v fills rows [v*k, (v+1)*k) of every global
+batch, k = global_batch_size / V. Host h of P owns the contiguous shards [h*V/P, (h+1)*V/P), so
+its local batch is exactly its slice of the global batch, and the global batch is the same for
+any host count and any worker count: a run resumed on another topology sees the very batches an
+uninterrupted run would have seen. An iterator (a host's, or one Grain worker's slice of it)
+emits a slab of G batches: k rows of each of its shards in shard order, packed as one
+[G, rows, 3, R] array, plus "row_shard" (G = 1 in-process; a Grain worker sends ~256k tokens
+per element after a ramp 1, 2, 4, ... that keeps the first batch early); the host merges its
+workers' slabs back into shard order (WorkerMergeIterDataset) and derives the batch arrays
+(slab_to_batch).
+
+Host state (JSON): {"__vshards__": 2, "num_shards": V,
+"topology": [process_index, process_count, num_workers], "shards": {"v": shard state}}, and
+with workers "grain": {"state": [each worker pipeline's Grain state at the start of the current
+group], "skip": n}.
+"""
+from __future__ import annotations
+
+import json
+
+import grain
+import numpy as np
+
+from data.shard import (_MARK, STATE_VERSION, ShardStream, StreamSpec, initial_shard_state,
+                        progress)
+from data.tokenizer import BatchEncoder, available_cores, set_thread_env
+
+# Tokenizer threads per input process (see HostIterator._init).
+MAX_ENCODE_THREADS = 4
+
+
+class HostIterDataset(grain.IterDataset):
+    """k rows of each of the given virtual shards per element, in shard order (a host's
+    shards in-process, or one input worker's share of them)."""
+
+    def __init__(self, spec: StreamSpec, shard_ids: list[int], shard_states: dict | None):
+        super().__init__()
+        self.spec = spec
+        self.shard_ids = list(shard_ids)
+        self.shard_states = shard_states or {}
+
+    def __iter__(self):
+        return HostIterator(self.spec, self.shard_ids, self.shard_states)
+
+    def __str__(self) -> str:
+        return f"HostIterDataset(shards={self.shard_ids})"
+
+
+class HostIterator(grain.DatasetIterator):
+    def __init__(self, spec: StreamSpec, shard_ids: list[int], shard_states: dict):
+        super().__init__()
+        if not shard_ids:
+            raise ValueError("an input worker owns no virtual shard: raise data.num_shards or "
+                             "lower data.num_workers")
+        self.spec = spec
+        self.shard_ids = sorted(shard_ids)
+        self._states = {str(v): shard_states.get(str(v)) or initial_shard_state()
+                        for v in shard_ids}
+        self.streams = None   # built lazily: get_state in the main process must stay cheap
+        self._elements = 0    # elements emitted (sets the group size of the next one)
+
+    def _init(self) -> None:
+        # Each tokenizer call is serial; this process's share of the cores runs that many calls
+        # at once (capped: one shard's read-ahead feeds the pool, and deeper read-ahead costs
+        # memory on hosts with many shards; use more workers on large machines).
+        set_thread_env(1)
+        threads = min(MAX_ENCODE_THREADS,
+                      max(1, available_cores() // max(self.spec.num_workers, 1)))
+        self.enc = enc = BatchEncoder(self.spec.tokenizer_json, threads)
+        self.streams = [ShardStream(self.spec, v, enc, self._states[str(v)])
+                        for v in self.shard_ids]
+        self._states = None
+
+    def __next__(self):
+        """A slab of G consecutive host batches (this iterator's rows of each):
+        {"rows": int32 [G, B, 3, R] (tokens, segment ids, positions), "row_shard": [B]}, and
+        in a Grain worker "states": the shard states after each of the G batches.
+
+        Few, large messages: every element a worker sends costs a fixed amount of IPC work in
+        both processes, so a worker sends up to `spec.group` batches at a time and the batch
+        layout (inputs, targets, masks) is derived on the host side by `slab_to_batch`."""
+        if self.streams is None:
+            self._init()
+        sp = self.spec
+        # The first elements are small (1, 2, 4, ... batches up to G): a fresh or restored
+        # worker sends its first batch as soon as its windows are built.
+        G = min(sp.group, 1 << min(self._elements, 16))
+        self._elements += 1
+        k, R = sp.rows_per_shard, sp.seq_len + 1
+        B = k * len(self.streams)
+        rows = np.empty((G, B, 3, R), np.int32)
+        dids = np.empty((G, B, R), np.int64) if sp.debug else None
+        states = []
+        for g in range(G):
+            out = {"tok": rows[g, :, 0], "seg": rows[g, :, 1], "pos": rows[g, :, 2]}
+            if dids is not None:
+                out["did"] = dids[g]
+            for j, stream in enumerate(self.streams):
+                for b in range(j * k, (j + 1) * k):
+                    stream.next_row_into(b, out)
+            if sp.num_workers > 0:
+                states.append({str(s.shard): s.get_state() for s in self.streams})
+        slab = {"rows": rows, "row_shard": np.repeat(np.asarray(self.shard_ids, np.int32), k)}
+        if dids is not None:
+            slab["doc_ids"] = dids
+        if states:
+            slab["states"] = _Opaque(states)
+        return slab
+
+    def get_state(self) -> dict:
+        if self.streams is None:
+            shards = dict(self._states)
+        else:
+            shards = {str(s.shard): s.get_state() for s in self.streams}
+        sp = self.spec
+        return {_MARK: STATE_VERSION, "num_shards": sp.num_shards,
+                "topology": [sp.process_index, sp.process_count, sp.num_workers],
+                "shards": shards, "elements": self._elements}
+
+    def set_state(self, state: dict) -> None:
+        if state.get(_MARK) != STATE_VERSION:
+            raise ValueError("not an input-pipeline state of this version")
+        if int(state["num_shards"]) != self.spec.num_shards:
+            raise ValueError(f"saved state has {state['num_shards']} virtual shards, "
+                             f"data.num_shards={self.spec.num_shards}")
+        shards = state["shards"]
+        missing = [v for v in self.shard_ids if str(v) not in shards]
+        if missing:
+            raise ValueError(f"saved input state lacks virtual shards {missing}: the host or "
+                             "worker count changed; resume through merge_host_states")
+        sts = {str(v): shards[str(v)] for v in self.shard_ids}
+        self._elements = int(state.get("elements", 0))
+        if self.streams is None:
+            self._states = sts
+        else:
+            for s in self.streams:
+                s._restore(sts[str(s.shard)])
+
+    def close(self) -> None:
+        if self.streams:
+            for s in self.streams:
+                s.reader.close()
+            self.enc.close()
+
+
+def find_shard_states(state, out: dict | None = None) -> dict:
+    """Walks any (Grain-nested) state; returns {shard: most advanced shard state}."""
+    if out is None:
+        out = {}
+    if isinstance(state, dict):
+        if state.get(_MARK) is not None:
+            for k, st in state["shards"].items():
+                if k not in out or progress(st) > progress(out[k]):
+                    out[k] = st
+            return out
+        for v in state.values():
+            find_shard_states(v, out)
+    elif isinstance(state, (list, tuple)):
+        for v in state:
+            find_shard_states(v, out)
+    elif isinstance(state, (str, bytes)):
+        s = state
+        if isinstance(s, bytes):
+            s = s.decode("utf-8", "replace")
+        if _MARK in s:
+            try:
+                find_shard_states(json.loads(s), out)
+            except ValueError:
+                pass
+    return out
+
+
+class _Opaque:
+    """A leaf for Grain's tree traversals (which would otherwise walk every key of the
+    per-batch shard states); pickled as a whole with the element."""
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def __getstate__(self):
+        return self.value
+
+    def __setstate__(self, value):
+        self.value = value

@@ -1,0 +1,254 @@
+"""One virtual shard's row stream (ShardStream) and its state.
+
+A virtual shard's stream is deterministic and independent of hosts and workers:
+files in a seeded per-epoch order -> documents -> chunks of ~one window of text -> batched
+tokenization -> packer -> windows of whole chunks (>= W rows), each permuted with a seed
+from (seed, shard, window index).
+Its state: the reader + packer carry + counters at the start of the current window, and how
+many rows of the window were emitted. Restoring regenerates that one window and skips.
+
+Where the cores go: a chunk is handed to the tokenizer's thread pool as soon as it is read
+(BatchEncoder.submit; the tokenizer releases the GIL), and each shard keeps as many chunks
+read ahead as the pool has threads, so the tokenizer runs on every core while this thread
+reads and packs. The read-ahead never shows in the data: a chunk depends only on the reader
+position it starts from, and the next window's start state is the first read-ahead chunk's.
+
+Layout of a host batch (R = seq_len + 1 tokens per packed row, non-overlapping):
+inputs = row[:-1], targets = row[1:]; segment_ids count documents inside the row from 1
+(0 = padding); positions restart at 0 at each document start AND at the start of a row (a
+document continued from the previous row starts again at 0); loss_mask = 1 where target t
+belongs to the same document as input t. EOS ends every document (BOS optional).
+
+Shard state: {"start": {"reader", "carry", "win", "c"}, "emitted": k, "c": counters}; the
+counters (rows, docs, tokens, pad, segs, bad records) cover the rows emitted so far, so a
+consumed state gives exact consumed statistics. Bad records are counted when read and
+reported per window (the window is read ahead of consumption).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import numpy as np
+
+from data import packing
+from data.sources import BadRecords, ShardReader
+from data.tokenizer import BatchEncoder
+
+STATE_VERSION = 2   # 2: windows are whole CHUNK_CHARS chunks
+_MARK = "__vshards__"
+COUNTER_KEYS = ("rows", "docs", "tokens", "pad", "segs", "trunc", "drop")
+# Characters per tokenizer call: about one shuffle window of text, at most CHUNK_CHARS.
+# Windows are whole chunks, so this is part of the data order: changing it changes the
+# batches (and needs a new STATE_VERSION).
+CHUNK_CHARS = 1 << 17
+CHUNK_CHARS_PER_TOKEN = 4
+
+
+class _Chunk:
+    """Pieces handed to the encoder's thread pool, with the reader position and bad-record counts
+    from just before they were read."""
+    __slots__ = ("reader_state", "bad_counts", "bad_examples", "meta", "future")
+
+    def __init__(self, reader_state, bad_counts, bad_examples):
+        self.reader_state = reader_state
+        self.bad_counts = bad_counts
+        self.bad_examples = bad_examples
+        self.meta = None
+        self.future = None
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamSpec:
+    """Everything a worker needs, picklable and small (no tokenizer object)."""
+    files: tuple[str, ...]          # the global sorted file list
+    num_shards: int
+    tokenizer_json: str
+    seq_len: int
+    text_key: str
+    strict: bool
+    packing: str
+    shuffle_window: int
+    files_per_stream: int
+    add_bos: bool
+    seed: int
+    rows_per_shard: int             # k: rows each virtual shard adds to every global batch
+    num_workers: int
+    debug: bool = False
+    process_index: int = 0
+    process_count: int = 1
+    group: int = 1                  # host batches per element (per worker IPC message)
+
+
+def zero_counters() -> dict:
+    c = {k: 0 for k in COUNTER_KEYS}
+    c["bad"] = {}
+    c["badex"] = []
+    return c
+
+
+def initial_shard_state() -> dict:
+    return {"start": {"reader": ShardReader.initial_state(), "carry": None, "win": 0,
+                      "c": zero_counters()},
+            "emitted": 0, "c": zero_counters()}
+
+
+def shard_files(spec_files, num_shards: int, shard: int):
+    ids = list(range(shard, len(spec_files), num_shards))
+    return [spec_files[i] for i in ids], ids
+
+
+class ShardStream:
+    def __init__(self, spec: StreamSpec, shard: int, encoder: BatchEncoder, state: dict):
+        self.spec = spec
+        self.shard = shard
+        self.enc = encoder
+        files, ids = shard_files(spec.files, spec.num_shards, shard)
+        self.bad = BadRecords(spec.strict)
+        self.reader = ShardReader(files, ids, len(spec.files), shard, spec.seed,
+                                  spec.files_per_stream, spec.text_key, self.bad)
+        R = spec.seq_len + 1
+        if spec.packing == "concat":
+            self.packer = packing.ConcatPacker(R)
+        else:
+            self.packer = packing.FirstFitPacker(R)
+        self.W = max(int(spec.shuffle_window), 1)
+        self.chunk_chars = min(CHUNK_CHARS, max(256, self.W * R * CHUNK_CHARS_PER_TOKEN))
+        self._ahead = collections.deque()   # chunks read ahead, being tokenized
+        self._restore(state)
+
+    # ---- state ----
+    def get_state(self) -> dict:
+        bad, badex = self._bad_now
+        return {"start": self._start, "emitted": self.emitted,
+                "c": {**self.c, "bad": dict(bad), "badex": list(badex)}}
+
+    def _restore(self, st: dict) -> None:
+        s = st["start"]
+        self._ahead.clear()   # drop read-ahead chunks: reading restarts at s["reader"]
+        self.reader.set_state(s["reader"])
+        self.packer.set_carry(s["carry"])
+        self.win = int(s["win"])
+        c = s["c"]
+        self.c = {k: int(c[k]) for k in COUNTER_KEYS}
+        self.bad.counts = {k: int(v) for k, v in c["bad"].items()}
+        self.bad.examples = list(c["badex"])
+        self._start = s
+        self._build_window()
+        k = int(st["emitted"])
+        if k > len(self.perm):
+            raise ValueError(f"virtual shard {self.shard}: state has {k} rows emitted from a "
+                             f"window of {len(self.perm)}: data or settings changed")
+        for _ in range(k):
+            self._take()
+
+    def _snapshot(self) -> dict:
+        """The next window's start: where its first (read-ahead) chunk began reading."""
+        nxt = self._ahead[0]
+        return {"reader": nxt.reader_state, "carry": self.packer.carry_state(),
+                "win": self.win, "c": {**self.c, "bad": dict(nxt.bad_counts),
+                                       "badex": list(nxt.bad_examples)}}
+
+    # ---- rows ----
+    def _target_rows(self) -> int:
+        """W rows, but a shard's first window is shorter by a shard-dependent fraction so
+        that shards refill their windows at different times (smoother worker load, faster
+        first batch). Depends only on (shard, window index): topology independent."""
+        if self.win > 0:
+            return self.W
+        frac = 0.125 + 0.875 * ((self.shard * 0.6180339887498949) % 1.0)
+        return max(1, int(self.W * frac))
+
+    def _read_chunk(self) -> "_Chunk":
+        """Reads pieces up to chunk_chars and hands them to the encoder's pool at once, so the
+        tokenizer (Rust, GIL released) runs while this thread reads the next chunk and packs
+        the previous one. A chunk depends only on the reader position it starts at, which
+        keeps windows (whole chunks) identical after a restore."""
+        ch = _Chunk(self.reader.get_state(), dict(self.bad.counts), list(self.bad.examples))
+        texts, dids, firsts, lasts = [], [], [], []
+        chars = 0
+        next_piece = self.reader.next_piece
+        while chars < self.chunk_chars:
+            text, did, first, last = next_piece()
+            texts.append(text)
+            dids.append(did)
+            firsts.append(first)
+            lasts.append(last)
+            chars += len(text)
+        ch.meta = (dids, firsts, lasts)
+        ch.future = self.enc.submit(texts)
+        return ch
+
+    def _build_window(self) -> None:
+        """Whole chunks until the window has its target rows. `enc.threads` chunks are kept
+        read ahead, so that many tokenizer calls run while this thread packs; the next window
+        starts at the first of them, and that chunk's recorded reader position and bad-record
+        counts are the next window's start state."""
+        depth = self.enc.threads
+        while len(self._ahead) < depth:
+            self._ahead.append(self._read_chunk())
+        parts = []
+        n = 0
+        target = self._target_rows()
+        while n < target:
+            ch = self._ahead.popleft()
+            self._ahead.append(self._read_chunk())
+            flat, lens = ch.future.result()
+            dids, firsts, lasts = ch.meta
+            tok, did, first = packing.assemble(
+                flat, lens, dids, firsts, lasts, self.enc.eos,
+                self.enc.bos if self.spec.add_bos else None)
+            if isinstance(self.packer, packing.FirstFitPacker):
+                rows = self.packer.add(tok, did, first, lasts_end=lasts[-1])
+            else:
+                rows = self.packer.add(tok, did, first)
+            parts.append(rows)
+            n += len(rows[0])
+        fl = self.packer.flush()
+        if fl is not None:
+            parts.append(fl)
+        # bad records read for this window (the read-ahead chunks' are not yet reported)
+        self._bad_now = (self._ahead[0].bad_counts, self._ahead[0].bad_examples)
+        tok = np.concatenate([p[0] for p in parts])
+        did = np.concatenate([p[1] for p in parts])
+        first = np.concatenate([p[2] for p in parts])
+        seg, pos = packing.segments_positions(did)
+        if self.W > 1:
+            perm = np.random.default_rng([self.spec.seed, self.shard, self.win, 2]).permutation(
+                len(tok))
+        else:
+            perm = np.arange(len(tok))
+        self.tok, self.did, self.seg, self.pos = tok, did, seg, pos
+        self.perm = perm.tolist()
+        real = did >= 0
+        self.m_tok = real.sum(1).tolist()
+        self.m_docs = first.sum(1).tolist()
+        self.m_segs = seg.max(1).tolist()
+        self.emitted = 0
+        self.win += 1
+
+    def _take(self) -> int:
+        i = self.perm[self.emitted]
+        self.emitted += 1
+        c = self.c
+        c["rows"] += 1
+        c["tokens"] += self.m_tok[i]
+        c["pad"] += self.tok.shape[1] - self.m_tok[i]
+        c["docs"] += self.m_docs[i]
+        c["segs"] += self.m_segs[i]
+        return i
+
+    def next_row_into(self, b: int, out: dict) -> None:
+        if self.emitted >= len(self.perm):
+            self._start = self._snapshot()
+            self._build_window()
+        i = self._take()
+        out["tok"][b] = self.tok[i]
+        out["seg"][b] = self.seg[i]
+        out["pos"][b] = self.pos[i]
+        if "did" in out:
+            out["did"][b] = self.did[i]
+
+
+def progress(shard_state: dict) -> int:
+    return int(shard_state["c"]["rows"])

@@ -1,0 +1,135 @@
+"""The host side of input workers: merging their slabs back into shard order, and
+slab -> model batch."""
+from __future__ import annotations
+
+import concurrent.futures
+
+import grain
+import numpy as np
+
+from data.host import find_shard_states
+from data.shard import _MARK, STATE_VERSION, StreamSpec
+
+
+class WorkerMergeIterDataset(grain.IterDataset):
+    """Over N single-worker mp_prefetch pipelines (worker i owns the host's shards i, i+N,
+    ...): one element from each holds G host batches; their rows are put back in shard order
+    and the G batches are handed out one by one.
+
+    State: the per-shard states after the last batch handed out (exact, topology-independent:
+    what `merge_host_states` and `restore_host_iterator` use), plus the workers' Grain states
+    at the start of the current group and how many of its batches were handed out (for
+    set_state on the same topology)."""
+
+    def __init__(self, workers: list, spec: StreamSpec, keep_row_shard: bool):
+        super().__init__(workers)
+        self.spec = spec
+        self.keep_row_shard = keep_row_shard
+
+    def __iter__(self):
+        return WorkerMergeIterator([w.__iter__() for w in self._parents], self.spec,
+                                   self.keep_row_shard)
+
+    def __str__(self) -> str:
+        return f"WorkerMergeIterDataset(num_workers={self.spec.num_workers})"
+
+
+class WorkerMergeIterator(grain.DatasetIterator):
+    def __init__(self, workers: list, spec: StreamSpec, keep_row_shard: bool):
+        super().__init__(workers)
+        self.spec = spec
+        self.workers = list(workers)
+        self.keep_row_shard = keep_row_shard
+        self._started = False        # a worker process starts at its pipeline's first next()
+        self._group_start = None     # the workers' Grain states at the start of the group
+        self._pos = 0                # batches of that group handed out
+        self._group = None           # {"rows": [G, B, 3, R], "row_shard", "doc_ids"?}
+        self._states = None          # per batch of the group: {shard: state}
+        self._shards = None          # {shard: state} after the last batch handed out
+
+    def _pull(self) -> None:
+        self._group_start = self._worker_states()
+        if self._started:
+            els = [next(w) for w in self.workers]
+        else:
+            # All workers spawn and import at once (each takes ~1-2 s before its first row).
+            with concurrent.futures.ThreadPoolExecutor(len(self.workers)) as pool:
+                futs = [pool.submit(next, w) for w in self.workers]
+                els = [f.result() for f in futs]
+            self._started = True
+        row_shard = np.concatenate([e["row_shard"] for e in els])
+        order = np.argsort(row_shard, kind="stable")
+        grp = {"rows": np.concatenate([e["rows"] for e in els], axis=1)[:, order],
+               "row_shard": row_shard[order]}
+        if "doc_ids" in els[0]:
+            grp["doc_ids"] = np.concatenate([e["doc_ids"] for e in els], axis=1)[:, order]
+        per_worker = [e["states"].value for e in els]
+        self._states = [{v: st for sts in per_worker for v, st in sts[g].items()}
+                        for g in range(grp["rows"].shape[0])]
+        self._group = grp
+        self._pos = 0
+
+    def _worker_states(self) -> list:
+        return [w.get_state() for w in self.workers]
+
+    def __next__(self):
+        if self._group is None:          # first batch, or after set_state: skip into the group
+            skip = self._pos
+            self._pull()
+            self._pos = skip
+        if self._pos >= len(self._states):
+            self._pull()
+        g = self._pos
+        self._pos += 1
+        self._shards = self._states[g]
+        grp = self._group
+        slab = {"rows": grp["rows"][g], "row_shard": grp["row_shard"]}
+        if "doc_ids" in grp:
+            slab["doc_ids"] = grp["doc_ids"][g]
+        return slab_to_batch(slab, self.keep_row_shard)
+
+    def get_state(self):
+        sp = self.spec
+        if self._group_start is None:
+            self._group_start = self._worker_states()
+        shards = self._shards
+        if shards is None:               # nothing handed out: the workers' start states
+            shards = find_shard_states(self._group_start)
+        return {_MARK: STATE_VERSION, "num_shards": sp.num_shards,
+                "topology": [sp.process_index, sp.process_count, sp.num_workers],
+                "shards": dict(shards), "grain": {"state": self._group_start, "skip": self._pos}}
+
+    def set_state(self, state):
+        if state.get(_MARK) != STATE_VERSION or "grain" not in state:
+            raise ValueError("not an input-pipeline state of this version with input workers "
+                             "(resume through restore_host_iterator)")
+        g = state["grain"]
+        if len(g["state"]) != len(self.workers):
+            raise ValueError(f"saved input state is from {len(g['state'])} input workers, "
+                             f"data.num_workers={len(self.workers)}: resume through "
+                             "restore_host_iterator")
+        for w, st in zip(self.workers, g["state"]):
+            w.set_state(st)
+        self._group_start = list(g["state"])
+        self._pos = int(g["skip"])
+        self._group = self._states = None
+        self._shards = dict(state["shards"])
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.close()
+
+
+def slab_to_batch(slab: dict, keep_debug: bool = False) -> dict:
+    """Packed rows of R = seq_len + 1 tokens -> the model's batch (int32 [B, seq_len] each)."""
+    tok, seg, pos = slab["rows"][:, 0], slab["rows"][:, 1], slab["rows"][:, 2]
+    batch = {
+        "inputs": np.ascontiguousarray(tok[:, :-1]), "targets": np.ascontiguousarray(tok[:, 1:]),
+        "segment_ids": np.ascontiguousarray(seg[:, :-1]), "positions": np.ascontiguousarray(pos[:, :-1]),
+        "loss_mask": ((seg[:, 1:] == seg[:, :-1]) & (seg[:, :-1] > 0)).astype(np.int32),
+    }
+    if keep_debug:
+        batch["row_shard"] = slab["row_shard"]
+        if "doc_ids" in slab:
+            batch["doc_ids"] = slab["doc_ids"]
+    return batch
