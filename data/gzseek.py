@@ -1,0 +1,269 @@
+"""Resume points inside .gz files, so that restoring a reader deep in a file re-reads a bounded
+amount of it instead of everything before its position.
+
+A deflate stream can only be resumed at a block boundary, which may fall inside a byte, and
+with the 32 KB of text before it (back-references reach that far): a *seek point* is
+(compressed byte offset, bit count, uncompressed offset, window), the zran design of zlib's
+examples. indexed_gzip (zran) finds the points; it cannot stream fast (each read re-inflates
+from the nearest point: ~10x slower than isal here), so it only runs beside the reader, a
+spacing behind, and the reader streams with isal. A point is saved in the reader's JSON
+state as [header_end, cmp, bits, uncmp, base64(zlib(window))] (~12-16 KB of text), only once
+the position is deep enough to need one.
+
+Resuming is `open_gz_at`: Python's zlib inflates from the point, with the window as its
+dictionary; zlib has no inflatePrime, so when the block starts inside a byte the compressed
+bytes are shifted by that many bits on the fly (a big-int shift per 256 KB read). The resumed
+member's CRC is not checked (its start was never read); later members are read by isal and
+checked as usual.
+
+Costs: the point finder reads the compressed file a second time (sequentially, just behind
+the reader: served by the page cache when the file is local or cached) and inflates it with
+zlib; it keeps at most MAX_POINTS windows per open file.
+"""
+from __future__ import annotations
+
+import base64
+import io
+import struct
+import zlib
+
+import indexed_gzip
+
+try:  # isal's igzip is ~3x faster than the stdlib gzip module for decompression.
+    from isal import igzip as _gzip
+except ImportError:  # pragma: no cover
+    import gzip as _gzip
+
+# Uncompressed bytes between the points the finder keeps. A restore re-inflates at most
+# ~1.5 x SPACING of text (the state's point is refreshed every SPACING / 2 of reading):
+# ~12 MB of text, ~5 MB of a RedPajama-like .json.gz, ~40 ms of zlib here.
+SPACING = 8 << 20
+# Positions before this are restored by re-reading from the file's start: no window saved.
+FREE_REREAD = SPACING
+WINDOW = 32768
+# The finder drops older windows (re-seeding its index from its newest point) beyond this.
+MAX_POINTS = 8
+_READ = 256 << 10
+_HEADER = struct.Struct("<5sBBQQIII")    # GZIDX, version 1, flags, sizes, spacing, window, n
+_POINT = struct.Struct("<QQBB")          # cmp offset, uncmp offset, bits, has-window flag
+
+
+def _encode(header_end: int, cmp: int, bits: int, uncmp: int, window: bytes) -> list:
+    return [header_end, cmp, bits, uncmp,
+            base64.b64encode(zlib.compress(window, 6)).decode("ascii")]
+
+
+def _window(point: list) -> bytes:
+    return zlib.decompress(base64.b64decode(point[4]))
+
+
+class PointFinder:
+    """The newest seek point at or before a reader's offset in one .gz file, found by an
+    indexed_gzip index built as the reader advances (seeded with the reader's restore point,
+    so a restored reader never re-reads the file's start)."""
+
+    def __init__(self, path: str, start: list | None = None):
+        self.path = path
+        self._ig = None
+        self._points: list[list] = []    # encoded points, ascending uncmp, the newest last
+        self._raw: list[tuple] = []      # (cmp, uncmp, bits, window) from the index
+        self._header_end = None
+        self._size = 0
+        if start is not None:
+            self._seed(start)
+
+    def _open(self) -> None:
+        self._ig = indexed_gzip._IndexedGzipFile(self.path, spacing=SPACING, window_size=WINDOW,
+                                                 skip_crc_check=True)
+        self._size = _HEADER.unpack_from(self._export(), 0)[3]
+
+    def _export(self) -> bytes:
+        buf = io.BytesIO()
+        self._ig.export_index(fileobj=buf)
+        return buf.getvalue()
+
+    def _seed(self, point: list) -> None:
+        """A fresh index holding only the stream start and `point` (encoded): indexed_gzip
+        expands from its last point, so the finder reads on from there, not from the start."""
+        header_end, cmp, bits, uncmp = point[:4]
+        self._seed_raw(header_end, (cmp, uncmp, bits, _window(point)))
+
+    def _seed_raw(self, header_end: int, raw: tuple) -> None:
+        if self._ig is not None:
+            self._ig.close()
+        self._open()
+        cmp, uncmp, bits, window = raw
+        idx = (_HEADER.pack(b"GZIDX", 1, 0, self._size, 0, SPACING, WINDOW, 2)
+               + _POINT.pack(header_end, 0, 0, 0) + _POINT.pack(cmp, uncmp, bits, 1) + window)
+        self._ig.import_index(fileobj=io.BytesIO(idx))
+        self._header_end = header_end
+        self._raw = [raw]
+
+    def _parse(self, idx: bytes) -> list[tuple]:
+        n = _HEADER.unpack_from(idx, 0)[7]
+        heads = [_POINT.unpack_from(idx, _HEADER.size + i * _POINT.size) for i in range(n)]
+        at = _HEADER.size + n * _POINT.size
+        out = []
+        for cmp, uncmp, bits, has_window in heads:
+            if has_window:   # points without a window start a gzip member: not resumable here
+                out.append((cmp, uncmp, bits, idx[at:at + WINDOW]))
+                at += WINDOW
+            elif uncmp == 0 and self._header_end is None:
+                self._header_end = cmp
+        return out
+
+    def point_before(self, off: int) -> list | None:
+        """The encoded newest point at or before uncompressed offset `off` (None before
+        FREE_REREAD: re-reading from the start is as cheap)."""
+        if off < FREE_REREAD:
+            return None
+        if not self._raw or self._raw[-1][1] <= off - SPACING:
+            if self._ig is None:
+                self._open()
+            self._ig.seek(off)   # expands the index up to (at least) off
+            self._raw = self._parse(self._export())
+            if len(self._raw) > MAX_POINTS:
+                older = [p for p in self._raw if p[1] <= off]
+                if older:
+                    self._seed_raw(self._header_end, older[-1])
+        best = None
+        for p in self._raw:
+            if p[1] <= off and (best is None or p[1] > best[1]):
+                best = p
+        if best is None:
+            return None
+        if not self._points or self._points[-1][3] != best[1]:
+            cmp, uncmp, bits, window = best
+            self._points = [_encode(self._header_end, cmp, bits, uncmp, window)]
+        return self._points[-1]
+
+    def close(self) -> None:
+        if self._ig is not None:
+            self._ig.close()
+            self._ig = None
+
+
+def _prime(bits_before: int, window: bytes) -> tuple[bytes, bytes, int]:
+    """zlib has no inflatePrime in Python: instead of shifting the file's bits, prepend
+    no-op fixed-Huffman blocks whose total length is `bits_before` (mod 8), so that the
+    file's byte boundaries stay byte boundaries (stored blocks align to them).
+    -> (prefix bytes, the dictionary to prime zlib with, bytes of output to drop).
+
+    An empty fixed block is 10 bits (2 mod 8). Odd lengths need a block with one match of
+    length 3 at distance 32768 (35 bits, 3 mod 8); it re-emits the window's last 3 bytes,
+    taken from a dictionary rotated so that afterwards the history is exactly the window."""
+    n_bits = bits_before % 8
+    if n_bits == 0:
+        return b"", window, 0
+    out, filled = 0, 0
+
+    def put(value: int, n: int) -> None:          # deflate's LSB-first bit order
+        nonlocal out, filled
+        out |= value << filled
+        filled += n
+
+    def put_code(code: int, n: int) -> None:      # Huffman codes go in MSB first
+        put(int(f"{code:0{n}b}"[::-1], 2), n)
+
+    drop, zdict = 0, window
+    if n_bits % 2:
+        put(0, 1), put(1, 2)                      # BFINAL=0, BTYPE=01 (fixed Huffman)
+        put_code(257 - 256, 7)                    # length 3
+        put_code(29, 5), put(32768 - 24577, 13)   # distance 32768
+        put_code(0, 7)                            # end of block
+        drop, zdict = 3, window[-3:] + window[:-3]
+    while filled % 8 != n_bits:
+        put(0, 1), put(1, 2), put_code(0, 7)      # an empty fixed block
+    return out.to_bytes((filled + 7) // 8, "little"), zdict, drop
+
+
+class _InflateFrom(io.RawIOBase):
+    """A gzip file's text from a seek point on: zlib raw inflate primed with the window (see
+    `_prime`); later gzip members by isal."""
+
+    def __init__(self, path: str, point: list):
+        _, cmp, bits, _, _ = point
+        self._fh = open(path, "rb", buffering=0)
+        self._start = cmp - 1 if bits else cmp     # the byte holding the block's first bit
+        self._fh.seek(self._start)
+        prefix, zdict, self._drop = _prime(8 - bits if bits else 0, _window(point))
+        first = b""
+        if prefix:   # the prefix's last byte takes the point's byte's high `bits` bits
+            byte = self._fh.read(1)[0]
+            keep = (0xFF << (8 - bits)) & 0xFF
+            first = prefix[:-1] + bytes([prefix[-1] | (byte & keep)])
+        self._head = len(first) - 1 if first else 0   # fed bytes before the file's next byte
+        self._z = zlib.decompressobj(-15, zdict=zdict)
+        self._fed = 0
+        self._out = b""
+        self._rest = None        # isal reader of the following members, once this one ends
+        self._done = False
+        self._feed(first)
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        while not self._out and not self._done:
+            self._more()
+        n = min(len(b), len(self._out))
+        b[:n] = self._out[:n]
+        self._out = self._out[n:]
+        return n
+
+    def _more(self) -> None:
+        if self._rest is not None:
+            self._out = self._rest.read(_READ)
+            self._done = not self._out
+            return
+        chunk = self._fh.read(_READ)
+        if not chunk:
+            raise EOFError("Compressed file ended before the end-of-stream marker was reached")
+        self._feed(chunk)
+
+    def _feed(self, data: bytes) -> None:
+        if not data:
+            return
+        self._fed += len(data)
+        out = self._z.decompress(data)
+        if self._drop:
+            k = min(self._drop, len(out))
+            out, self._drop = out[k:], self._drop - k
+        self._out += out
+        if self._z.eof:
+            self._next_member(self._start + self._fed - len(self._z.unused_data) - self._head)
+
+    def _next_member(self, trailer: int) -> None:
+        """The member's deflate data ends before byte `trailer`; after its 8-byte trailer:
+        the file's end or another member."""
+        size = self._fh.seek(0, io.SEEK_END)
+        nxt = trailer + 8
+        if nxt >= size:
+            self._rest = io.BytesIO()
+            return
+        self._fh.seek(nxt)
+        self._rest = _gzip.GzipFile(fileobj=self._fh, mode="rb")
+
+    def close(self) -> None:
+        if self._rest is not None:
+            self._rest.close()
+        self._fh.close()
+        super().close()
+
+
+def open_gz_at(path: str, point: list | None, off: int):
+    """Binary line reader of a .gz file positioned at uncompressed offset `off`: inflated from
+    `point` (at or before off) or, without one, from the start."""
+    if point is None:
+        fh = _gzip.open(path, "rb")
+        base = 0
+    else:
+        fh = io.BufferedReader(_InflateFrom(path, point), buffer_size=1 << 20)
+        base = point[3]
+    todo = off - base
+    while todo > 0:
+        got = len(fh.read(min(todo, 1 << 20)))
+        if not got:
+            break
+        todo -= got
+    return fh
