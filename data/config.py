@@ -58,7 +58,8 @@ class DataConfig:
 
 def check_shards(cfg: DataConfig, process_count: int, n_files: int | None) -> None:
     """Virtual shards fill fixed rows of the global batch (k = global_batch_size / V each) and
-    split over hosts in equal contiguous blocks: V divides the batch, P divides V."""
+    split over hosts in equal contiguous blocks: V divides the batch, P divides V. With fewer
+    files than shards, files are split across shards (data/shard.py file_split)."""
     V, B = cfg.num_shards, cfg.global_batch_size
     if V < 1 or B % V:
         raise ValueError(
@@ -74,10 +75,8 @@ def check_shards(cfg: DataConfig, process_count: int, n_files: int | None) -> No
             f"data.num_shards={V} is smaller than hosts x workers = "
             f"{process_count} x {max(cfg.num_workers, 1)} = {need}: raise data.num_shards "
             f"to at least {need} or lower data.num_workers")
-    if n_files is not None and V > n_files:
-        raise ValueError(
-            f"data.num_shards={V} is larger than the number of files "
-            f"({n_files}) matched by data.paths: lower data.num_shards to at most {n_files}")
+    if n_files == 0:
+        raise ValueError("data.paths matches no file")
 
 
 def validate(cfg: DataConfig, process_count: int, local_device_count: int) -> None:

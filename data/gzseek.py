@@ -73,8 +73,9 @@ class PointFinder:
             self._seed(start)
 
     def _open(self) -> None:
+        # drop_handles=False: one open file, not an open per read (a bucket request on gcsfuse)
         self._ig = indexed_gzip._IndexedGzipFile(self.path, spacing=SPACING, window_size=WINDOW,
-                                                 skip_crc_check=True)
+                                                 skip_crc_check=True, drop_handles=False)
         self._size = _HEADER.unpack_from(self._export(), 0)[3]
 
     def _export(self) -> bytes:

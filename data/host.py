@@ -151,6 +151,11 @@ def find_shard_states(state, out: dict | None = None) -> dict:
         out = {}
     if isinstance(state, dict):
         if state.get(_MARK) is not None:
+            if state[_MARK] != STATE_VERSION:
+                raise ValueError(
+                    f"saved input-pipeline state has version {state[_MARK]}, this code reads "
+                    f"version {STATE_VERSION} (byte offsets and seek points in files): it "
+                    "cannot resume that data position exactly; start the data from scratch")
             for k, st in state["shards"].items():
                 if k not in out or progress(st) > progress(out[k]):
                     out[k] = st

@@ -35,7 +35,9 @@ from data import packing
 from data.sources import BadRecords, ShardReader
 from data.tokenizer import BatchEncoder
 
-STATE_VERSION = 2   # 2: windows are whole CHUNK_CHARS chunks
+# 2: windows are whole CHUNK_CHARS chunks; 3: reader slots hold byte offsets and .gz seek
+# points, files split across shards when there are fewer files than shards
+STATE_VERSION = 3
 _MARK = "__vshards__"
 COUNTER_KEYS = ("rows", "docs", "tokens", "pad", "segs", "trunc", "drop")
 # Characters per tokenizer call: about one shuffle window of text, at most CHUNK_CHARS.
@@ -93,9 +95,19 @@ def initial_shard_state() -> dict:
             "emitted": 0, "c": zero_counters()}
 
 
+def file_split(n_files: int, num_shards: int) -> int:
+    """Parts per file: 1 while there are at least as many files as virtual shards, else
+    enough for every shard to get one (part of the data order: in the fingerprint)."""
+    return max(1, -(-num_shards // max(n_files, 1)))
+
+
 def shard_files(spec_files, num_shards: int, shard: int):
-    ids = list(range(shard, len(spec_files), num_shards))
-    return [spec_files[i] for i in ids], ids
+    """The shard's parts: part p = (file p // split, lines with line % split == p % split),
+    parts dealt round robin to the shards. -> (paths, file indices, residues, split)."""
+    split = file_split(len(spec_files), num_shards)
+    parts = range(shard, len(spec_files) * split, num_shards)
+    return ([spec_files[p // split] for p in parts], [p // split for p in parts],
+            [p % split for p in parts], split)
 
 
 class ShardStream:
@@ -103,10 +115,11 @@ class ShardStream:
         self.spec = spec
         self.shard = shard
         self.enc = encoder
-        files, ids = shard_files(spec.files, spec.num_shards, shard)
+        files, ids, residues, split = shard_files(spec.files, spec.num_shards, shard)
         self.bad = BadRecords(spec.strict)
         self.reader = ShardReader(files, ids, len(spec.files), shard, spec.seed,
-                                  spec.files_per_stream, spec.text_key, self.bad)
+                                  spec.files_per_stream, spec.text_key, self.bad,
+                                  split=split, residues=residues)
         R = spec.seq_len + 1
         if spec.packing == "concat":
             self.packer = packing.ConcatPacker(R)

@@ -1,23 +1,28 @@
 """File listing, line readers for .json.gz / .jsonl / .jsonl.zst, and bad-record handling.
 
-A `ShardReader` reads the files of one virtual shard: a seeded per-epoch file order, a few
-files open at once ("slots") interleaved document by document, documents longer than
-`PIECE_CHARS` cut into pieces. Its position is a tiny JSON dict (epoch, next file in the
-order, per slot: file, line, piece), restorable by re-reading at most one file per slot.
+A `ShardReader` reads the files (or parts of files) of one virtual shard: a seeded per-epoch
+order, a few open at once ("slots") interleaved document by document, documents longer than
+`PIECE_CHARS` cut into pieces. Its position is a small JSON dict (epoch, next part in the
+order, per slot: part, line, piece, byte offset of the line, and for a .gz slot deep in its
+file a seek point, see data/gzseek.py). A restore reopens each slot's file at its offset:
+.jsonl by a seek, .json.gz from the seek point (a bounded re-read, ~12 MB of text at most),
+.jsonl.zst by decompressing from the start (zstd frames are not indexed).
+
+A part is the lines `line % split == residue` of a file: with fewer files than virtual
+shards, `split` shards read the same file and each parses only its own lines (decompression
+is ~100x cheaper than tokenization).
 """
 from __future__ import annotations
 
 import glob
 import io
 import os
+import zlib
 
 import numpy as np
 import orjson
 
-try:  # isal's igzip is ~3x faster than the stdlib gzip module for decompression.
-    from isal import igzip as _gzip
-except ImportError:  # pragma: no cover
-    import gzip as _gzip
+from data import gzseek
 
 # Documents longer than this (characters) are tokenized in pieces, cut at whitespace.
 PIECE_CHARS = 100_000
@@ -59,17 +64,26 @@ def missing_paths(paths) -> list[str]:
     return bad
 
 
-def open_lines(path: str):
-    """Binary file object yielding lines, decompressing by extension."""
+def open_lines(path: str, off: int = 0, point: list | None = None):
+    """Binary file object yielding lines from uncompressed byte `off`, decompressing by
+    extension (`point`: a .gz seek point at or before off, see data/gzseek.py)."""
     if path.endswith(".gz"):
-        return _gzip.open(path, "rb")
+        return gzseek.open_gz_at(path, point, off)
     if path.endswith(".zst") or path.endswith(".zstd"):
         import zstandard
         fh = open(path, "rb")
         reader = zstandard.ZstdDecompressor().stream_reader(fh, read_across_frames=True,
                                                             closefd=True)
-        return io.BufferedReader(reader, buffer_size=1 << 20)
-    return open(path, "rb", buffering=1 << 20)
+        fh = io.BufferedReader(reader, buffer_size=1 << 20)
+        while off > 0:   # no frame index: re-read from the start
+            got = len(fh.read(min(off, 1 << 20)))
+            if not got:
+                break
+            off -= got
+        return fh
+    fh = open(path, "rb", buffering=1 << 20)
+    fh.seek(off)
+    return fh
 
 
 def split_pieces(text: str, piece_chars: int = PIECE_CHARS) -> list[str]:
@@ -134,28 +148,60 @@ def epoch_file_order(n_files: int, seed: int, shard: int, epoch: int) -> list[in
 
 
 class _Slot:
-    __slots__ = ("order_idx", "line", "piece", "fh", "pieces", "eof_checked")
+    __slots__ = ("order_idx", "line", "piece", "off", "point", "fh", "pieces", "line_len",
+                 "finder", "recheck")
 
-    def __init__(self, order_idx: int, line: int = 0, piece: int = 0):
-        self.order_idx = order_idx   # index into the epoch's file order
+    def __init__(self, order_idx: int, line: int = 0, piece: int = 0, off: int = 0,
+                 point: list | None = None):
+        self.order_idx = order_idx   # index into the epoch's part order
         self.line = line             # 0-based index of the current (next unread) line
         self.piece = piece           # pieces of the current line's document already emitted
+        self.off = off               # uncompressed byte offset of line `line`
+        self.point = point           # .gz seek point at or before off (None: from the start)
         self.fh = None               # open file positioned at line `line` (+1 if pieces set)
         self.pieces = None           # the current document's pieces when piece > 0
-        self.eof_checked = False
+        self.line_len = 0            # bytes of that document's line
+        self.finder = None           # gzseek.PointFinder, once a .gz slot needs points
+        self.recheck = off           # refresh `point` once off reaches this
+
+    def advance(self, n_bytes: int) -> None:
+        self.line += 1
+        self.off += n_bytes
+
+    def state(self, path: str) -> list:
+        """[part, line, piece, offset, seek point]; the point is refreshed every half
+        spacing of reading, so a restore re-reads at most ~1.5 spacings."""
+        if self.off >= self.recheck and path.endswith(".gz"):
+            if self.finder is None:
+                self.finder = gzseek.PointFinder(path, self.point)
+            self.point = self.finder.point_before(self.off)
+            self.recheck = self.off + gzseek.SPACING // 2
+        return [self.order_idx, self.line, self.piece, self.off, self.point]
+
+    def close(self) -> None:
+        if self.fh is not None:
+            self.fh.close()
+            self.fh = None
+        if self.finder is not None:
+            self.finder.close()
+            self.finder = None
 
 
 class ShardReader:
-    """Reads one virtual shard's documents as pieces, interleaving `files_per_stream` files.
+    """Reads one virtual shard's documents as pieces, interleaving `files_per_stream` parts.
 
     Each piece is (text, doc_id, is_doc_first, is_doc_last). doc_id is a global identity:
     (epoch * n_all_files + file index in the sorted global list) << 24 | line.
+    Part i is the lines `line % split == residues[i]` of files[i] (split 1: whole files).
     """
 
     def __init__(self, files: list[str], file_ids: list[int], n_all_files: int, shard: int,
-                 seed: int, files_per_stream: int, text_key: str, bad: BadRecords):
+                 seed: int, files_per_stream: int, text_key: str, bad: BadRecords,
+                 split: int = 1, residues: list[int] | None = None):
         self.files = files
         self.file_ids = file_ids
+        self.split = split
+        self.residues = residues or [0] * len(files)
         self.n_all = n_all_files
         self.shard = shard
         self.seed = seed
@@ -176,23 +222,21 @@ class ShardReader:
 
     def get_state(self) -> dict:
         return {"epoch": self.epoch, "next": self.next,
-                "slots": [[s.order_idx, s.line, s.piece] for s in self.slots],
+                "slots": [s.state(self._path(s)) for s in self.slots],
                 "rr": self.rr, "edocs": self._epoch_docs}
 
     def set_state(self, st: dict) -> None:
         self.close()
         self.epoch = int(st["epoch"])
         self.next = int(st["next"])
-        self.slots = [_Slot(int(a), int(b), int(c)) for a, b, c in st["slots"]]
+        self.order = None
+        self.slots = [_Slot(int(a), int(b), int(c), int(d), e) for a, b, c, d, e in st["slots"]]
         self.rr = int(st["rr"])
         self._epoch_docs = int(st.get("edocs", 0))
-        self.order = None
 
     def close(self) -> None:
         for s in self.slots:
-            if s.fh is not None:
-                s.fh.close()
-                s.fh = None
+            s.close()
 
     # ---- reading ----
     def _order(self) -> list[int]:
@@ -209,23 +253,23 @@ class ShardReader:
     def _path(self, slot: _Slot) -> str:
         return self.files[self._order()[slot.order_idx]]
 
+    def _residue(self, slot: _Slot) -> int:
+        return self.residues[self._order()[slot.order_idx]]
+
     def _open(self, slot: _Slot) -> bool:
-        """Opens the slot's file and skips to its line. False when unreadable."""
+        """Opens the slot's file at its line's offset. False when unreadable."""
         path = self._path(slot)
         try:
-            slot.fh = open_lines(path)
-            for _ in range(slot.line):
-                if not slot.fh.readline():
-                    break
-        except (OSError, EOFError, ValueError) as e:  # the line was reached before: rare
-            self.bad.add(path, slot.line + 1, "unreadable_file", type(e).__name__)
+            slot.fh = open_lines(path, slot.off, slot.point)
+        except (OSError, EOFError, ValueError, zlib.error) as e:  # the line was reached before
+            if self._residue(slot) == 0:   # the file's other parts skip it silently
+                self.bad.add(path, slot.line + 1, "unreadable_file", type(e).__name__)
             return False
         return True
 
     def _finish_slot(self, i: int) -> None:
         s = self.slots[i]
-        if s.fh is not None:
-            s.fh.close()
+        s.close()
         order = self._order()
         if self.next < len(order):
             self.slots[i] = _Slot(self.next)
@@ -269,12 +313,13 @@ class ShardReader:
                     raw = s.fh.readline()
                     text, _ = parse_line(raw, self.text_key)
                     s.pieces = split_pieces(text)
+                    s.line_len = len(raw)
                 k = s.piece
                 text = s.pieces[k]
                 did = self._doc_id(s)
                 last = k + 1 == len(s.pieces)
                 if last:
-                    s.line += 1
+                    s.advance(s.line_len)
                     s.piece = 0
                     s.pieces = None
                     self.rr = (self.rr + 1) % len(self.slots)
@@ -287,29 +332,34 @@ class ShardReader:
             path = self._path(s)
             try:
                 raw = s.fh.readline()
-            except (EOFError, OSError, ValueError) as e:
-                self.bad.add(path, s.line + 1, "truncated_file", type(e).__name__)
+            except (EOFError, OSError, ValueError, zlib.error) as e:
+                if self._residue(s) == 0:   # named once, not by each part of the file
+                    self.bad.add(path, s.line + 1, "truncated_file", type(e).__name__)
                 self._finish_slot(i)
                 continue
             if not raw:
-                if s.line == 0:
+                if s.line == 0 and self._residue(s) == 0:
                     self.bad.add(path, 0, "empty_file")
                 self._finish_slot(i)
                 continue
+            if self.split > 1 and s.line % self.split != self._residue(s):
+                s.advance(len(raw))   # another shard's line: not parsed here
+                continue
             if not raw.strip():  # blank line: not a record
-                s.line += 1
+                s.advance(len(raw))
                 continue
             text, kind = parse_line(raw, self.text_key)
             if kind is not None:
                 self.bad.add(path, s.line + 1, kind)
-                s.line += 1
+                s.advance(len(raw))
                 continue
             self._epoch_docs += 1
             did = self._doc_id(s)
             if len(text) > PIECE_CHARS:
                 s.pieces = split_pieces(text)
                 s.piece = 1
+                s.line_len = len(raw)
                 return s.pieces[0], did, True, False
-            s.line += 1
+            s.advance(len(raw))
             self.rr = (self.rr + 1) % len(self.slots)
             return text, did, True, True

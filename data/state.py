@@ -6,7 +6,7 @@ import os
 
 from data.config import DataConfig, list_files
 from data.host import find_shard_states
-from data.shard import COUNTER_KEYS
+from data.shard import COUNTER_KEYS, file_split
 from data.tokenizer import load_tokenizer, tokenizer_hash
 
 
@@ -76,7 +76,8 @@ def fingerprint(cfg: DataConfig, tokenizer=None, files: list[str] | None = None)
             "num_files": len(files), "seq_len": cfg.seq_len, "seed": cfg.seed,
             "packing": cfg.packing, "num_shards": cfg.num_shards, "text_key": cfg.text_key,
             "add_bos": cfg.add_bos, "shuffle_window": cfg.shuffle_window,
-            "files_per_stream": cfg.files_per_stream}
+            "files_per_stream": cfg.files_per_stream,
+            "file_split": file_split(len(files), cfg.num_shards)}
 
 
 def sum_counters(shard_states: dict) -> dict:

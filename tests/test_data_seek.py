@@ -1,0 +1,247 @@
+"""Restore cost independent of the position in a file (.gz seek points, byte offsets) and files
+split across virtual shards.
+
+  python -m pytest -q tests/test_data_seek.py
+"""
+import gzip
+import json
+import os
+import random
+import zlib
+
+import numpy as np
+import pytest
+
+import data
+from data import gzseek
+from tests.data_helpers import (assert_batches_equal, cfg, decode_doc_id, jround, rows_of, take,
+                                write_corpus)
+
+SMALL_SPACING = 64 << 10
+MAX_BLOCK = 256 << 10   # text in one deflate block, generously
+
+
+@pytest.fixture
+def small_spacing(monkeypatch):
+    """Seek points every 64 KB of text, so that small files hold many of them (in-process
+    only: spawned workers see the module's own spacing)."""
+    monkeypatch.setattr(gzseek, "SPACING", SMALL_SPACING)
+    monkeypatch.setattr(gzseek, "FREE_REREAD", SMALL_SPACING)
+
+
+def _words(rng, n):
+    # random letters: text that compresses ~2x like real text, not ~10x like a tiny vocabulary
+    return " ".join("".join(rng.choice("etaoinshrdlucmfwypvbgkqjxz") for _ in range(rng.randint(2, 9)))
+                    for _ in range(n))
+
+
+def _jsonl(rng, n_docs, tag, min_words=20, max_words=400):
+    return b"".join(json.dumps({"raw_content": f"doc {tag}-{i}: " + _words(rng, rng.randint(min_words, max_words))}).encode() + b"\n"
+                    for i in range(n_docs))
+
+
+def test_gz_seek_points_resume_exactly(tmp_path, small_spacing):
+    """From the newest point before any offset, the text read equals the file's text: across
+    block boundaries at every bit position, a sync flush (a byte-aligned stored block) and a
+    second gzip member."""
+    rng = random.Random(0)
+    part1, part2 = _jsonl(rng, 500, "a"), _jsonl(rng, 200, "b")
+    path = str(tmp_path / "x.json.gz")
+    with open(path, "wb") as f:
+        z = zlib.compressobj(6, zlib.DEFLATED, 31)
+        half = len(part1) // 2
+        f.write(z.compress(part1[:half]) + z.flush(zlib.Z_SYNC_FLUSH))
+        f.write(z.compress(part1[half:]) + z.flush())
+        f.write(gzip.compress(part2))
+    text = part1 + part2
+    finder = gzseek.PointFinder(path)
+    seen_bits, points = set(), {}
+    for off in range(0, len(text), 9_973):
+        pt = finder.point_before(off)
+        if off < gzseek.FREE_REREAD:
+            assert pt is None
+        # a restore re-reads from the point (or the start): bounded wherever off is (points
+        # sit on deflate block boundaries at least a spacing apart)
+        assert off - (pt[3] if pt else 0) <= 2 * SMALL_SPACING + MAX_BLOCK, f"re-read at {off}"
+        if pt is None:
+            continue
+        assert pt[3] <= off
+        assert len(json.dumps(pt)) < 60_000     # one compressed 32 KB window, no more
+        seen_bits.add(pt[2])
+        points[pt[3]] = pt
+    finder.close()
+    assert {b % 2 for b in seen_bits if b} == {0, 1}, f"bit offsets seen: {seen_bits}"
+    assert len(points) >= 8
+    for uncmp, pt in sorted(points.items()):
+        for off in (uncmp, uncmp + 5_000):
+            fh = gzseek.open_gz_at(path, jround(pt), off)
+            assert fh.read(20_000) == text[off:off + 20_000], f"point at {uncmp}, offset {off}"
+            fh.close()
+    last = max(points)
+    fh = gzseek.open_gz_at(path, points[last], last)
+    assert fh.read() == text[last:], "to the end, through the second member"
+    fh.close()
+    # a finder seeded with a restored point finds the same later points
+    first = min(points)
+    seeded = gzseek.PointFinder(path, jround(points[first]))
+    assert seeded.point_before(last) == points[last]
+    seeded.close()
+
+
+def _rchar() -> int:
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("rchar")).split()[1])
+
+
+def _restore_read_bytes(c, state):
+    """Bytes this process reads from restore to the first batch (tokenizer file included)."""
+    before = _rchar()
+    it = data.make_host_iterator(c, 0, 1)
+    it.set_state(jround(state))
+    batch = next(it)
+    return _rchar() - before, batch
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="needs Linux /proc/self/io")
+def test_restore_deep_in_gz_is_exact_and_reads_a_bounded_amount(tmp_path, small_spacing):
+    rng = random.Random(1)
+    for f in range(2):
+        d = tmp_path / f"{f:04d}"
+        d.mkdir()
+        with gzip.open(d / "en_head.json.gz", "wb", compresslevel=6) as fh:
+            fh.write(_jsonl(rng, 900, f, 100, 300))
+    size = os.path.getsize(tmp_path / "0000" / "en_head.json.gz")
+    c = cfg(tmp_path, num_shards=2, files_per_stream=1, seq_len=256, global_batch_size=8,
+            shuffle_window=4)
+    it = data.make_host_iterator(c, 0, 1)
+    states, batches = [], []
+    for _ in range(400):
+        states.append(jround(it.get_state()))
+        batches.append(next(it))
+    slots = [st["start"]["reader"]["slots"] for st in states[-1]["shards"].values()]
+    assert all(s and s[0][3] > 8 * SMALL_SPACING and s[0][4] is not None for s in slots), \
+        "the run must go deep enough for seek points"
+    # exact at many restore points, shallow to deep
+    for k in list(range(0, 400, 37)) + [399]:
+        r = data.make_host_iterator(c, 0, 1)
+        r.set_state(states[k])
+        for j in range(k, min(k + 2, 400)):
+            assert_batches_equal(next(r), batches[j], f"restore at {k}, batch {j}")
+    # bytes read on restore do not grow with the position: deep ~ shallow
+    shallow, b0 = _restore_read_bytes(c, states[1])
+    deep, b1 = _restore_read_bytes(c, states[399])
+    assert_batches_equal(b0, batches[1])
+    assert_batches_equal(b1, batches[399])
+    print("restore bytes read: shallow", shallow, "deep", deep, "file", size)
+    # per file: at most ~1.5 spacings of text from the point + the buffers read ahead
+    assert deep - shallow < 2 * (2 * SMALL_SPACING + (1 << 20)), (deep, shallow, size)
+    assert deep < shallow + size // 2, "a deep restore re-read the files from their start"
+
+
+@pytest.mark.parametrize("ext", [".jsonl", ".jsonl.zst", ".json.gz"])
+def test_restore_sweep_every_format(tmp_path, ext):
+    write_corpus(tmp_path, n_files=2, docs_per_file=40, max_words=60, ext=ext)
+    c = cfg(tmp_path, num_shards=2, files_per_stream=2, shuffle_window=3, seq_len=16,
+            global_batch_size=4)
+    it = data.make_host_iterator(c, 0, 1)
+    states, batches = [], []
+    for _ in range(60):
+        states.append(jround(it.get_state()))
+        batches.append(next(it))
+    offs = [s[3] for st in states for sh in st["shards"].values()
+            for s in sh["start"]["reader"]["slots"]]
+    assert max(offs) > 0
+    r = data.make_host_iterator(c, 0, 1)
+    next(r)
+    for k in range(0, 60, 3):
+        r.set_state(states[k])
+        for j in range(k, min(k + 2, 60)):
+            assert_batches_equal(next(r), batches[j], f"{ext}: restore at {k}, batch {j}")
+
+
+def test_old_state_version_fails_in_one_line(tmp_path):
+    write_corpus(tmp_path, n_files=2, docs_per_file=4)
+    c = cfg(tmp_path, num_shards=2, global_batch_size=2)
+    it = data.make_host_iterator(c, 0, 1)
+    next(it)
+    st = jround(it.get_state())
+    st["__vshards__"] = 2
+    with pytest.raises(ValueError, match="state has version 2.*start the data from scratch"):
+        data.restore_host_iterator(c, 0, 1, [st])
+
+
+# ---- one file split across virtual shards ----
+
+def _split_cfg(tmp_path, **kw):
+    base = dict(num_shards=8, global_batch_size=8, shuffle_window=4, seq_len=16,
+                files_per_stream=1)
+    base.update(kw)
+    return cfg(tmp_path, **base)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_one_file_feeds_8_shards_on_2_hosts_exactly_once(tmp_path, workers):
+    write_corpus(tmp_path, n_files=1, docs_per_file=64, max_words=40)
+    c = _split_cfg(tmp_path, num_workers=workers)
+    rows = []
+    for h in range(2):
+        it = data.make_host_iterator(c, h, 2, debug=True)
+        rows += rows_of(take(it, 100))
+        if hasattr(it, "close"):
+            it.close()
+    by_epoch = {}
+    for shard, did, _ in rows:
+        for d in set(did[did >= 0].tolist()):
+            e, f, line = decode_doc_id(d, 1)
+            assert f == 0 and line % 8 == shard, "a shard read another shard's line"
+            by_epoch.setdefault(e, set()).add(line)
+    assert by_epoch[0] == set(range(64)), "epoch 0: every line exactly once"
+    assert by_epoch[1] == set(range(64))
+    # exactly once: a document's tokens are in one shard only, and no line appears twice
+    shards_of = {}
+    for shard, did, _ in rows:
+        for d in set(did[did >= 0].tolist()):
+            shards_of.setdefault(d, set()).add(shard)
+    assert all(len(s) == 1 for s in shards_of.values())
+    assert data.fingerprint(c)["file_split"] == 8
+    assert data.fingerprint(_split_cfg(tmp_path, num_shards=4, global_batch_size=4))[
+        "file_split"] == 4
+
+
+@pytest.mark.parametrize("P1,N1,P2,N2", [(2, 0, 1, 0), (2, 2, 1, 1), (1, 0, 2, 0)])
+def test_split_file_resume_exact_and_on_other_host_count(tmp_path, P1, N1, P2, N2):
+    import dataclasses
+    write_corpus(tmp_path, n_files=1, docs_per_file=48, max_words=60)
+    base = _split_cfg(tmp_path)
+    k1, k2 = 9, 14
+    straight = take(data.make_host_iterator(base, 0, 1, debug=True), k1 + k2)
+    saved, before = [], []
+    for h in range(P1):
+        it = data.make_host_iterator(dataclasses.replace(base, num_workers=N1), h, P1,
+                                     debug=True)
+        before.append(take(it, k1))
+        saved.append(jround(it.get_state()))
+        if hasattr(it, "close"):
+            it.close()
+    # same topology: exact continuation
+    if N1 == 0:
+        for h in range(P1):
+            it = data.restore_host_iterator(base, h, P1, saved, debug=True)
+            after = take(it, 3)
+            ref = data.make_host_iterator(base, h, P1, debug=True)
+            ref_b = take(ref, k1 + 3)[k1:]
+            for a, b in zip(after, ref_b, strict=True):
+                assert_batches_equal(a, b)
+    c2 = dataclasses.replace(base, num_workers=N2)
+    after = []
+    for h in range(P2):
+        it = data.restore_host_iterator(c2, h, P2, saved, debug=True)
+        after.append(take(it, k2))
+        if hasattr(it, "close"):
+            it.close()
+    for step in range(k1 + k2):
+        hosts = ([before[h][step] for h in range(P1)] if step < k1
+                 else [after[h][step - k1] for h in range(P2)])
+        for key in ("inputs", "targets", "doc_ids", "row_shard"):
+            np.testing.assert_array_equal(np.concatenate([b[key] for b in hosts]),
+                                          straight[step][key], err_msg=f"step {step} {key}")
