@@ -105,37 +105,36 @@ def _restore_read_bytes(c, state):
 @pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="needs Linux /proc/self/io")
 def test_restore_deep_in_gz_is_exact_and_reads_a_bounded_amount(tmp_path, small_spacing):
     rng = random.Random(1)
-    for f in range(2):
-        d = tmp_path / f"{f:04d}"
-        d.mkdir()
-        with gzip.open(d / "en_head.json.gz", "wb", compresslevel=6) as fh:
-            fh.write(_jsonl(rng, 900, f, 100, 300))
+    vocab = [_words(rng, 1) for _ in range(5000)]
+    lines = [json.dumps({"raw_content": f"doc {i}: " + " ".join(rng.choices(vocab, k=300))})
+             for i in range(4000)]
+    (tmp_path / "0000").mkdir()
+    with gzip.open(tmp_path / "0000" / "en_head.json.gz", "wb", compresslevel=6) as fh:
+        fh.write("\n".join(lines).encode() + b"\n")
     size = os.path.getsize(tmp_path / "0000" / "en_head.json.gz")
-    c = cfg(tmp_path, num_shards=2, files_per_stream=1, seq_len=256, global_batch_size=8,
+    c = cfg(tmp_path, num_shards=1, files_per_stream=1, seq_len=512, global_batch_size=16,
             shuffle_window=4)
     it = data.make_host_iterator(c, 0, 1)
     states, batches = [], []
-    for _ in range(400):
+    for _ in range(420):
         states.append(jround(it.get_state()))
         batches.append(next(it))
-    slots = [st["start"]["reader"]["slots"] for st in states[-1]["shards"].values()]
-    assert all(s and s[0][3] > 8 * SMALL_SPACING and s[0][4] is not None for s in slots), \
-        "the run must go deep enough for seek points"
+    slot = states[-1]["shards"]["0"]["start"]["reader"]["slots"][0]
+    assert slot[3] > 4_500_000 and slot[4] is not None, "the run must go deep into the file"
     # exact at many restore points, shallow to deep
-    for k in list(range(0, 400, 37)) + [399]:
+    for k in list(range(0, 420, 47)) + [419]:
         r = data.make_host_iterator(c, 0, 1)
         r.set_state(states[k])
-        for j in range(k, min(k + 2, 400)):
+        for j in range(k, min(k + 2, 420)):
             assert_batches_equal(next(r), batches[j], f"restore at {k}, batch {j}")
-    # bytes read on restore do not grow with the position: deep ~ shallow
+    # bytes read on restore do not grow with the position: deep ~ shallow (isal reads 512 KB
+    # at a time, the restored reader 256 KB; chunks are read ahead for the first window)
     shallow, b0 = _restore_read_bytes(c, states[1])
-    deep, b1 = _restore_read_bytes(c, states[399])
+    deep, b1 = _restore_read_bytes(c, states[419])
     assert_batches_equal(b0, batches[1])
-    assert_batches_equal(b1, batches[399])
-    print("restore bytes read: shallow", shallow, "deep", deep, "file", size)
-    # per file: at most ~1.5 spacings of text from the point + the buffers read ahead
-    assert deep - shallow < 2 * (2 * SMALL_SPACING + (1 << 20)), (deep, shallow, size)
-    assert deep < shallow + size // 2, "a deep restore re-read the files from their start"
+    assert_batches_equal(b1, batches[419])
+    assert deep - shallow < 1_000_000, \
+        f"deep restore read {deep} bytes, shallow {shallow} (file {size}): re-read unbounded"
 
 
 @pytest.mark.parametrize("ext", [".jsonl", ".jsonl.zst", ".json.gz"])
