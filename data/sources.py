@@ -5,7 +5,7 @@ order, a few open at once ("slots") interleaved document by document, documents 
 `PIECE_CHARS` cut into pieces. Its position is a small JSON dict (epoch, next part in the
 order, per slot: part, line, piece, byte offset of the line, and for a .gz slot deep in its
 file a seek point, see data/gzseek.py). A restore reopens each slot's file at its offset:
-.jsonl by a seek, .json.gz from the seek point (a bounded re-read, ~12 MB of text at most),
+.jsonl by a seek, .json.gz from the seek point (a bounded re-read, ~3 MB of text at most),
 .jsonl.zst by decompressing from the start (zstd frames are not indexed).
 
 A part is the lines `line % split == residue` of a file: with fewer files than virtual
