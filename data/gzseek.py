@@ -7,14 +7,14 @@ with the 32 KB of text before it (back-references reach that far): a *seek point
 examples. indexed_gzip (zran) finds the points; it cannot stream fast (each read re-inflates
 from the nearest point: ~10x slower than isal here), so it only runs beside the reader, a
 spacing behind, and the reader streams with isal. A point is saved in the reader's JSON
-state as [header_end, cmp, bits, uncmp, base64(zlib(window))] (~12-16 KB of text), only once
-the position is deep enough to need one.
+state as [header_end, cmp, bits, uncmp, base64(zlib(window))] (~17-18 KB of JSON), only once
+the position is deep enough to need one. Which point a state holds depends on the reader's
+history (a restored reader may save another, equally valid one); the data never does.
 
 Resuming is `open_gz_at`: Python's zlib inflates from the point, with the window as its
-dictionary; zlib has no inflatePrime, so when the block starts inside a byte the compressed
-bytes are shifted by that many bits on the fly (a big-int shift per 256 KB read). The resumed
-member's CRC is not checked (its start was never read); later members are read by isal and
-checked as usual.
+dictionary; Python's zlib has no inflatePrime, so when the block starts inside a byte a few
+no-op deflate blocks are put before it (`_prime`). The resumed member's CRC is not checked
+(its start was never read); later members are read by isal and checked as usual.
 
 Costs: the point finder reads the compressed file a second time (sequentially, just behind
 the reader: served by the page cache when the file is local or cached) and inflates it with
@@ -67,7 +67,7 @@ class PointFinder:
     def __init__(self, path: str, start: list | None = None):
         self.path = path
         self._ig = None
-        self._points: list[list] = []    # encoded points, ascending uncmp, the newest last
+        self._last = None                # the last point handed out, encoded
         self._raw: list[tuple] = []      # (cmp, uncmp, bits, window) from the index
         self._header_end = None
         self._size = 0
@@ -135,10 +135,10 @@ class PointFinder:
                 best = p
         if best is None:
             return None
-        if not self._points or self._points[-1][3] != best[1]:
+        if self._last is None or self._last[3] != best[1]:
             cmp, uncmp, bits, window = best
-            self._points = [_encode(self._header_end, cmp, bits, uncmp, window)]
-        return self._points[-1]
+            self._last = _encode(self._header_end, cmp, bits, uncmp, window)
+        return self._last
 
     def close(self) -> None:
         if self._ig is not None:
