@@ -36,15 +36,14 @@ def train(cfg: DictConfig) -> dict:
     """Runs (or resumes) the training run described by `cfg`; returns a summary dict."""
     # Imports here keep `python train.py --help` and config errors fast.
     import jax
-    import numpy as np
 
     import data as data_lib
     from model import flops as flops_lib
     from model import sharding as sharding_lib
-    from model.checkpoint import Checkpointer, check_fingerprint
+    from model.checkpoint import Checkpointer, check_fingerprint, find_resume, restore_meta_and_data
     from model import step as step_lib
     from model.llama import LlamaConfig
-    from model.optimizer import make_optimizer
+    from model.optimizer import make_optimizer, resolve_warmup
 
     t_start = time.perf_counter()
 
@@ -57,12 +56,13 @@ def train(cfg: DictConfig) -> dict:
         model_cfg = LlamaConfig.from_mapping(cfg.model)
         # data.paths may be one glob or a list: DataConfig takes either.
         data_cfg = data_lib.DataConfig.from_mapping({**data_map, "tokenizer": cfg.tokenizer.path})
-        data_cfg, eval_cfg, train_files = _split_eval(data_lib, data_cfg, eval_map)
+        eval_paths, holdout = _eval_settings(eval_map)
+        if cfg.train.steps <= 0:
+            raise ValueError(f"train.steps={cfg.train.steps} must be positive")
         tx, schedule = make_optimizer(cfg.optimizer, cfg.train.steps)
+        _, _, warmup_notice = resolve_warmup(cfg.optimizer, cfg.train.steps)
     except (TypeError, ValueError) as e:
         raise ConfigError(str(e)) from e
-    if cfg.train.steps <= 0:
-        raise ConfigError(f"train.steps={cfg.train.steps} must be positive")
     if data_cfg.seq_len > model_cfg.max_seq_len:
         raise ConfigError(f"data.seq_len={data_cfg.seq_len} exceeds model.max_seq_len={model_cfg.max_seq_len}")
 
@@ -70,8 +70,23 @@ def train(cfg: DictConfig) -> dict:
     _init_distributed(cfg.distributed)
     process_index, process_count = jax.process_index(), jax.process_count()
     is_main = process_index == 0
+    if warmup_notice and is_main:
+        print(warmup_notice, flush=True)
+
+    # ------------------------------------------------------------------ the run's files
+    # One listing per run (data/listing.py): a resumed run reads the list saved in its checkpoint;
+    # otherwise process 0 lists and the other hosts receive the list. The checkpoint is only read
+    # here: a config mistake must leave no checkpoint directory behind.
     try:
-        data_lib.validate(data_cfg, process_count, jax.local_device_count())
+        resume = find_resume(cfg.checkpoint)
+        meta, saved_data_states = restore_meta_and_data(resume) if resume is not None else ({}, None)
+        saved_listing = None if cfg.checkpoint.allow_data_change else meta.get("files")
+        listing = _run_listing(data_lib, data_cfg, eval_paths, saved_listing, is_main)
+        data_cfg, eval_cfg, train_files, eval_files = _split_eval(data_cfg, listing, holdout)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    try:
+        data_lib.validate(data_cfg, process_count, jax.local_device_count(), files=train_files)
         tokenizer = data_lib.load_tokenizer(data_cfg.tokenizer)
         mesh = sharding_lib.make_mesh(cfg.mesh)
     except (FileNotFoundError, ValueError) as e:
@@ -110,12 +125,9 @@ def train(cfg: DictConfig) -> dict:
         ckpt = Checkpointer(cfg.checkpoint)
         cleanup.callback(ckpt.close)
         wandb_id = None
-        saved_data_states = None
         data_changes = []
         try:
-            resume = ckpt.find_resume()
             if resume is not None:
-                meta, saved_data_states = ckpt.restore_meta_and_data(resume)
                 data_changes = check_fingerprint(meta.get("fingerprint", {}), fingerprint,
                                                  allow_data_change=cfg.checkpoint.allow_data_change)
         except ValueError as e:
@@ -164,7 +176,8 @@ def train(cfg: DictConfig) -> dict:
         eval_set = None
         if eval_cfg is not None and cfg.train.eval_every:
             eval_step = step_lib.make_eval_step(model_cfg, mesh, rules, state_shardings)
-            eval_set = _EvalSet(data_lib, eval_cfg, cfg.train.eval_batches, batch_sharding, eval_step, tokenizer)
+            eval_set = _EvalSet(data_lib, eval_cfg, eval_files, cfg.train.eval_batches, batch_sharding, eval_step,
+                                tokenizer)
         tokens_per_step = data_cfg.global_batch_size * data_cfg.seq_len
         flops_per_step = flops_lib.flops_per_token(model_cfg, data_cfg.seq_len) * tokens_per_step
         peak = flops_lib.peak_flops(jax.devices()[0].device_kind, cfg.train.peak_flops)
@@ -172,8 +185,10 @@ def train(cfg: DictConfig) -> dict:
 
         logger = MetricsLogger(cfg, run_dir, enabled=is_main, start_step=start_step, wandb_id=wandb_id)
         cleanup.callback(logger.close)
+        # "files": the run's listing, reused by a resumed run (~70 bytes per file: 350 KB for 5000).
         meta = {"fingerprint": fingerprint, "config": OmegaConf.to_container(cfg, resolve=True),
-                "wandb_id": logger.wandb_id, "process_count": process_count, "num_workers": data_cfg.num_workers}
+                "wandb_id": logger.wandb_id, "process_count": process_count, "num_workers": data_cfg.num_workers,
+                "files": listing}
 
         # ------------------------------------------------------------------ loop
         profile = _Profiler(cfg.profile.steps, run_dir / "profile", enabled=is_main)
@@ -257,46 +272,70 @@ def _as_list(paths) -> list:
     return [paths] if isinstance(paths, str) else list(paths or [])
 
 
-def _split_eval(data_lib, data_cfg, eval_map: dict):
-    """(training config, held-out config or None, training files). The held-out set is
-    `data.eval.paths` (must not overlap training files), or the last `data.eval.holdout_files`
-    files of the training list, removed from training. The one listing of data.paths."""
-    import dataclasses
-    import glob
-
+def _eval_settings(eval_map: dict) -> tuple[list, int]:
+    """(data.eval.paths, data.eval.holdout_files), checked without touching the files."""
     unknown = set(eval_map) - {"paths", "holdout_files"}
     if unknown:
         raise ValueError(f"unknown setting(s): {', '.join(sorted('data.eval.' + k for k in unknown))}")
     eval_paths, holdout = _as_list(eval_map.get("paths")), int(eval_map.get("holdout_files") or 0)
     if eval_paths and holdout:
         raise ValueError("set data.eval.paths or data.eval.holdout_files, not both")
-    train_files = data_lib.list_files(data_cfg)
-    if not train_files:
-        raise ValueError(f"data.paths={list(data_cfg.paths)} matches no file")
-    if not eval_paths and not holdout:
-        return data_cfg, None, train_files
-    if eval_paths:
-        eval_files = data_lib.list_files(dataclasses.replace(data_cfg, paths=tuple(eval_paths)))
-        if not eval_files:
-            raise ValueError(f"data.eval.paths={eval_paths} matches no file")
+    return eval_paths, holdout
+
+
+def _run_listing(data_lib, data_cfg, eval_paths: list, saved: dict | None, is_main: bool) -> dict:
+    """The run's files, {"paths", "eval_paths": the patterns; "train", "eval": their files}.
+
+    A resumed run reuses the listing saved with its checkpoint when it was made from the same
+    patterns, and trusts it: a file deleted since then is found when read (an unreadable file,
+    skipped and counted; data.strict=true stops), and files added since are not trained on.
+    New patterns (a moved mount, another glob) or checkpoint.allow_data_change=true list
+    afresh, and the fingerprint compares the lists. Otherwise process 0 lists and every host
+    receives its listing (errors included), so the bucket is walked once per run."""
+    patterns = {"paths": list(data_cfg.paths), "eval_paths": list(eval_paths)}
+    if saved and all(saved.get(k) == v for k, v in patterns.items()):
+        if is_main:
+            print(f"data: {len(saved['train']) + len(saved['eval'])} files from the checkpoint's list "
+                  "(no new listing)", flush=True)
+        return saved
+
+    def walk() -> dict:
+        t0 = time.perf_counter()
+        train = data_lib.list_paths(data_cfg.paths, "data.paths")
+        held_out = data_lib.list_paths(eval_paths, "data.eval.paths") if eval_paths else None
+        print(f"data: listed {train.describe()}" + (f" + held-out {held_out.describe()}" if held_out else "")
+              + f" in {time.perf_counter() - t0:.1f} s", flush=True)
+        return {**patterns, "train": train.files, "eval": held_out.files if held_out else []}
+
+    return _from_process_0(walk)
+
+
+def _split_eval(data_cfg, listing: dict, holdout: int):
+    """(training config, held-out config or None, training files, held-out files). The held-out
+    set is `data.eval.paths` (must not overlap training files), or the last
+    `data.eval.holdout_files` files of the training list, removed from training."""
+    import dataclasses
+
+    train_files, eval_files = listing["train"], listing["eval"]
+    if eval_files:
         overlap = sorted(set(eval_files) & set(train_files))
         if overlap:
             raise ValueError(f"data.eval.paths overlaps the training files (e.g. {overlap[0]}); "
                              "held-out data must not be trained on")
-    else:
+    elif holdout:
         if holdout >= len(train_files):
             raise ValueError(f"data.eval.holdout_files={holdout} leaves no training file "
                              f"(data.paths matches {len(train_files)})")
         eval_files, train_files = train_files[-holdout:], train_files[:-holdout]
-        # Literal file names, escaped so that [ ] * ? in a name stay literal.
-        data_cfg = dataclasses.replace(data_cfg, paths=tuple(glob.escape(f) for f in train_files))
+    else:
+        return data_cfg, None, train_files, []
     # Virtual shards must divide the batch (fixed batch layout) and not outnumber the files; the
     # largest such count spreads the fixed eval batches over the most held-out files.
     batch = data_cfg.global_batch_size
     eval_shards = max(v for v in range(1, min(len(eval_files), batch) + 1) if batch % v == 0)
-    eval_cfg = dataclasses.replace(data_cfg, paths=tuple(glob.escape(f) for f in eval_files), num_workers=0,
-                                   num_shards=eval_shards, shuffle_window=0, files_per_stream=1)
-    return data_cfg, eval_cfg, train_files
+    eval_cfg = dataclasses.replace(data_cfg, num_workers=0, num_shards=eval_shards, shuffle_window=0,
+                                   files_per_stream=1)
+    return data_cfg, eval_cfg, train_files, eval_files
 
 
 # ====================================================================== hosts
@@ -330,6 +369,31 @@ def _on_tpu_vm() -> bool:
 
     return bool(os.environ.get("TPU_WORKER_HOSTNAMES") or glob.glob("/dev/accel[0-9]*")
                 or glob.glob("/dev/vfio/[0-9]*"))
+
+
+def _from_process_0(make):
+    """make()'s JSON result, computed on process 0 only and sent to every process. A ValueError
+    raised there is raised on every process, so all hosts stop with the same one line."""
+    import jax
+
+    if jax.process_count() == 1:
+        return make()
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    payload = b""
+    if jax.process_index() == 0:
+        try:
+            payload = json.dumps({"ok": make()}).encode()
+        except ValueError as e:
+            payload = json.dumps({"error": str(e)}).encode()
+    # Two broadcasts: the length, then the bytes (every process must pass the same shape).
+    n = int(multihost_utils.broadcast_one_to_all(np.int32(len(payload))))
+    buf = np.frombuffer(payload, np.uint8) if payload else np.zeros(n, np.uint8)
+    got = json.loads(np.asarray(multihost_utils.broadcast_one_to_all(buf), np.uint8).tobytes())
+    if "error" in got:
+        raise ValueError(got["error"])
+    return got["ok"]
 
 
 # ====================================================================== exact-resume tests
@@ -440,12 +504,12 @@ class _EvalSet:
     the same tokens. Every host reads the same eval rows and keeps its slice of each batch: the
     held-out set may be a single file, fewer than the hosts."""
 
-    def __init__(self, data_lib, eval_cfg, n_batches: int, sharding, eval_step, tokenizer):
+    def __init__(self, data_lib, eval_cfg, files: list[str], n_batches: int, sharding, eval_step, tokenizer):
         import jax
 
         local = eval_cfg.global_batch_size // jax.process_count()
         lo = jax.process_index() * local
-        it = data_lib.make_host_iterator(eval_cfg, 0, 1, tokenizer=tokenizer)
+        it = data_lib.make_host_iterator(eval_cfg, 0, 1, files=files, tokenizer=tokenizer)
         self.batches = []
         for _ in range(n_batches):
             rows = next(it)

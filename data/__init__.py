@@ -4,6 +4,7 @@ See data/shard.py (one virtual shard's stream and state), data/host.py (the fixe
 layout, a host's iterator) and data/workers.py (input worker processes).
 """
 from data.config import DataConfig, list_files, validate
+from data.listing import Listing, list_paths
 from data.pipeline import (DevicePrefetcher, make_host_dataset, make_host_iterator,
                            restore_host_iterator)
 from data.sources import BadDataError
@@ -11,5 +12,5 @@ from data.state import fingerprint, merge_host_states
 from data.tokenizer import load_tokenizer
 
 __all__ = ["DataConfig", "DevicePrefetcher", "BadDataError", "fingerprint", "list_files",
-           "load_tokenizer", "make_host_dataset", "make_host_iterator", "merge_host_states",
+           "list_paths", "Listing", "load_tokenizer", "make_host_dataset", "make_host_iterator", "merge_host_states",
            "restore_host_iterator", "validate"]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from data.sources import expand_paths, missing_paths
+from data.listing import list_paths
 from data.tokenizer import tokenizer_file
 
 PACKINGS = ("concat", "first_fit")
@@ -11,7 +11,7 @@ PACKINGS = ("concat", "first_fit")
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    paths: tuple[str, ...]          # globs; '~' expanded; relative paths as given
+    paths: tuple[str, ...]          # globs, plain paths, @file-lists (data/listing.py)
     tokenizer: str                  # tokenizer.json path, a directory holding it, or a hub id
     seq_len: int
     global_batch_size: int
@@ -80,14 +80,16 @@ def check_shards(cfg: DataConfig, process_count: int, n_files: int | None) -> No
             f"({n_files}) matched by data.paths: lower data.num_shards to at most {n_files}")
 
 
-def validate(cfg: DataConfig, process_count: int, local_device_count: int) -> None:
+def validate(cfg: DataConfig, process_count: int, local_device_count: int,
+             files: list[str] | None = None) -> None:
+    """Cheap checks of the settings. `files`: the run's listing when the caller made it
+    (train.py: once per run); None lists `cfg.paths` here."""
     del local_device_count  # batch-axis divisibility is checked by train.py
     if not cfg.paths:
         raise ValueError("data.paths is empty: give one or more globs of .json.gz/.jsonl/"
-                         ".jsonl.zst files")
-    bad = missing_paths(cfg.paths)
-    if bad:
-        raise ValueError(f"data.paths: {bad[0]!r} matches no file")
+                         ".jsonl.zst files, or @a-file-listing-them.txt")
+    if files is None:
+        files = list_files(cfg)
     try:
         tokenizer_file(cfg.tokenizer)
     except FileNotFoundError as e:
@@ -107,8 +109,9 @@ def validate(cfg: DataConfig, process_count: int, local_device_count: int) -> No
         raise ValueError(f"data.files_per_stream={cfg.files_per_stream}: must be >= 1")
     if cfg.prefetch < 1:
         raise ValueError(f"data.prefetch={cfg.prefetch}: must be >= 1")
-    check_shards(cfg, process_count, len(expand_paths(cfg.paths)))
+    check_shards(cfg, process_count, len(files))
 
 
 def list_files(cfg: DataConfig) -> list[str]:
-    return expand_paths(cfg.paths)
+    """The files of `cfg.paths` (ValueError naming an entry that matches no file)."""
+    return list_paths(cfg.paths).files

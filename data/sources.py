@@ -1,4 +1,4 @@
-"""File listing, line readers for .json.gz / .jsonl / .jsonl.zst, and bad-record handling.
+"""Line readers for .json.gz / .jsonl / .jsonl.zst, and bad-record handling.
 
 A `ShardReader` reads the files of one virtual shard: a seeded per-epoch file order, a few
 files open at once ("slots") interleaved document by document, documents longer than
@@ -7,9 +7,7 @@ order, per slot: file, line, piece), restorable by re-reading at most one file p
 """
 from __future__ import annotations
 
-import glob
 import io
-import os
 
 import numpy as np
 import orjson
@@ -30,33 +28,6 @@ BAD_KINDS = ("malformed_json", "invalid_utf8", "missing_key", "non_string_text",
 
 class BadDataError(ValueError):
     """Raised in strict mode for the first bad record, naming file:line and the kind."""
-
-
-def expand_paths(paths) -> list[str]:
-    """Globs (or plain paths), '~' expanded, sorted and deduplicated."""
-    if isinstance(paths, str):
-        paths = (paths,)
-    out = set()
-    for p in paths:
-        p = os.path.expanduser(str(p))
-        if glob.has_magic(p):
-            out.update(f for f in glob.glob(p, recursive=True) if os.path.isfile(f))
-        elif os.path.isfile(p):
-            out.add(p)
-    return sorted(out)
-
-
-def missing_paths(paths) -> list[str]:
-    """The entries of `paths` that match no file."""
-    bad = []
-    for p in (paths,) if isinstance(paths, str) else paths:
-        q = os.path.expanduser(str(p))
-        if glob.has_magic(q):
-            if not any(os.path.isfile(f) for f in glob.iglob(q, recursive=True)):
-                bad.append(str(p))
-        elif not os.path.isfile(q):
-            bad.append(str(p))
-    return bad
 
 
 def open_lines(path: str):
