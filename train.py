@@ -78,6 +78,7 @@ def train(cfg: DictConfig) -> dict:
     # otherwise process 0 lists and the other hosts receive the list. The checkpoint is only read
     # here: a config mistake must leave no checkpoint directory behind.
     try:
+        data_lib.validate_settings(data_cfg, process_count)
         resume = find_resume(cfg.checkpoint)
         meta, saved_data_states = restore_meta_and_data(resume) if resume is not None else ({}, None)
         saved_listing = None if cfg.checkpoint.allow_data_change else meta.get("files")
@@ -86,7 +87,7 @@ def train(cfg: DictConfig) -> dict:
     except ValueError as e:
         raise ConfigError(str(e)) from e
     try:
-        data_lib.validate(data_cfg, process_count, jax.local_device_count(), files=train_files)
+        data_lib.check_shards(data_cfg, process_count, len(train_files))
         tokenizer = data_lib.load_tokenizer(data_cfg.tokenizer)
         mesh = sharding_lib.make_mesh(cfg.mesh)
     except (FileNotFoundError, ValueError) as e:

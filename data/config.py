@@ -80,16 +80,11 @@ def check_shards(cfg: DataConfig, process_count: int, n_files: int | None) -> No
             f"({n_files}) matched by data.paths: lower data.num_shards to at most {n_files}")
 
 
-def validate(cfg: DataConfig, process_count: int, local_device_count: int,
-             files: list[str] | None = None) -> None:
-    """Cheap checks of the settings. `files`: the run's listing when the caller made it
-    (train.py: once per run); None lists `cfg.paths` here."""
-    del local_device_count  # batch-axis divisibility is checked by train.py
+def validate_settings(cfg: DataConfig, process_count: int) -> None:
+    """The checks that need no file: run before the (possibly long) listing."""
     if not cfg.paths:
         raise ValueError("data.paths is empty: give one or more globs of .json.gz/.jsonl/"
                          ".jsonl.zst files, or @a-file-listing-them.txt")
-    if files is None:
-        files = list_files(cfg)
     try:
         tokenizer_file(cfg.tokenizer)
     except FileNotFoundError as e:
@@ -109,7 +104,15 @@ def validate(cfg: DataConfig, process_count: int, local_device_count: int,
         raise ValueError(f"data.files_per_stream={cfg.files_per_stream}: must be >= 1")
     if cfg.prefetch < 1:
         raise ValueError(f"data.prefetch={cfg.prefetch}: must be >= 1")
-    check_shards(cfg, process_count, len(files))
+    check_shards(cfg, process_count, None)
+
+
+def validate(cfg: DataConfig, process_count: int, local_device_count: int) -> None:
+    """validate_settings, then the listing of cfg.paths against the shard count. train.py
+    runs the two halves apart, around its one listing of the run."""
+    del local_device_count  # batch-axis divisibility is checked by train.py
+    validate_settings(cfg, process_count)
+    check_shards(cfg, process_count, len(list_files(cfg)))
 
 
 def list_files(cfg: DataConfig) -> list[str]:

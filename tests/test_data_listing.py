@@ -10,6 +10,7 @@ What is counted and how:
     calls of real processes: a whole `train.py` run (every process: the trainer, its input
     worker) makes at most one metadata call per data file, and a second host makes none.
 """
+import dataclasses
 import glob
 import json
 import os
@@ -21,7 +22,10 @@ from pathlib import Path
 
 import pytest
 
+import data
 from data.listing import list_paths
+from data.pipeline import state_counters
+from tests.data_helpers import cfg, take, write_corpus
 from test_train import TINY_FAST, make_cfg, read_metrics
 
 import train as train_mod
@@ -197,3 +201,21 @@ def test_resume_uses_the_saved_list_without_a_walk(tmp_path):
     common[-1] = f"data.paths=['@{tmp_path}/list.txt']"
     summary = train_mod.train(make_cfg(run, *common, "train.steps=4"))
     assert summary["start_step"] == 3 and summary["steps"] == 4
+
+
+def test_a_file_gone_from_a_saved_list_is_skipped_and_named(tmp_path):
+    # The resume trusts the saved list: a file deleted since is an unreadable file, counted and
+    # named like other bad data (data.strict=true stops at it instead).
+    write_corpus(tmp_path, n_files=4, docs_per_file=4)
+    c = cfg(tmp_path, num_shards=2, global_batch_size=2, num_workers=0, shuffle_window=0)
+    files = data.list_files(c)
+    gone = files[1]
+    os.remove(gone)
+    it = data.make_host_iterator(c, 0, 1, files=files)
+    take(it, 40)
+    counters = state_counters(it.get_state())
+    assert counters["bad"].get("unreadable_file", 0) >= 1
+    assert any(ex.startswith(f"{gone}:") and "unreadable_file" in ex for ex in counters["badex"]), counters["badex"]
+    strict = data.make_host_iterator(dataclasses.replace(c, strict=True), 0, 1, files=files)
+    with pytest.raises(data.BadDataError, match="unreadable_file"):
+        take(strict, 40)
