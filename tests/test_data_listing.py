@@ -193,7 +193,8 @@ def test_resume_uses_the_saved_list_without_a_walk(tmp_path):
     shutil.copytree(corpus / "0007", corpus / "0008")
     summary, events = _recorded(lambda: train_mod.train(make_cfg(run, *common, "train.steps=3")))
     assert summary["start_step"] == 2 and summary["steps"] == 3
-    assert not [p for e, p in events if e in ("os.scandir", "os.listdir") and p.startswith(str(corpus))], events
+    walked = [p for e, p in events if e in ("os.scandir", "os.listdir") and p.startswith(str(corpus))]
+    assert not walked, walked
     assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]
 
     # New patterns (here: a file list naming the same files) list afresh; same files, same run.
