@@ -1,7 +1,7 @@
 """Pre-train a Llama-style model: `python train.py [hydra overrides]`.
 
 The run, top to bottom (each phase is a banner below):
-  config checks -> hosts and mesh -> input pipeline -> model, optimizer, shardings ->
+  config checks -> hosts and mesh -> the run's files -> model, optimizer, shardings ->
   init or restore -> jitted train step -> loop (batch, step, metrics, checkpoint, preemption).
 
 `train(cfg)` is the whole run and is what tests call; `main` is a thin Hydra wrapper that turns
@@ -73,21 +73,8 @@ def train(cfg: DictConfig) -> dict:
     if warmup_notice and is_main:
         print(warmup_notice, flush=True)
 
-    # ------------------------------------------------------------------ the run's files
-    # One listing per run (data/listing.py): a resumed run reads the list saved in its checkpoint;
-    # otherwise process 0 lists and the other hosts receive the list. The checkpoint is only read
-    # here: a config mistake must leave no checkpoint directory behind.
     try:
         data_lib.validate_settings(data_cfg, process_count)
-        resume = find_resume(cfg.checkpoint)
-        meta, saved_data_states = restore_meta_and_data(resume) if resume is not None else ({}, None)
-        saved_listing = None if cfg.checkpoint.allow_data_change else meta.get("files")
-        listing = _run_listing(data_lib, data_cfg, eval_paths, saved_listing, is_main)
-        data_cfg, eval_cfg, train_files, eval_files = _split_eval(data_cfg, listing, holdout)
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
-    try:
-        data_lib.check_shards(data_cfg, process_count, len(train_files))
         tokenizer = data_lib.load_tokenizer(data_cfg.tokenizer)
         mesh = sharding_lib.make_mesh(cfg.mesh)
     except (FileNotFoundError, ValueError) as e:
@@ -103,6 +90,20 @@ def train(cfg: DictConfig) -> dict:
         raise ConfigError(f"train.microbatches={cfg.train.microbatches} does not divide the "
                           f"{data_cfg.global_batch_size // batch_ways} rows per batch shard")
     rules = sharding_lib.rules_from_cfg(cfg.mesh)
+
+    # ------------------------------------------------------------------ the run's files
+    # One listing per run (data/listing.py), after every cheap check: a resumed run reads the list
+    # saved in its checkpoint; otherwise process 0 lists and the other hosts receive the list. The
+    # checkpoint is only read here: a config mistake must leave no checkpoint directory behind.
+    try:
+        resume = find_resume(cfg.checkpoint)
+        meta, saved_data_states = restore_meta_and_data(resume) if resume is not None else ({}, None)
+        saved_listing = None if cfg.checkpoint.allow_data_change else meta.get("files")
+        listing = _run_listing(data_lib, data_cfg, eval_paths, saved_listing, is_main)
+        data_cfg, eval_cfg, train_files, eval_files = _split_eval(data_cfg, listing, holdout)
+        data_lib.check_shards(data_cfg, process_count, len(train_files))
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
 
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,8 @@ Items of a step:
          save(), so it belongs to the same step; restore returns every process's file, so a
          run can resume on another number of hosts (train.py merges them per virtual shard)
   meta   the resolved config, the data/model fingerprint, the wandb run id, the topology
-         (process count, data workers)
+         (process count, data workers), the run's file list (train.py reuses it on resume
+         instead of listing the bucket again)
 There is no RNG array to save: the train step draws no random numbers and init derives its key
 from `seed`, which the saved config and the fingerprint hold; the data order is a function of
 (seed, virtual shard, epoch) plus the saved positions.
