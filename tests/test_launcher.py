@@ -107,7 +107,7 @@ def test_run_logs_stop_dry_run(capsys):
     assert argv[:10] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "pod-1", "--zone", "us-central2-b",
                          "--worker=all", "--command"]
     script = remote_command(argv)
-    assert "stop_training" in script and "setsid nohup python3 train.py" in script
+    assert "stop_training" in script and "setsid nohup bash -c" in script and " python3 train.py " in script
     assert 'logs/worker_$(hostname).log' in script
     assert script.index("stop_training;") < script.index("setsid nohup")  # stale ones killed first
     words = shlex.split(script)

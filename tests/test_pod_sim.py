@@ -1,0 +1,90 @@
+"""scripts/tpu.py end to end on a simulated 2-worker pod (tests/pod_sim.py: a fake `gcloud` runs
+each command in the workers' homes, through their shells, with a TPU VM's environment).
+
+    pytest tests/test_pod_sim.py -q        # about a minute on 2 cores
+
+setup (no pip install: --no-install) -> run -> logs -> stop -> run. The two train.py processes find
+each other from the TPU VM environment alone (no distributed.* override), train one tiny model
+together, save on SIGTERM and exit 0; the second run resumes from that checkpoint. A run name
+holding quotes, spaces, `;` and `$(...)` reaches train.py verbatim and never runs as a command.
+"""
+import time
+from pathlib import Path
+
+import yaml
+from pod_sim import SimPod
+
+# A tiny model on the bundled sample, logged every step (a SIGTERM is agreed between hosts at log
+# steps) and no periodic checkpoint: the only checkpoint is the one `stop` causes.
+TINY = ["mesh=fsdp", "data.seq_len=64", "data.global_batch_size=16", "data.num_shards=4", "data.num_workers=1",
+        "train.log_every=1", "train.eval_every=0", "checkpoint.every=1000000", "logger.progress_bar=false",
+        "logger.wandb.mode=offline", "optimizer.warmup_steps=1", "optimizer.decay_steps=1000"]
+# As typed on the local command line; Hydra's own quoting makes it one string value.
+ODD_NAME = """name='it\\'s "odd"; $(touch PWNED) a  b'"""
+ODD_NAME_VALUE = """it's "odd"; $(touch PWNED) a  b"""
+EXIT_0 = "train.py exited with code 0"
+
+
+def ok(result):
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return result.stdout
+
+
+def wait_for(pod, predicate, what, timeout=300):
+    """Polls `tpu.py logs --worker all` until predicate(output) holds."""
+    deadline = time.time() + timeout
+    while True:
+        out = ok(pod.tpu("logs", "--worker", "all", "--lines", "400"))
+        if predicate(out):
+            return out
+        assert time.time() < deadline, f"timed out waiting for {what}; logs:\n{out[-4000:]}"
+        time.sleep(2)
+
+
+def worker_log(pod, w):
+    return next((pod.home(w) / "jaxpt" / "logs").glob("worker_*.log")).read_text()
+
+
+def test_sync_run_logs_stop_resume_on_simulated_pod(tmp_path):
+    pod = SimPod(tmp_path / "pod", workers=2, devices_per_worker=2)
+    bucket = tmp_path / "bucket" / "ckpt"      # stands for gs://...: all workers write one checkpoint there
+
+    out = ok(pod.tpu("setup", "--no-install"))
+    for w in range(2):
+        assert f"t1v-n-pod-sim-w-{w}: jax " in out
+        assert (pod.home(w) / "jaxpt" / "train.py").exists()
+
+    ok(pod.tpu("run", "--", *TINY, "train.steps=1000000", f"checkpoint.dir={bucket}", ODD_NAME))
+    # `logs` (worker 0 by default) shows the training progress.
+    deadline = time.time() + 300
+    while "step 2 loss" not in (log0 := ok(pod.tpu("logs"))):
+        assert time.time() < deadline, log0[-4000:]
+        time.sleep(2)
+    assert "Starting a new run" in log0
+    # Both workers joined one 2-process x 2-device job, from the TPU VM environment alone.
+    pid = int((pod.home(0) / "jaxpt" / "logs" / "train.pid").read_text())
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
+    assert argv[-1] == ODD_NAME                 # verbatim, one argument
+    assert not any(a.startswith("distributed.") for a in argv)
+
+    out = ok(pod.tpu("stop", "--grace-period", "120"))
+    assert "SIGKILL" not in out
+    logs = [worker_log(pod, w) for w in range(2)]
+    assert all(EXIT_0 in log.rstrip().splitlines()[-1] for log in logs), [log[-1500:] for log in logs]
+    saved = int(logs[0].split("Preempted: saved step ")[1].split()[0])
+    assert (bucket / str(saved)).is_dir()
+    run_dir = pod.home(0) / "jaxpt" / "runs" / ODD_NAME_VALUE
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert config["name"] == ODD_NAME_VALUE
+    assert config["distributed"]["coordinator_address"] is None
+
+    ok(pod.tpu("run", "--", *TINY, f"train.steps={saved + 2}", f"checkpoint.dir={bucket}", ODD_NAME))
+    wait_for(pod, lambda out: out.count(EXIT_0) == 4 or "exited with code" in out.replace(EXIT_0, ""),
+             "the second run to finish on both workers")
+    logs = [worker_log(pod, w) for w in range(2)]
+    assert all(log.count(EXIT_0) == 2 for log in logs), [log[-1500:] for log in logs]
+    second = logs[0].split("start ===")[-1]
+    assert "Resuming from latest checkpoint" in second and f"at step {saved}" in second, second[-2000:]
+    assert f"Done: steps {saved}->{saved + 2}" in second
+    assert (bucket / str(saved + 2)).is_dir()
+    assert not list(tmp_path.rglob("PWNED"))
