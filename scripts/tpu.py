@@ -19,8 +19,9 @@ Everything sent to the workers' shells is quoted with shlex.quote, so a Hydra ov
 
 Layout on every worker (--remote-dir, default ~/jaxpt):
     ~/jaxpt/                      the synced code (pip install -e . by `setup`)
-    ~/jaxpt/logs/worker_<hostname>.log   stdout+stderr of train.py on that worker (appended)
-    ~/jaxpt/logs/train.pid        pid (= process group) of the detached train.py
+    ~/jaxpt/logs/worker_<hostname>.log   stdout+stderr of train.py on that worker (appended; each
+                                  launch ends with "=== <time> train.py exited with code N ===")
+    ~/jaxpt/logs/train.pid        pid of the detached train.py (its process group: the launch's)
     ~/jaxpt/runs/<name>/          Hydra run directory (checkpoints should go to gs://)
 """
 from __future__ import annotations

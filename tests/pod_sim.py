@@ -10,9 +10,14 @@ gives a shell, and nothing else:
   * for the hardware it stands for: JAX_PLATFORMS=cpu and JAX_NUM_CPU_DEVICES (fake chips), and
     JAX_COORDINATOR_PORT, jax's own setting for the coordinator port (a free one instead of
     8482, so that simulations running side by side do not collide).
+
+By hand (rehearse the launcher on any machine; README "Rehearse on a simulated pod"):
+
+    python tests/pod_sim.py /tmp/pod-sim --workers 2      # prints the two exports to use
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -67,3 +72,15 @@ class SimPod:
         return subprocess.run([sys.executable, str(REPO / "scripts" / "tpu.py"), command, "--name", self.name,
                                "--zone", "sim-zone-a", *args], env=env, capture_output=True, text=True,
                               timeout=timeout)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="Create a simulated pod for scripts/tpu.py (fake gcloud).")
+    parser.add_argument("root", type=Path, help="a new, empty directory for the workers' homes")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--devices-per-worker", type=int, default=2)
+    parser.add_argument("--name", default="pod-sim")
+    cli = parser.parse_args()
+    cli.root.mkdir(parents=True, exist_ok=False)
+    SimPod(cli.root.resolve(), cli.workers, cli.devices_per_worker, cli.name)
+    print(f"export POD_SIM_DIR={cli.root.resolve()} PATH={FAKE_GCLOUD_DIR}:$PATH JAXPT_TPU_NAME={cli.name}")

@@ -11,8 +11,11 @@ holding quotes, spaces, `;` and `$(...)` reaches train.py verbatim and never run
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 from pod_sim import SimPod
+
+import train as train_mod
 
 # A tiny model on the bundled sample, logged every step (a SIGTERM is agreed between hosts at log
 # steps) and no periodic checkpoint: the only checkpoint is the one `stop` causes.
@@ -58,7 +61,7 @@ def test_sync_run_logs_stop_resume_on_simulated_pod(tmp_path):
     # `logs` (worker 0 by default) shows the training progress.
     deadline = time.time() + 300
     while "step 2 loss" not in (log0 := ok(pod.tpu("logs"))):
-        assert time.time() < deadline, log0[-4000:]
+        assert time.time() < deadline and "exited with code" not in log0, log0[-4000:]
         time.sleep(2)
     assert "Starting a new run" in log0
     # Both workers joined one 2-process x 2-device job, from the TPU VM environment alone.
@@ -88,3 +91,24 @@ def test_sync_run_logs_stop_resume_on_simulated_pod(tmp_path):
     assert f"Done: steps {saved}->{saved + 2}" in second
     assert (bucket / str(saved + 2)).is_dir()
     assert not list(tmp_path.rglob("PWNED"))
+
+
+def test_tpu_slice_from_the_vm_environment(monkeypatch):
+    """What train.py reads to start jax.distributed on a pod, and its one-line errors."""
+    for name in ("MEGASCALE_COORDINATOR_ADDRESS", "JAX_COORDINATOR_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "10.0.0.2,10.0.0.3,10.0.0.4,10.0.0.5")
+    monkeypatch.setenv("TPU_WORKER_ID", "2")
+    assert train_mod._tpu_slice_from_env() == {"coordinator_address": "10.0.0.2:8482", "num_processes": 4,
+                                               "process_id": 2}
+    monkeypatch.setenv("JAX_COORDINATOR_PORT", "9999")
+    assert train_mod._tpu_slice_from_env()["coordinator_address"] == "10.0.0.2:9999"
+    for bad in ("4", "", "w1"):
+        monkeypatch.setenv("TPU_WORKER_ID", bad)
+        with pytest.raises(train_mod.ConfigError, match="TPU_WORKER_ID"):
+            train_mod._tpu_slice_from_env()
+    monkeypatch.setenv("MEGASCALE_COORDINATOR_ADDRESS", "10.0.0.2")    # multislice: jax's own detection
+    assert train_mod._tpu_slice_from_env() is None
+    monkeypatch.delenv("MEGASCALE_COORDINATOR_ADDRESS")
+    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "10.0.0.2")             # one host: no jax.distributed
+    assert train_mod._tpu_slice_from_env() is None
