@@ -8,6 +8,7 @@ each other from the TPU VM environment alone (no distributed.* override), train 
 together, save on SIGTERM and exit 0; the second run resumes from that checkpoint. A run name
 holding quotes, spaces, `;` and `$(...)` reaches train.py verbatim and never runs as a command.
 """
+import json
 import time
 from pathlib import Path
 
@@ -33,15 +34,13 @@ def ok(result):
     return result.stdout
 
 
-def wait_for(pod, predicate, what, timeout=300):
-    """Polls `tpu.py logs --worker all` until predicate(output) holds."""
+def wait_for_exits(pod, launches, timeout=300):
+    """Until every worker's log records `launches` exits of train.py. Reads the logs directly:
+    polling through `tpu.py logs` would add a python and two shells per poll to a busy machine."""
     deadline = time.time() + timeout
-    while True:
-        out = ok(pod.tpu("logs", "--worker", "all", "--lines", "400"))
-        if predicate(out):
-            return out
-        assert time.time() < deadline, f"timed out waiting for {what}; logs:\n{out[-4000:]}"
-        time.sleep(2)
+    while not all(worker_log(pod, w).count("train.py exited with code") >= launches for w in range(pod.workers)):
+        assert time.time() < deadline, [worker_log(pod, w)[-2000:] for w in range(pod.workers)]
+        time.sleep(1)
 
 
 def worker_log(pod, w):
@@ -62,7 +61,7 @@ def test_sync_run_logs_stop_resume_on_simulated_pod(tmp_path):
     deadline = time.time() + 300
     while "step 2 loss" not in (log0 := ok(pod.tpu("logs"))):
         assert time.time() < deadline and "exited with code" not in log0, log0[-4000:]
-        time.sleep(2)
+        time.sleep(3)
     assert "Starting a new run" in log0
     # Both workers joined one 2-process x 2-device job, from the TPU VM environment alone.
     pid = int((pod.home(0) / "jaxpt" / "logs" / "train.pid").read_text())
@@ -75,21 +74,27 @@ def test_sync_run_logs_stop_resume_on_simulated_pod(tmp_path):
     logs = [worker_log(pod, w) for w in range(2)]
     assert all(EXIT_0 in log.rstrip().splitlines()[-1] for log in logs), [log[-1500:] for log in logs]
     saved = int(logs[0].split("Preempted: saved step ")[1].split()[0])
-    assert (bucket / str(saved)).is_dir()
+    # One checkpoint written by a 2-process job: each process saved its data state there.
+    assert sorted(f.name for f in (bucket / str(saved) / "data").glob("*.json")) == \
+        ["process_0-of-2.json", "process_1-of-2.json"]
     run_dir = pod.home(0) / "jaxpt" / "runs" / ODD_NAME_VALUE
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert config["name"] == ODD_NAME_VALUE
     assert config["distributed"]["coordinator_address"] is None
 
     ok(pod.tpu("run", "--", *TINY, f"train.steps={saved + 2}", f"checkpoint.dir={bucket}", ODD_NAME))
-    wait_for(pod, lambda out: out.count(EXIT_0) == 4 or "exited with code" in out.replace(EXIT_0, ""),
-             "the second run to finish on both workers")
+    wait_for_exits(pod, launches=2)
+    out = ok(pod.tpu("logs", "--worker", "all"))
+    assert out.count(EXIT_0) == 4, out[-4000:]      # both launches, both workers
     logs = [worker_log(pod, w) for w in range(2)]
-    assert all(log.count(EXIT_0) == 2 for log in logs), [log[-1500:] for log in logs]
     second = logs[0].split("start ===")[-1]
     assert "Resuming from latest checkpoint" in second and f"at step {saved}" in second, second[-2000:]
     assert f"Done: steps {saved}->{saved + 2}" in second
+    wandb_ids = [line.split()[2].rstrip(":") for line in logs[0].splitlines() if line.startswith("wandb run ")]
+    assert len(wandb_ids) == 2 and wandb_ids[0] == wandb_ids[1]      # the same wandb run continues
     assert (bucket / str(saved + 2)).is_dir()
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, saved + 3))     # continued, not restarted
     assert not list(tmp_path.rglob("PWNED"))
 
 
