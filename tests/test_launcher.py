@@ -267,6 +267,65 @@ def test_worker_scripts_run_and_stop(tmp_path, monkeypatch, capsys):
     assert not list(tmp_path.rglob("PWNED"))
 
 
+FAKE_PYTHON_WITH_WORKER = """\
+#!{python}
+import signal, subprocess, sys, time
+# Its "input worker": a child in the same process group, told apart by the SIGTERM it must not get.
+worker = subprocess.Popen([sys.executable, "-c", "import os, signal, sys, time\\n"
+                           "signal.signal(signal.SIGTERM, lambda *a: (open('worker_terminated', 'w').close(), sys.exit(0)))\\n"
+                           "open('worker.pid', 'w').write(str(os.getpid()))\\n"
+                           "time.sleep(120)"])
+def on_term(*_):
+    open("terminated", "w").close()
+    sys.exit(0)     # leaves its worker behind: `stop` has to wait for the group and kill it
+signal.signal(signal.SIGTERM, on_term)
+time.sleep(120)
+"""
+
+
+def alive_not_zombie(pid):
+    """A killed orphan stays a zombie until PID 1 reaps it."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_stop_terms_train_py_alone_then_kills_its_group(tmp_path):
+    """SIGTERM goes to train.py only (its input workers keep serving until it has saved), `stop`
+    waits for the whole process group and SIGKILLs what is left after the grace period; the log
+    records train.py's exit code."""
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    fake = tmp_path / "fakepython"
+    fake.write_text(FAKE_PYTHON_WITH_WORKER.format(python=sys.executable))
+    fake.chmod(0o755)
+    outputs = []
+
+    def local_worker(cmd):
+        r = subprocess.run(["bash", "-c", remote_command(cmd)], cwd=tmp_path, timeout=60, capture_output=True,
+                           text=True, start_new_session=True)
+        outputs.append(r.stdout + r.stderr)
+        return r.returncode
+
+    common = [*POD, "--remote-dir", str(remote), "--python", str(fake)]
+    assert tpu.main(["run", *common, "--startup-check", "0"], runner=local_worker) == 0
+    deadline = time.time() + 30
+    while not (remote / "worker.pid").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)
+    worker_pid = int((remote / "worker.pid").read_text())
+    assert tpu.main(["stop", *common, "--grace-period", "2"], runner=local_worker) == 0
+    assert (remote / "terminated").exists() and not (remote / "worker_terminated").exists()
+    assert "SIGKILL" in outputs[-1]
+    deadline = time.time() + 10        # SIGKILL is delivered asynchronously
+    while alive_not_zombie(worker_pid) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not alive_not_zombie(worker_pid)
+    log = next((remote / "logs").glob("worker_*.log")).read_text()
+    assert "train.py exited with code 0" in log.rstrip().splitlines()[-1]
+
+
 def test_run_reports_early_crash(tmp_path, monkeypatch, capsys):
     remote = tmp_path / "remote"
     remote.mkdir()
