@@ -61,11 +61,6 @@ class SimPod:
     def home(self, worker: int) -> Path:
         return self.root / f"worker_{worker}"
 
-    def calls(self) -> list[dict]:
-        """Every gcloud call so far: {"verb", "args", "options"}."""
-        path = self.root / "calls.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
     def tpu(self, command: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
         """`python scripts/tpu.py COMMAND --name <pod> ARGS` against this pod; output captured."""
         env = dict(os.environ, POD_SIM_DIR=str(self.root), PATH=f"{FAKE_GCLOUD_DIR}:{os.environ['PATH']}")

@@ -3,6 +3,7 @@
 No network and no gcloud binary: tpu.py is driven with --dry-run, or with a runner that executes
 the --command a worker would receive in a local bash (remote dir = a tmp dir, python = a recorder).
 launch_local.py runs real small programs written into tmp_path (--program).
+The whole pod path (a fake gcloud, the real train.py on 2 simulated workers) is test_pod_sim.py.
 """
 import importlib.util
 import json
