@@ -41,6 +41,10 @@ from typing import Callable, Sequence
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROGRAM = "train.py"
+# Put before the user's overrides on `run` (a later value of the same key wins). A detached run
+# writes to a log file, where a progress bar is one ever-growing line of \r-updates that `logs`
+# cannot tail: train.py prints a plain line per log step instead.
+DETACHED_OVERRIDES = ("logger.progress_bar=false",)
 MASK = "***"
 REMOTE_TARBALL = "jaxpt-sync.tar.gz"  # in the worker's home directory
 # Never shipped to the workers (matched against every path component).
@@ -171,7 +175,7 @@ _TRAIN_WRAPPER = ('"$@" & echo $! > logs/train.pid; wait $!; rc=$?; '
 
 
 def run_script(args: argparse.Namespace, env: Sequence[EnvVar], reveal: bool) -> str:
-    overrides = " ".join(shlex.quote(o) for o in args.overrides)
+    overrides = " ".join(shlex.quote(o) for o in (*DETACHED_OVERRIDES, *args.overrides))
     py = shlex.quote(args.python)
     parts = [
         _cd(args.remote_dir),

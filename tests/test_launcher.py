@@ -113,7 +113,7 @@ def test_run_logs_stop_dry_run(capsys):
     assert script.index("stop_training;") < script.index("setsid nohup")  # stale ones killed first
     words = shlex.split(script)
     i = words.index("train.py")
-    assert words[i + 1:i + 3] == ["experiment=v4_32_llama_1b", "train.steps=10"]
+    assert words[i + 1:i + 4] == ["logger.progress_bar=false", "experiment=v4_32_llama_1b", "train.steps=10"]
 
     cmds, _ = dry(capsys, "logs", *POD, "--worker", "2", "-f")
     assert "--worker=2" in cmds[0] and "tail -n 100 -F" in remote_command(cmds[0])
@@ -137,8 +137,8 @@ def test_overrides_cannot_inject(capsys):
     cmds, _ = dry(capsys, "run", *POD, "--", *NASTY)
     words = shlex.split(remote_command(cmds[0]))
     i = words.index("train.py")
-    assert words[i + 1:i + 1 + len(NASTY)] == NASTY  # each one a single, unchanged argument
-    assert words[i + 1 + len(NASTY)] == ">>"
+    assert words[i + 2:i + 2 + len(NASTY)] == NASTY  # each one a single, unchanged argument
+    assert words[i + 2 + len(NASTY)] == ">>"
 
 
 def test_secret_never_printed(capsys, monkeypatch):
@@ -252,7 +252,7 @@ def test_worker_scripts_run_and_stop(tmp_path, monkeypatch, capsys):
             time.sleep(0.05)
         time.sleep(0.2)
         rec = json.loads((remote / "argv.json").read_text())
-        assert rec["argv"] == ["train.py", *nasty]
+        assert rec["argv"] == ["train.py", "logger.progress_bar=false", *nasty]
         assert rec["key"] == SECRET
         assert not list(tmp_path.rglob("PWNED"))
         pid = int((remote / "logs" / "train.pid").read_text())

@@ -20,9 +20,10 @@ import train as train_mod
 
 # A tiny model on the bundled sample, logged every step (a SIGTERM is agreed between hosts at log
 # steps) and no periodic checkpoint: the only checkpoint is the one `stop` causes.
+# The progress bar is left to tpu.py, which turns it off for detached runs (`logs` shows step lines).
 TINY = ["mesh=fsdp", "data.seq_len=64", "data.global_batch_size=16", "data.num_shards=4", "data.num_workers=1",
-        "train.log_every=1", "train.eval_every=0", "checkpoint.every=1000000", "logger.progress_bar=false",
-        "logger.wandb.mode=offline", "optimizer.warmup_steps=1", "optimizer.decay_steps=1000"]
+        "train.log_every=1", "train.eval_every=0", "checkpoint.every=1000000", "logger.wandb.mode=offline",
+        "optimizer.warmup_steps=1", "optimizer.decay_steps=1000"]
 # As typed on the local command line; Hydra's own quoting makes it one string value.
 ODD_NAME = """name='it\\'s "odd"; $(touch PWNED) a  b'"""
 ODD_NAME_VALUE = """it's "odd"; $(touch PWNED) a  b"""
