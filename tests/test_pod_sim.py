@@ -48,8 +48,15 @@ def worker_log(pod, w):
     return next((pod.home(w) / "jaxpt" / "logs").glob("worker_*.log")).read_text()
 
 
-def test_sync_run_logs_stop_resume_on_simulated_pod(tmp_path):
+@pytest.fixture
+def pod(tmp_path):
     pod = SimPod(tmp_path / "pod", workers=2, devices_per_worker=2)
+    yield pod
+    # A failed test must not leave detached train.py processes behind on a shared machine.
+    pod.tpu("stop", "--grace-period", "10")
+
+
+def test_sync_run_logs_stop_resume_on_simulated_pod(pod, tmp_path):
     bucket = tmp_path / "bucket" / "ckpt"      # stands for gs://...: all workers write one checkpoint there
 
     out = ok(pod.tpu("setup", "--no-install"))
