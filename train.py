@@ -354,6 +354,8 @@ def _init_distributed(dcfg: DictConfig) -> None:
     if dcfg.coordinator_address:
         jax.distributed.initialize(coordinator_address=dcfg.coordinator_address,
                                    num_processes=dcfg.num_processes, process_id=dcfg.process_id)
+    elif (tpu_slice := _tpu_slice_from_env()) is not None:
+        jax.distributed.initialize(**tpu_slice)
     elif _on_tpu_vm():
         # The TPU VM's metadata describes the slice (one host or many), as MaxText relies on too.
         try:
@@ -363,6 +365,32 @@ def _init_distributed(dcfg: DictConfig) -> None:
                 raise                   # certainly a multi-host slice: never run hosts apart
             print(f"warning: automatic jax.distributed.initialize() failed ({e}); running as one "
                   "process (set distributed.coordinator_address for a multi-host run)", file=sys.stderr)
+
+
+# jax's coordinator port on Cloud TPU (jax/_src/clusters/cloud_tpu_cluster.py); JAX_COORDINATOR_PORT
+# overrides it there and here.
+TPU_COORDINATOR_PORT = 8482
+
+
+def _tpu_slice_from_env() -> dict | None:
+    """A multi-host slice as the TPU VM environment describes it (TPU_WORKER_HOSTNAMES, sorted by
+    worker id, and TPU_WORKER_ID): jax.distributed.initialize's arguments, or None.
+
+    jax reads the same variables itself, but only once a TPU backend is present; reading them
+    here makes the start-up independent of the backend, so a simulated pod (CPU workers given a
+    TPU VM's environment, tests/pod_sim.py) starts exactly as a real one. Multislice runs
+    (MEGASCALE_*) are left to jax.
+    """
+    hosts = [h for h in os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]
+    if len(hosts) < 2 or os.environ.get("MEGASCALE_COORDINATOR_ADDRESS"):
+        return None
+    worker_id = os.environ.get("TPU_WORKER_ID", "")
+    if not worker_id.isdigit() or int(worker_id) >= len(hosts):
+        raise ConfigError(f"TPU_WORKER_ID={worker_id!r} is not a worker of TPU_WORKER_HOSTNAMES "
+                          f"({len(hosts)} hosts): cannot tell this host's place in the slice")
+    port = os.environ.get("JAX_COORDINATOR_PORT") or TPU_COORDINATOR_PORT
+    return {"coordinator_address": f"{hosts[0].split(':')[0]}:{port}", "num_processes": len(hosts),
+            "process_id": int(worker_id)}
 
 
 def _on_tpu_vm() -> bool:
