@@ -270,16 +270,19 @@ def _split_eval(data_lib, data_cfg, eval_map: dict):
     eval_paths, holdout = _as_list(eval_map.get("paths")), int(eval_map.get("holdout_files") or 0)
     if eval_paths and holdout:
         raise ValueError("set data.eval.paths or data.eval.holdout_files, not both")
-    train_files = data_lib.list_files(data_cfg)
+    if holdout and data_cfg.sources:
+        raise ValueError("data.eval.holdout_files works with data.paths only: with data.sources, "
+                         "hold out files through data.eval.paths (read with data.text_key)")
+    train_files = data_lib.list_files(data_cfg)   # with data.sources: {source name: files}
     if not train_files:
         raise ValueError(f"data.paths={list(data_cfg.paths)} matches no file")
     if not eval_paths and not holdout:
         return data_cfg, None, train_files
     if eval_paths:
-        eval_files = data_lib.list_files(dataclasses.replace(data_cfg, paths=tuple(eval_paths)))
+        eval_files = data_lib.list_files(dataclasses.replace(data_cfg, paths=tuple(eval_paths), sources=()))
         if not eval_files:
             raise ValueError(f"data.eval.paths={eval_paths} matches no file")
-        overlap = sorted(set(eval_files) & set(train_files))
+        overlap = sorted(set(eval_files) & set(data_lib.all_files(train_files)))
         if overlap:
             raise ValueError(f"data.eval.paths overlaps the training files (e.g. {overlap[0]}); "
                              "held-out data must not be trained on")
@@ -294,7 +297,7 @@ def _split_eval(data_lib, data_cfg, eval_map: dict):
     # largest such count spreads the fixed eval batches over the most held-out files.
     batch = data_cfg.global_batch_size
     eval_shards = max(v for v in range(1, min(len(eval_files), batch) + 1) if batch % v == 0)
-    eval_cfg = dataclasses.replace(data_cfg, paths=tuple(glob.escape(f) for f in eval_files), num_workers=0,
+    eval_cfg = dataclasses.replace(data_cfg, paths=tuple(glob.escape(f) for f in eval_files), sources=(), num_workers=0,
                                    num_shards=eval_shards, shuffle_window=0, files_per_stream=1)
     return data_cfg, eval_cfg, train_files
 
