@@ -10,6 +10,8 @@ Figures:
                     process, in-process pipeline (no workers), steady state after the first
                     batch. On a shared machine absolute rates drift; the paired ratio is the
                     figure.
+  cpu_mix_vs_single per round: the same ratio in tokens per CPU-second of the process (all its
+                    threads): the work per token, nearly independent of the machine's load.
   peak_rss_mb       per kind: peak RSS of the process that ran it (windows of 2 sources per
                     shard instead of 1).
   shares            per packing: realized token and row share of each source over every window
@@ -49,13 +51,14 @@ def timed_run(args, mixture: bool, out) -> None:
     import data
     it = data.make_host_iterator(make_cfg(args, mixture, "concat"), 0, 1)
     next(it)
-    t0, tokens = time.perf_counter(), 0
+    t0, cpu0, tokens = time.perf_counter(), time.process_time(), 0
     for _ in range(args.batches):
         b = next(it)
         tokens += int((np.asarray(b["segment_ids"]) > 0).sum())
-    dt = time.perf_counter() - t0
+    dt, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     it.close()
-    out.put({"tok_s": tokens / dt, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
+    out.put({"tok_s": tokens / dt, "tok_per_cpu_s": tokens / cpu,
+             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
 
 
 def run_in_process(args, mixture: bool) -> dict:
@@ -111,15 +114,17 @@ def main():
     args = ap.parse_args()
 
     runs = {"single": [], "mixture": []}
-    ratios = []
+    ratios, cpu_ratios = [], []
     for rnd in range(args.rounds):
         order = ("single", "mixture") if rnd % 2 == 0 else ("mixture", "single")
         r = {kind: run_in_process(args, kind == "mixture") for kind in order}
         for kind in order:
             runs[kind].append(r[kind])
         ratios.append(r["mixture"]["tok_s"] / r["single"]["tok_s"])
+        cpu_ratios.append(r["mixture"]["tok_per_cpu_s"] / r["single"]["tok_per_cpu_s"])
         print(f"round {rnd + 1}: single {r['single']['tok_s'] / 1e6:.3f} M tok/s, mixture "
-              f"{r['mixture']['tok_s'] / 1e6:.3f} M tok/s, ratio {ratios[-1]:.3f}; peak RSS "
+              f"{r['mixture']['tok_s'] / 1e6:.3f} M tok/s, ratio {ratios[-1]:.3f} (per CPU-second "
+              f"{cpu_ratios[-1]:.3f}); peak RSS "
               f"{r['single']['peak_rss_mb']:.0f} / {r['mixture']['peak_rss_mb']:.0f} MB", flush=True)
     share = {p: shares(args, p) for p in ("concat", "first_fit")}
     for p, s in share.items():
@@ -127,6 +132,7 @@ def main():
               + json.dumps(s), flush=True)
     print(json.dumps({
         "mix_vs_single": [round(x, 3) for x in ratios],
+        "cpu_mix_vs_single": [round(x, 3) for x in cpu_ratios],
         "tok_s": {k: [round(r["tok_s"]) for r in v] for k, v in runs.items()},
         "peak_rss_mb": {k: round(max(r["peak_rss_mb"] for r in v), 1) for k, v in runs.items()},
         "weights": args.weights, "shares": share,
