@@ -245,7 +245,9 @@ def test_fingerprint_covers_the_mixture(tmp_path):
 
 
 # ---------------------------------------------------------------- through train.py
-def test_train_logs_per_source_metrics_and_refuses_a_weight_change(tmp_path):
+def test_train_resumes_a_mixture_exactly_and_refuses_a_weight_change(tmp_path):
+    import json
+
     from hydra import compose, initialize_config_dir
 
     import train as train_mod
@@ -254,23 +256,54 @@ def test_train_logs_per_source_metrics_and_refuses_a_weight_change(tmp_path):
         with initialize_config_dir(config_dir=str(Path(REPO) / "configs"), version_base="1.3"):
             return compose("train", overrides=[
                 f"paths.run_dir={run_dir}", "data=sample_mix", "logger.progress_bar=false",
-                "logger.wandb.mode=disabled", "train.steps=4", "train.log_every=2", "checkpoint.every=4",
+                "logger.wandb.mode=disabled", "train.steps=4", "train.log_every=1", "checkpoint.every=2",
                 "train.eval_every=0", "optimizer.warmup_steps=1", "data.seq_len=32", "data.num_workers=0",
-                *overrides])
+                "++train.debug_batches=true", *overrides])
 
-    run = tmp_path / "run"
-    train_mod.train(make(run))
-    rows = [__import__("json").loads(line) for line in open(run / "metrics.jsonl")]
-    last = rows[-1]
+    def per_step(run_dir):
+        def last_per_step(name):
+            return {r["step"]: r for r in map(json.loads, open(run_dir / name))}
+        return last_per_step("metrics.jsonl"), last_per_step("debug_batches.p0.jsonl")
+
+    straight, cut = tmp_path / "straight", tmp_path / "cut"
+    train_mod.train(make(straight))
+    train_mod.train(make(cut, "train.steps=2"))
+    assert train_mod.train(make(cut))["start_step"] == 2
+    (m_s, d_s), (m_c, d_c) = per_step(straight), per_step(cut)
+    # the resumed run's steps 3-4: the straight run's batches and losses, bit for bit
+    assert [d_c[t]["batch_hash"] for t in (3, 4)] == [d_s[t]["batch_hash"] for t in (3, 4)]
+    assert [m_c[t]["loss"] for t in (3, 4)] == [m_s[t]["loss"] for t in (3, 4)]
+    last = m_s[4]
     assert last["data/source/web/rows"] + last["data/source/code/rows"] == last["data/rows"]
     for key in ("tokens", "documents", "epoch", "bad_records", "token_share", "row_share"):
         assert f"data/source/code/{key}" in last, key
 
     with pytest.raises(train_mod.ConfigError) as e:
-        train_mod.train(make(run, "data.sources.1.weight=0.5", "train.steps=6"))
+        train_mod.train(make(straight, "data.sources.1.weight=0.5", "train.steps=6"))
     msg = str(e.value)
     assert "data.source.code.share: checkpoint=0.2 now=" in msg and "allow_data_change=true" in msg, msg
-    assert not (run / "checkpoints" / "6").exists()
+    assert not (straight / "checkpoints" / "6").exists()
+
+
+def test_bad_records_are_counted_per_source(tmp_path):
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from tests.data_helpers import write_lines
+    write_sources(tmp_path)
+    bad_file = os.path.join(str(tmp_path), "books", "0002", "en_head.json.gz")
+    import gzip
+    with gzip.open(bad_file) as f:
+        lines = f.read().splitlines()
+    write_lines(bad_file, lines[:1] + [b"{not json", b'{"other_key": "x"}'] + lines[1:])
+    sharding = NamedSharding(Mesh(np.array(jax.devices()), ("data",)), P("data"))
+    pf = data.DevicePrefetcher(data.make_host_iterator(mix_cfg(tmp_path), 0, 1), sharding, prefetch=1)
+    for _ in range(30):   # every shard reads its first documents of every source
+        next(pf)
+    s = pf.stats()
+    pf.close()
+    assert (s["source/books/bad_records"], s["source/web/bad_records"], s["source/tiny/bad_records"]) == (2, 0, 0)
+    assert sum(s["bad_records"].values()) == 2
 
 
 # ---------------------------------------------------------------- config mistakes
