@@ -30,6 +30,8 @@ windows of a single source. The window of a small-weight source lasts longer, it
 from __future__ import annotations
 
 import bisect
+import dataclasses
+import zlib
 
 import numpy as np
 
@@ -62,6 +64,22 @@ def source_of_row(thresholds: list[int], g: int) -> int:
 def source_of_doc_id(doc_id):
     """Source index of (an array of) debug doc ids >= 0."""
     return np.asarray(doc_id) >> SOURCE_ID_SHIFT
+
+
+def mixture_spec(base: StreamSpec, cfg, files: dict[str, list[str]]) -> StreamSpec:
+    """The StreamSpec of a mixture (cfg: a DataConfig with sources): the base spec without
+    files, plus per source the base spec with that source's files, text key and seed."""
+    return dataclasses.replace(base, files=(), mixture=tuple(
+        (src.name, src.weight,
+         dataclasses.replace(base, files=tuple(files[src.name]), text_key=cfg.source_text_key(src),
+                             seed=source_seed(cfg.seed, src.name)))
+        for src in cfg.sources))
+
+
+def source_seed(seed: int, name: str) -> int:
+    """A source's own seed (its file orders and window shuffles), stable per name: two
+    sources never share the same random orders, whatever their position in the list."""
+    return ((int(seed) & 0xFFFFFFFF) << 32) + zlib.crc32(name.encode())   # >= 0, as numpy needs
 
 
 def initial_mixture_state(spec: StreamSpec) -> dict:

@@ -1,18 +1,16 @@
 """The per-host Grain pipeline and the device prefetcher."""
 from __future__ import annotations
 
-import dataclasses
 import functools
 import queue
 import threading
 import time
-import zlib
 
 import grain
 from absl import flags
 
 from data.config import DataConfig, check_shards, check_source_shards, list_files
-from data.mixture import source_counters
+from data.mixture import mixture_spec, source_counters
 from data.state import normalize_shard_states, sum_counters
 from data.host import HostIterDataset, find_shard_states
 from data.shard import COUNTER_KEYS, StreamSpec
@@ -30,7 +28,7 @@ def host_shards(num_shards: int, process_index: int, process_count: int) -> list
 
 def make_host_dataset(cfg: DataConfig, process_index: int, process_count: int,
                       shard_states: dict | None = None, *, debug: bool = False,
-                      files: list[str] | None = None, tokenizer=None):
+                      files: list[str] | dict[str, list[str]] | None = None, tokenizer=None):
     files = list_files(cfg) if files is None else files
     if cfg.sources:
         check_shards(cfg, process_count, None)
@@ -52,7 +50,7 @@ def make_host_dataset(cfg: DataConfig, process_index: int, process_count: int,
         raise ValueError(f"data.add_bos=true but tokenizer.path={cfg.tokenizer!r} has no BOS "
                          "token (<s>, <|begin_of_text|>, <bos>)")
     spec = StreamSpec(
-        files=tuple(files) if not cfg.sources else (), num_shards=cfg.num_shards, tokenizer_json=tok.to_str(),
+        files=() if cfg.sources else tuple(files), num_shards=cfg.num_shards, tokenizer_json=tok.to_str(),
         seq_len=cfg.seq_len, text_key=cfg.text_key, strict=cfg.strict, packing=cfg.packing,
         shuffle_window=cfg.shuffle_window, files_per_stream=cfg.files_per_stream,
         add_bos=cfg.add_bos, seed=cfg.seed,
@@ -60,11 +58,7 @@ def make_host_dataset(cfg: DataConfig, process_index: int, process_count: int,
         debug=debug, process_index=process_index, process_count=process_count,
         group=worker_group(cfg, process_count))
     if cfg.sources:
-        spec = dataclasses.replace(spec, files=(), mixture=tuple(
-            (src.name, src.weight,
-             dataclasses.replace(spec, files=tuple(files[src.name]),
-                                 text_key=cfg.source_text_key(src), seed=source_seed(cfg.seed, src.name)))
-            for src in cfg.sources))
+        spec = mixture_spec(spec, cfg, files)
     states = normalize_shard_states(shard_states, cfg.num_shards)
     shards = host_shards(cfg.num_shards, process_index, process_count)
     if cfg.num_workers == 0:
@@ -91,12 +85,6 @@ def make_host_dataset(cfg: DataConfig, process_index: int, process_count: int,
 
 
 MIN_SHM_BYTES = 64 << 20
-
-
-def source_seed(seed: int, name: str) -> int:
-    """A mixture source's own seed (its file orders and window shuffles), stable per name:
-    two sources never share the same random orders."""
-    return (int(seed) << 32) + zlib.crc32(name.encode())
 
 
 def _only_batch(slab: dict, keep_debug: bool) -> dict:
@@ -133,14 +121,15 @@ def worker_buffer_size(cfg: DataConfig, process_count: int) -> int:
 
 def make_host_iterator(cfg: DataConfig, process_index: int, process_count: int,
                        shard_states: dict | None = None, *, debug: bool = False,
-                       files: list[str] | None = None, tokenizer=None):
+                       files: list[str] | dict[str, list[str]] | None = None, tokenizer=None):
     """A Grain DatasetIterator of host batches (dicts of int32 [B_host, seq_len]).
 
     shard_states: per-virtual-shard states from merge_host_states (elastic resume).
-    debug=True adds "doc_ids" (int64 [B, seq_len + 1], global document ids, -1 = padding)
-    and "row_shard" (int32 [B]) for tests.
+    debug=True adds "doc_ids" (int64 [B, seq_len + 1], global document ids, -1 = padding; a
+    mixture's carry the source's index, data/mixture.py) and "row_shard" (int32 [B]) for tests.
     files / tokenizer: already listed / loaded by the caller (a glob over thousands of shards
-    on a mounted bucket is slow: list once per run).
+    on a mounted bucket is slow: list once per run); for data.sources, {source name: files}
+    as list_files returns.
     """
     return iter(make_host_dataset(cfg, process_index, process_count, shard_states,
                                   debug=debug, files=files, tokenizer=tokenizer))

@@ -315,6 +315,7 @@ def test_bad_records_are_counted_per_source(tmp_path):
     ("data.paths=[x.json.gz]", "set data.paths (one source) or data.sources (a mixture), not both"),
     ("data.num_shards=8", "data.sources[web] matches 7 file(s), fewer than data.num_shards=8"),
     ("data.eval.holdout_files=1 data.eval.paths=[]", "data.eval.holdout_files works with data.paths only"),
+    ("data.eval.paths=[${project_root:}/data/sample_code/0001/code.jsonl.gz]", "data.eval.paths overlaps the training files"),
 ])
 def test_config_mistakes_fail_in_one_line(tmp_path, override, needle):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
