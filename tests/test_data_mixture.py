@@ -246,19 +246,23 @@ def test_fingerprint_covers_the_mixture(tmp_path):
 
 # ---------------------------------------------------------------- through train.py
 def test_train_resumes_a_mixture_exactly_and_refuses_a_weight_change(tmp_path):
+    """Same process count: the resumed run repeats the straight run bit for bit. Two processes
+    (real jax.distributed) resuming one process's checkpoint: the same rows."""
     import json
 
     from hydra import compose, initialize_config_dir
 
     import train as train_mod
+    from tests.test_resume import env_for, free_port
+
+    def make_overrides(*overrides):
+        return ["data=sample_mix", "logger.progress_bar=false", "logger.wandb.mode=disabled", "train.steps=4",
+                "train.log_every=1", "checkpoint.every=2", "train.eval_every=0", "optimizer.warmup_steps=1",
+                "data.seq_len=32", "data.num_workers=0", "++train.debug_batches=true", *overrides]
 
     def make(run_dir, *overrides):
         with initialize_config_dir(config_dir=str(Path(REPO) / "configs"), version_base="1.3"):
-            return compose("train", overrides=[
-                f"paths.run_dir={run_dir}", "data=sample_mix", "logger.progress_bar=false",
-                "logger.wandb.mode=disabled", "train.steps=4", "train.log_every=1", "checkpoint.every=2",
-                "train.eval_every=0", "optimizer.warmup_steps=1", "data.seq_len=32", "data.num_workers=0",
-                "++train.debug_batches=true", *overrides])
+            return compose("train", overrides=[f"paths.run_dir={run_dir}", *make_overrides(*overrides)])
 
     def per_step(run_dir):
         def last_per_step(name):
@@ -273,6 +277,26 @@ def test_train_resumes_a_mixture_exactly_and_refuses_a_weight_change(tmp_path):
     # the resumed run's steps 3-4: the straight run's batches and losses, bit for bit
     assert [d_c[t]["batch_hash"] for t in (3, 4)] == [d_s[t]["batch_hash"] for t in (3, 4)]
     assert [m_c[t]["loss"] for t in (3, 4)] == [m_s[t]["loss"] for t in (3, 4)]
+    # The straight run's step-2 checkpoint continued by 2 processes (jax.distributed on localhost,
+    # 2 devices each): every row of steps 3-4, of both sources, is the straight run's row.
+    two = tmp_path / "two"
+    two.mkdir()
+    port = free_port()
+    cli = [sys.executable, str(Path(REPO) / "train.py"), f"hydra.run.dir={two}",
+           *(o for o in make_overrides() if not o.startswith("paths.run_dir")),
+           f"checkpoint.resume_from={straight / 'checkpoints' / '2'}", "checkpoint.every=0",
+           f"distributed.coordinator_address=localhost:{port}", "distributed.num_processes=2",
+           "distributed.local_device_count=2"]
+    procs = [subprocess.Popen(cli + [f"distributed.process_id={i}"], cwd=two, env=env_for(2),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    outs = [pr.communicate(timeout=400)[0] for pr in procs]
+    assert [pr.returncode for pr in procs] == [0, 0], outs
+    rows_two = {t: [] for t in (3, 4)}
+    for i in range(2):
+        for r in map(json.loads, open(two / f"debug_batches.p{i}.jsonl")):
+            rows_two[r["step"]] += r["rows"]
+    assert sorted(rows_two) == [3, 4] and all(rows_two[t] == d_s[t]["rows"] for t in (3, 4))
+
     last = m_s[4]
     assert last["data/source/web/rows"] + last["data/source/code/rows"] == last["data/rows"]
     for key in ("tokens", "documents", "epoch", "bad_records", "token_share", "row_share"):
