@@ -57,6 +57,9 @@ def train(cfg: DictConfig) -> dict:
         # data.paths may be one glob or a list: DataConfig takes either.
         data_cfg = data_lib.DataConfig.from_mapping({**data_map, "tokenizer": cfg.tokenizer.path})
         eval_paths, holdout = _eval_settings(eval_map)
+        if holdout and data_cfg.sources:
+            raise ValueError("data.eval.holdout_files works with data.paths only: with data.sources, "
+                             "hold out files through data.eval.paths (read with data.text_key)")
         if cfg.train.steps <= 0:
             raise ValueError(f"train.steps={cfg.train.steps} must be positive")
         tx, schedule = make_optimizer(cfg.optimizer, cfg.train.steps)
@@ -101,7 +104,7 @@ def train(cfg: DictConfig) -> dict:
         saved_listing = None if cfg.checkpoint.allow_data_change else meta.get("files")
         listing = _run_listing(data_lib, data_cfg, eval_paths, saved_listing, is_main)
         data_cfg, eval_cfg, train_files, eval_files = _split_eval(data_cfg, listing, holdout)
-        data_lib.check_shards(data_cfg, process_count, len(train_files))
+        data_lib.check_files(data_cfg, process_count, train_files)
     except ValueError as e:
         raise ConfigError(str(e)) from e
 
@@ -286,7 +289,8 @@ def _eval_settings(eval_map: dict) -> tuple[list, int]:
 
 
 def _run_listing(data_lib, data_cfg, eval_paths: list, saved: dict | None, is_main: bool) -> dict:
-    """The run's files, {"paths", "eval_paths": the patterns; "train", "eval": their files}.
+    """The run's files, {"paths", "eval_paths": the patterns; "train", "eval": their files}
+    ("paths" and "train" keyed by source name for a mixture).
 
     A resumed run reuses the listing saved with its checkpoint when it was made from the same
     patterns, and trusts it: a file deleted since then is found when read (an unreadable file,
@@ -294,20 +298,30 @@ def _run_listing(data_lib, data_cfg, eval_paths: list, saved: dict | None, is_ma
     New patterns (a moved mount, another glob) or checkpoint.allow_data_change=true list
     afresh, and the fingerprint compares the lists. Otherwise process 0 lists and every host
     receives its listing (errors included), so the bucket is walked once per run."""
-    patterns = {"paths": list(data_cfg.paths), "eval_paths": list(eval_paths)}
+    if data_cfg.sources:
+        paths = {s.name: list(s.paths) for s in data_cfg.sources}
+    else:
+        paths = list(data_cfg.paths)
+    patterns = {"paths": paths, "eval_paths": list(eval_paths)}
     if saved and all(saved.get(k) == v for k, v in patterns.items()):
         if is_main:
-            print(f"data: {len(saved['train']) + len(saved['eval'])} files from the checkpoint's list "
-                  "(no new listing)", flush=True)
+            n = len(data_lib.all_files(saved["train"])) + len(saved["eval"])
+            print(f"data: {n} files from the checkpoint's list (no new listing)", flush=True)
         return saved
 
     def walk() -> dict:
         t0 = time.perf_counter()
-        train = data_lib.list_paths(data_cfg.paths, "data.paths")
+        if data_cfg.sources:
+            parts = {name: data_lib.list_paths(p, f"data.sources[{name}].paths") for name, p in paths.items()}
+            train = {name: part.files for name, part in parts.items()}
+            what = "; ".join(f"{name}: {part.describe()}" for name, part in parts.items())
+        else:
+            part = data_lib.list_paths(paths, "data.paths")
+            train, what = part.files, part.describe()
         held_out = data_lib.list_paths(eval_paths, "data.eval.paths") if eval_paths else None
-        print(f"data: listed {train.describe()}" + (f" + held-out {held_out.describe()}" if held_out else "")
+        print(f"data: listed {what}" + (f" + held-out {held_out.describe()}" if held_out else "")
               + f" in {time.perf_counter() - t0:.1f} s", flush=True)
-        return {**patterns, "train": train.files, "eval": held_out.files if held_out else []}
+        return {**patterns, "train": train, "eval": held_out.files if held_out else []}
 
     return _from_process_0(walk)
 
@@ -315,12 +329,15 @@ def _run_listing(data_lib, data_cfg, eval_paths: list, saved: dict | None, is_ma
 def _split_eval(data_cfg, listing: dict, holdout: int):
     """(training config, held-out config or None, training files, held-out files). The held-out
     set is `data.eval.paths` (must not overlap training files), or the last
-    `data.eval.holdout_files` files of the training list, removed from training."""
+    `data.eval.holdout_files` files of the training list, removed from training. With
+    data.sources the held-out files come from data.eval.paths only, read with data.text_key."""
     import dataclasses
+
+    from data.config import all_files
 
     train_files, eval_files = listing["train"], listing["eval"]
     if eval_files:
-        overlap = sorted(set(eval_files) & set(train_files))
+        overlap = sorted(set(eval_files) & set(all_files(train_files)))
         if overlap:
             raise ValueError(f"data.eval.paths overlaps the training files (e.g. {overlap[0]}); "
                              "held-out data must not be trained on")
@@ -335,8 +352,8 @@ def _split_eval(data_cfg, listing: dict, holdout: int):
     # largest such count spreads the fixed eval batches over the most held-out files.
     batch = data_cfg.global_batch_size
     eval_shards = max(v for v in range(1, min(len(eval_files), batch) + 1) if batch % v == 0)
-    eval_cfg = dataclasses.replace(data_cfg, num_workers=0, num_shards=eval_shards, shuffle_window=0,
-                                   files_per_stream=1)
+    eval_cfg = dataclasses.replace(data_cfg, sources=(), num_workers=0, num_shards=eval_shards,
+                                   shuffle_window=0, files_per_stream=1)
     return data_cfg, eval_cfg, train_files, eval_files
 
 

@@ -9,7 +9,8 @@ import time
 import grain
 from absl import flags
 
-from data.config import DataConfig, check_shards, list_files
+from data.config import DataConfig, check_shards, check_source_shards, list_files
+from data.mixture import mixture_spec, source_counters
 from data.state import normalize_shard_states, sum_counters
 from data.host import HostIterDataset, find_shard_states
 from data.shard import COUNTER_KEYS, StreamSpec
@@ -27,11 +28,19 @@ def host_shards(num_shards: int, process_index: int, process_count: int) -> list
 
 def make_host_dataset(cfg: DataConfig, process_index: int, process_count: int,
                       shard_states: dict | None = None, *, debug: bool = False,
-                      files: list[str] | None = None, tokenizer=None):
-    files = list_files(cfg) if files is None else list(files)
-    if not files:
-        raise ValueError(f"data.paths={list(cfg.paths)} matches no file")
-    check_shards(cfg, process_count, len(files))
+                      files: list[str] | dict[str, list[str]] | None = None, tokenizer=None):
+    files = list_files(cfg) if files is None else files
+    if cfg.sources:
+        check_shards(cfg, process_count, None)
+        for src in cfg.sources:
+            if not files.get(src.name):
+                raise ValueError(f"data.sources[{src.name}].paths={list(src.paths)} matches no file")
+            check_source_shards(cfg, src.name, len(files[src.name]))
+    else:
+        files = list(files)
+        if not files:
+            raise ValueError(f"data.paths={list(cfg.paths)} matches no file")
+        check_shards(cfg, process_count, len(files))
     if cfg.global_batch_size % process_count:
         raise ValueError(f"data.global_batch_size={cfg.global_batch_size} is not divisible by "
                          f"the process count {process_count}")
@@ -41,13 +50,15 @@ def make_host_dataset(cfg: DataConfig, process_index: int, process_count: int,
         raise ValueError(f"data.add_bos=true but tokenizer.path={cfg.tokenizer!r} has no BOS "
                          "token (<s>, <|begin_of_text|>, <bos>)")
     spec = StreamSpec(
-        files=tuple(files), num_shards=cfg.num_shards, tokenizer_json=tok.to_str(),
+        files=() if cfg.sources else tuple(files), num_shards=cfg.num_shards, tokenizer_json=tok.to_str(),
         seq_len=cfg.seq_len, text_key=cfg.text_key, strict=cfg.strict, packing=cfg.packing,
         shuffle_window=cfg.shuffle_window, files_per_stream=cfg.files_per_stream,
         add_bos=cfg.add_bos, seed=cfg.seed,
         rows_per_shard=cfg.global_batch_size // cfg.num_shards, num_workers=cfg.num_workers,
         debug=debug, process_index=process_index, process_count=process_count,
         group=worker_group(cfg, process_count))
+    if cfg.sources:
+        spec = mixture_spec(spec, cfg, files)
     states = normalize_shard_states(shard_states, cfg.num_shards)
     shards = host_shards(cfg.num_shards, process_index, process_count)
     if cfg.num_workers == 0:
@@ -110,14 +121,15 @@ def worker_buffer_size(cfg: DataConfig, process_count: int) -> int:
 
 def make_host_iterator(cfg: DataConfig, process_index: int, process_count: int,
                        shard_states: dict | None = None, *, debug: bool = False,
-                       files: list[str] | None = None, tokenizer=None):
+                       files: list[str] | dict[str, list[str]] | None = None, tokenizer=None):
     """A Grain DatasetIterator of host batches (dicts of int32 [B_host, seq_len]).
 
     shard_states: per-virtual-shard states from merge_host_states (elastic resume).
-    debug=True adds "doc_ids" (int64 [B, seq_len + 1], global document ids, -1 = padding)
-    and "row_shard" (int32 [B]) for tests.
+    debug=True adds "doc_ids" (int64 [B, seq_len + 1], global document ids, -1 = padding; a
+    mixture's carry the source's index, data/mixture.py) and "row_shard" (int32 [B]) for tests.
     files / tokenizer: already listed / loaded by the caller (a glob over thousands of shards
-    on a mounted bucket is slow: list once per run).
+    on a mounted bucket is slow: list once per run); for data.sources, {source name: files}
+    as list_files returns.
     """
     return iter(make_host_dataset(cfg, process_index, process_count, shard_states,
                                   debug=debug, files=files, tokenizer=tokenizer))
@@ -168,7 +180,7 @@ class DevicePrefetcher:
         self._sharding = sharding
         self._q: queue.Queue = queue.Queue(maxsize=max(1, prefetch))
         self._stop = threading.Event()
-        self._state = host_iterator.get_state()
+        self._state = self._base_state = host_iterator.get_state()
         self._base = state_counters(self._state)
         self._wait = 0.0
         self._batches = 0
@@ -241,7 +253,33 @@ class DevicePrefetcher:
             "bad_records": {k: v for k, v in bad.items() if v},
             "bad_examples": c["badex"][:10],
             "wait_s": self._wait,
+            **self._source_stats(),
         }
+
+    def _source_stats(self) -> dict:
+        """A mixture's per-source figures since this iterator started ("source/NAME/KEY"; the
+        training log prefixes "data/"): rows, tokens, documents, padding, bad records, the epoch
+        the source is reading, and its share of the tokens and of the rows."""
+        now = source_counters(find_shard_states(self._state))
+        if not now:
+            return {}
+        base = source_counters(find_shard_states(self._base_state))
+        delta = {name: {key: c[key] - base.get(name, {}).get(key, 0) for key in COUNTER_KEYS}
+                 for name, c in now.items()}
+        tokens = max(1, sum(d["tokens"] for d in delta.values()))
+        rows = max(1, sum(d["rows"] for d in delta.values()))
+        out = {}
+        for name, d in delta.items():
+            bad_now, bad_base = now[name]["bad"], base.get(name, {}).get("bad", {})
+            out.update({
+                f"source/{name}/tokens": d["tokens"], f"source/{name}/documents": d["docs"],
+                f"source/{name}/rows": d["rows"], f"source/{name}/padding_tokens": d["pad"],
+                f"source/{name}/epoch": now[name]["epoch"],
+                f"source/{name}/bad_records": sum(bad_now.values()) - sum(bad_base.values()),
+                f"source/{name}/token_share": d["tokens"] / tokens,
+                f"source/{name}/row_share": d["rows"] / rows,
+            })
+        return out
 
     def close(self) -> None:
         self._stop.set()

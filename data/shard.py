@@ -78,6 +78,9 @@ class StreamSpec:
     process_index: int = 0
     process_count: int = 1
     group: int = 1                  # host batches per element (per worker IPC message)
+    # A weighted mixture (data/mixture.py): ((name, weight, StreamSpec of that source), ...);
+    # then `files` is empty and each source's spec holds its own files and text_key.
+    mixture: tuple = ()
 
 
 def zero_counters() -> dict:
@@ -237,6 +240,9 @@ class ShardStream:
         c["docs"] += self.m_docs[i]
         c["segs"] += self.m_segs[i]
         return i
+
+    def close(self) -> None:
+        self.reader.close()
 
     def next_row_into(self, b: int, out: dict) -> None:
         if self.emitted >= len(self.perm):
