@@ -36,7 +36,6 @@ def train(cfg: DictConfig) -> dict:
     """Runs (or resumes) the training run described by `cfg`; returns a summary dict."""
     # Imports here keep `python train.py --help` and config errors fast.
     import jax
-    import numpy as np
 
     import data as data_lib
     from model import flops as flops_lib
@@ -129,8 +128,11 @@ def train(cfg: DictConfig) -> dict:
                     print("checkpoint.allow_data_change: the input pipeline starts afresh on the changed data ("
                           + "; ".join(data_changes) + ")", flush=True)
 
+        if eval_cfg is not None and cfg.train.eval_every:
+            eval_cfg = _valid_eval_cfg(data_lib, eval_cfg, announce=is_main)
         # The input pipeline starts now (worker processes spawn, the first batches get tokenized)
-        # so that its start-up overlaps with restoring or initialising the model.
+        # so that its start-up overlaps with restoring or initialising the model. A training shard
+        # without any valid document fails its first window, so before the first step.
         debug_batches = bool(cfg.train.get("debug_batches", False))
         host_iter = data_lib.restore_host_iterator(data_cfg, process_index, process_count, saved_data_states,
                                                    debug=debug_batches, files=train_files, tokenizer=tokenizer)
@@ -290,13 +292,42 @@ def _split_eval(data_lib, data_cfg, eval_map: dict):
         eval_files, train_files = train_files[-holdout:], train_files[:-holdout]
         # Literal file names, escaped so that [ ] * ? in a name stay literal.
         data_cfg = dataclasses.replace(data_cfg, paths=tuple(glob.escape(f) for f in train_files))
-    # Virtual shards must divide the batch (fixed batch layout) and not outnumber the files; the
-    # largest such count spreads the fixed eval batches over the most held-out files.
-    batch = data_cfg.global_batch_size
-    eval_shards = max(v for v in range(1, min(len(eval_files), batch) + 1) if batch % v == 0)
     eval_cfg = dataclasses.replace(data_cfg, paths=tuple(glob.escape(f) for f in eval_files), num_workers=0,
-                                   num_shards=eval_shards, shuffle_window=0, files_per_stream=1)
+                                   num_shards=_eval_shards(data_cfg.global_batch_size, len(eval_files)),
+                                   shuffle_window=0, files_per_stream=1)
     return data_cfg, eval_cfg, train_files
+
+
+def _eval_shards(batch: int, n_files: int) -> int:
+    """Virtual shards must divide the batch (fixed batch layout) and not outnumber the files; the
+    largest such count spreads the fixed eval batches over the most held-out files."""
+    return max(v for v in range(1, min(n_files, batch) + 1) if batch % v == 0)
+
+
+def _valid_eval_cfg(data_lib, eval_cfg, *, announce: bool):
+    """The held-out config over those held-out files that hold a valid document, or None when none
+    does. Evaluation is a view on a lenient run, not its purpose: an empty, truncated or corrupt
+    held-out file is named in one line and left out, never fatal (data.strict=true: the first bad
+    record raises with file:line). Reads each held-out file up to its first valid document, the same
+    on every host, so all hosts agree."""
+    import dataclasses
+    import glob
+
+    files = data_lib.list_files(eval_cfg)
+    reasons = [data_lib.no_document_reason(f, eval_cfg.text_key, eval_cfg.strict) for f in files]
+    good = [f for f, why in zip(files, reasons, strict=True) if why is None]
+    bad = [why for why in reasons if why is not None]
+    if bad and announce:
+        shown = "; ".join(bad[:3]) + (f"; and {len(bad) - 3} more" if len(bad) > 3 else "")
+        outcome = "training without evaluation" if not good else f"evaluating on the other {len(good)}"
+        print(f"data.eval: {len(bad)} of {len(files)} held-out file(s) hold no valid document ({shown}): "
+              f"{outcome}", flush=True)
+    if not good:
+        return None
+    if not bad:
+        return eval_cfg
+    return dataclasses.replace(eval_cfg, paths=tuple(glob.escape(f) for f in good),
+                               num_shards=_eval_shards(eval_cfg.global_batch_size, len(good)))
 
 
 # ====================================================================== hosts
@@ -499,6 +530,9 @@ def _interval_metrics(step, fetched, timer, stats, schedule, tokens_per_step, fl
         **{f"data/{k}": v for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)},
         **{f"data/bad_{k}": v for k, v in stats.get("bad_records", {}).items()},
     }
+    if stats.get("bad_examples"):
+        # The first bad records' names (file:line: kind), so a skipped file is named where it is counted.
+        row["data/bad_examples"] = "; ".join(stats["bad_examples"])
     timer.update(t=now, wait=stats["wait_s"], steps=0, save_s=0.0, documents=documents)
     return row
 
@@ -569,11 +603,19 @@ class MetricsLogger:
 # ====================================================================== CLI
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> None:
+    from data import BadDataError
+
     try:
         train(cfg)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)
+    except BadDataError as e:
+        # Bad data (data.strict=true, or a virtual shard without any valid document) names its
+        # file and line in its message; it arrives from an input worker process as itself, and
+        # the traceback would bury that one line under Grain's and our frames.
+        print(f"data error: {e}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

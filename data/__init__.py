@@ -6,10 +6,10 @@ layout, a host's iterator) and data/workers.py (input worker processes).
 from data.config import DataConfig, list_files, validate
 from data.pipeline import (DevicePrefetcher, make_host_dataset, make_host_iterator,
                            restore_host_iterator)
-from data.sources import BadDataError
+from data.sources import BadDataError, NoValidDocumentError, no_document_reason
 from data.state import fingerprint, merge_host_states
 from data.tokenizer import load_tokenizer
 
-__all__ = ["DataConfig", "DevicePrefetcher", "BadDataError", "fingerprint", "list_files",
-           "load_tokenizer", "make_host_dataset", "make_host_iterator", "merge_host_states",
-           "restore_host_iterator", "validate"]
+__all__ = ["DataConfig", "DevicePrefetcher", "BadDataError", "NoValidDocumentError", "fingerprint",
+           "list_files", "load_tokenizer", "make_host_dataset", "make_host_iterator",
+           "merge_host_states", "no_document_reason", "restore_host_iterator", "validate"]

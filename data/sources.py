@@ -25,11 +25,19 @@ PIECE_CHARS = 100_000
 MAX_BAD_EXAMPLES = 5
 
 BAD_KINDS = ("malformed_json", "invalid_utf8", "missing_key", "non_string_text",
-             "empty_text", "truncated_file", "empty_file", "unreadable_file")
+             "empty_text", "truncated_file", "corrupt_file", "empty_file", "unreadable_file")
 
 
 class BadDataError(ValueError):
-    """Raised in strict mode for the first bad record, naming file:line and the kind."""
+    """Raised in strict mode for the first bad record, naming file:line and the kind.
+
+    Its message is the whole story in one line: it crosses Grain's worker processes as itself
+    (pickled with its one argument) and train.py prints it as one line."""
+
+
+class NoValidDocumentError(BadDataError):
+    """A virtual shard (or a held-out file) whose files hold no valid document at all: raised
+    when its first window is read, i.e. at start-up, not when the shard first comes round."""
 
 
 def expand_paths(paths) -> list[str]:
@@ -239,9 +247,10 @@ class ShardReader:
 
     def _new_epoch(self) -> None:
         if self._epoch_docs == 0:
-            raise RuntimeError(
-                f"virtual shard {self.shard} has no valid document in its {len(self.files)} "
-                f"file(s) (first: {self.files[0]}); fix the data or lower data.num_shards")
+            why = "; ".join(self.bad.examples) or ", ".join(self.files[:MAX_BAD_EXAMPLES])
+            raise NoValidDocumentError(
+                f"virtual shard {self.shard}: none of its {len(self.files)} file(s) holds a valid "
+                f"document ({why}); fix or remove those files, or lower data.num_shards")
         self.epoch += 1
         self.next = 0
         self.rr = 0
@@ -287,8 +296,13 @@ class ShardReader:
             path = self._path(s)
             try:
                 raw = s.fh.readline()
-            except (EOFError, OSError, ValueError) as e:
-                self.bad.add(path, s.line + 1, "truncated_file", type(e).__name__)
+            except EOFError as e:   # the compressed stream ends before its end marker
+                self.bad.add(path, s.line + 1, "truncated_file", str(e) or type(e).__name__)
+                self._finish_slot(i)
+                continue
+            except Exception as e:  # noqa: BLE001 - any decoder's error: gzip's BadGzipFile
+                # (not gzip, bad CRC), zlib.error, zstandard.ZstdError, an OSError of the mount
+                self.bad.add(path, s.line + 1, "corrupt_file", f"{type(e).__name__}: {e}")
                 self._finish_slot(i)
                 continue
             if not raw:
@@ -313,3 +327,17 @@ class ShardReader:
             s.line += 1
             self.rr = (self.rr + 1) % len(self.slots)
             return text, did, True, True
+
+
+def no_document_reason(path: str, text_key: str, strict: bool = False) -> str | None:
+    """None when `path` holds at least one valid document, else why not ("file:line: kind" of
+    its first bad records). Reads up to the first valid document only: a cheap check for a few
+    files (the held-out ones), not for a bucket. Strict: raises at the first bad record."""
+    reader = ShardReader([path], [0], 1, 0, 0, 1, text_key, BadRecords(strict))
+    try:
+        reader.next_piece()
+    except NoValidDocumentError:
+        return "; ".join(reader.bad.examples) or f"{path}: no document"
+    finally:
+        reader.close()
+    return None
