@@ -186,7 +186,7 @@ def train(cfg: DictConfig) -> dict:
             cleanup.callback(debug_log.close)
         step = start_step
         pending = []            # device metrics of the steps since the last log, fetched lazily
-        timer = {"t": time.perf_counter(), "wait": 0.0, "steps": 0, "save_s": 0.0, "documents": 0}
+        timer = {"t": time.perf_counter(), "wait": 0.0, "steps": 0, "save_s": 0.0, "documents": 0, "stage_s": {}}
         last = {}
         while step < cfg.train.steps:
             profile.maybe_start(step + 1)
@@ -200,7 +200,8 @@ def train(cfg: DictConfig) -> dict:
                 # Keep compilation out of the throughput figures.
                 jax.block_until_ready(metrics)
                 first = batches.stats()
-                timer.update(t=time.perf_counter(), wait=first["wait_s"], steps=0, documents=first["documents"])
+                timer.update(t=time.perf_counter(), wait=first["wait_s"], steps=0, documents=first["documents"],
+                             stage_s=first["stage_s"])
             else:
                 timer["steps"] += 1
             profile.maybe_stop(step)
@@ -530,10 +531,15 @@ def _interval_metrics(step, fetched, timer, stats, schedule, tokens_per_step, fl
         **{f"data/{k}": v for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)},
         **{f"data/bad_{k}": v for k, v in stats.get("bad_records", {}).items()},
     }
+    if stats.get("stage_s"):
+        # Where the input time went in this interval (this host), and the stage bounding it.
+        from data import timing
+
+        row.update(timing.metrics(timing.summarize(timing.sub_times(stats["stage_s"], timer["stage_s"]), dt)))
     if stats.get("bad_examples"):
         # The first bad records' names (file:line: kind), so a skipped file is named where it is counted.
         row["data/bad_examples"] = "; ".join(stats["bad_examples"])
-    timer.update(t=now, wait=stats["wait_s"], steps=0, save_s=0.0, documents=documents)
+    timer.update(t=now, wait=stats["wait_s"], steps=0, save_s=0.0, documents=documents, stage_s=stats.get("stage_s", {}))
     return row
 
 

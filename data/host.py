@@ -25,6 +25,7 @@ import numpy as np
 
 from data.shard import (_MARK, STATE_VERSION, ShardStream, StreamSpec, initial_shard_state,
                         progress)
+from data.timing import zero_times
 from data.tokenizer import BatchEncoder, available_cores, set_thread_env
 
 # Tokenizer threads per input process (see HostIterator._init).
@@ -60,6 +61,8 @@ class HostIterator(grain.DatasetIterator):
                         for v in shard_ids}
         self.streams = None   # built lazily: get_state in the main process must stay cheap
         self._elements = 0    # elements emitted (sets the group size of the next one)
+        # This process's stage timers (data/timing.py): statistics, never in the state.
+        self.times = zero_times(reader_threads=1, in_host=spec.num_workers == 0)
 
     def _init(self) -> None:
         # Each tokenizer call is serial; this process's share of the cores runs that many calls
@@ -68,8 +71,9 @@ class HostIterator(grain.DatasetIterator):
         set_thread_env(1)
         threads = min(MAX_ENCODE_THREADS,
                       max(1, available_cores() // max(self.spec.num_workers, 1)))
-        self.enc = enc = BatchEncoder(self.spec.tokenizer_json, threads)
-        self.streams = [ShardStream(self.spec, v, enc, self._states[str(v)])
+        self.enc = enc = BatchEncoder(self.spec.tokenizer_json, threads, self.times)
+        self.times["tokenizer_threads"] = enc.threads
+        self.streams = [ShardStream(self.spec, v, enc, self._states[str(v)], self.times)
                         for v in self.shard_ids]
         self._states = None
 
@@ -107,7 +111,13 @@ class HostIterator(grain.DatasetIterator):
             slab["doc_ids"] = dids
         if states:
             slab["states"] = _Opaque(states)
+            # this worker's timers so far travel with its slab (a few floats)
+            slab["times"] = dict(self.times)
         return slab
+
+    def stage_times(self) -> dict:
+        """This process's cumulative stage seconds (data/timing.py)."""
+        return dict(self.times)
 
     def get_state(self) -> dict:
         if self.streams is None:

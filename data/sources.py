@@ -10,9 +10,12 @@ from __future__ import annotations
 import glob
 import io
 import os
+import time
 
 import numpy as np
 import orjson
+
+from data.timing import zero_times
 
 try:  # isal's igzip is ~3x faster than the stdlib gzip module for decompression.
     from isal import igzip as _gzip
@@ -161,7 +164,8 @@ class ShardReader:
     """
 
     def __init__(self, files: list[str], file_ids: list[int], n_all_files: int, shard: int,
-                 seed: int, files_per_stream: int, text_key: str, bad: BadRecords):
+                 seed: int, files_per_stream: int, text_key: str, bad: BadRecords,
+                 times: dict | None = None):
         self.files = files
         self.file_ids = file_ids
         self.n_all = n_all_files
@@ -170,6 +174,7 @@ class ShardReader:
         self.fps = max(1, files_per_stream)
         self.text_key = text_key
         self.bad = bad
+        self.times = zero_times() if times is None else times   # "read", "parse" (data/timing.py)
         self.epoch = 0
         self.next = 0
         self.slots: list[_Slot] = []
@@ -294,6 +299,7 @@ class ShardReader:
                 self._finish_slot(i)
                 continue
             path = self._path(s)
+            t0 = time.perf_counter()
             try:
                 raw = s.fh.readline()
             except EOFError as e:   # the compressed stream ends before its end marker
@@ -305,6 +311,8 @@ class ShardReader:
                 self.bad.add(path, s.line + 1, "corrupt_file", f"{type(e).__name__}: {e}")
                 self._finish_slot(i)
                 continue
+            t1 = time.perf_counter()
+            self.times["read"] += t1 - t0
             if not raw:
                 if s.line == 0:
                     self.bad.add(path, 0, "empty_file")
@@ -314,6 +322,7 @@ class ShardReader:
                 s.line += 1
                 continue
             text, kind = parse_line(raw, self.text_key)
+            self.times["parse"] += time.perf_counter() - t1
             if kind is not None:
                 self.bad.add(path, s.line + 1, kind)
                 s.line += 1
