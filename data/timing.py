@@ -28,6 +28,8 @@ STAGES = ("read", "parse", "tokenize", "pack", "ipc", "merge", "h2d")
 WAITS = ("tokenize_wait", "worker_wait")
 STAGE_NAMES = {"read": "read + decompress", "parse": "JSON parse", "tokenize": "tokenize",
                "pack": "pack", "ipc": "IPC (receive)", "merge": "merge", "h2d": "host -> device"}
+# Below this busy fraction for every thread, the input is not what limits the run.
+UNSATURATED = 0.5
 # The threads that run the stages; "reader" and "tokenizer" count one lane per thread.
 THREADS = {"reader": ("read", "parse", "pack"), "tokenizer": ("tokenize",),
            "host": ("ipc", "merge", "h2d")}
@@ -94,6 +96,9 @@ def format_table(summary: dict, batches: int) -> str:
     busy = ", ".join(f"{name} {100 * b:.0f}% of {summary['lanes'][name]} thread(s)"
                      for name, b in summary["busy"].items())
     lines.append(f"bound: {STAGE_NAMES[summary['bound']]} (busy over {summary['wall_s']:.1f} s: {busy})")
+    if max(summary["busy"].values()) < UNSATURATED:
+        lines.append("  no input thread is near saturation: the consumer sets the pace, and the "
+                     "bound is the stage that would limit a faster one")
     return "\n".join(lines)
 
 
