@@ -247,9 +247,10 @@ def simulate_training(cfg, steps, tok_s, frac=0.8, compile_s=2.0):
     wall = time.perf_counter() - t0
     wait = pf.stats()["wait_s"] - w0
     stats = pf.stats()
-    pf.close()
     # the stage seconds cover the prefetcher's life: from its start, not from t0
-    return wait / wall, step_s, stats, time.perf_counter() - t_start
+    life = time.perf_counter() - t_start
+    pf.close()
+    return wait / wall, step_s, stats, life
 
 
 def main():
