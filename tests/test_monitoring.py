@@ -103,3 +103,21 @@ def test_stage_times_cross_from_input_workers_and_stay_out_of_the_state(tmp_path
     assert table.splitlines()[-1].startswith("bound: ") and "tokenize" in table
     text = json.dumps(state)
     assert all(f'"{k}"' not in text for k in STAGES + timing.WAITS)
+
+
+def test_stage_table_names_the_busiest_threads_largest_stage():
+    from data import timing
+
+    # 2 workers (2 reader threads), 4 tokenizer threads, 10 s: the tokenizer threads are 50% busy,
+    # the reader threads 60% (read 8 s + parse 2 s + pack 2 s over 2 x 10 s): reading bounds.
+    t = timing.zero_times(reader_threads=2, tokenizer_threads=4)
+    t.update(read=8.0, parse=2.0, tokenize=20.0, pack=2.0, merge=0.5, h2d=0.5)
+    s = timing.summarize(t, wall_s=10.0)
+    assert s["busy"] == {"reader": 0.6, "tokenizer": 0.5, "host": 0.1}
+    assert s["bound"] == "read" and s["share"]["tokenize"] == 20.0 / 33.0
+    # In-process, the reader thread also feeds the device: its h2d counts against it.
+    t = timing.zero_times(reader_threads=1, tokenizer_threads=2, in_host=True)
+    t.update(read=1.0, tokenize=12.0, pack=1.0, h2d=7.0)
+    s = timing.summarize(t, wall_s=10.0)
+    assert s["busy"] == {"reader": 0.9, "tokenizer": 0.6} and s["bound"] == "h2d"
+    assert timing.format_table(s, batches=10).splitlines()[-1].startswith("bound: host -> device")
