@@ -146,8 +146,11 @@ def train(cfg: DictConfig) -> dict:
                     print("checkpoint.allow_data_change: the input pipeline starts afresh on the changed data ("
                           + "; ".join(data_changes) + ")", flush=True)
 
+        if eval_cfg is not None and cfg.train.eval_every:
+            eval_cfg, eval_files = _valid_eval_files(data_lib, eval_cfg, eval_files, announce=is_main)
         # The input pipeline starts now (worker processes spawn, the first batches get tokenized)
-        # so that its start-up overlaps with restoring or initialising the model.
+        # so that its start-up overlaps with restoring or initialising the model. A training shard
+        # without any valid document fails its first window, so before the first step.
         debug_batches = bool(cfg.train.get("debug_batches", False))
         host_iter = data_lib.restore_host_iterator(data_cfg, process_index, process_count, saved_data_states,
                                                    debug=debug_batches, files=train_files, tokenizer=tokenizer)
@@ -204,7 +207,7 @@ def train(cfg: DictConfig) -> dict:
             cleanup.callback(debug_log.close)
         step = start_step
         pending = []            # device metrics of the steps since the last log, fetched lazily
-        timer = {"t": time.perf_counter(), "wait": 0.0, "steps": 0, "save_s": 0.0, "documents": 0}
+        timer = {"t": time.perf_counter(), "wait": 0.0, "steps": 0, "save_s": 0.0, "documents": 0, "stage_s": {}}
         last = {}
         while step < cfg.train.steps:
             profile.maybe_start(step + 1)
@@ -218,7 +221,8 @@ def train(cfg: DictConfig) -> dict:
                 # Keep compilation out of the throughput figures.
                 jax.block_until_ready(metrics)
                 first = batches.stats()
-                timer.update(t=time.perf_counter(), wait=first["wait_s"], steps=0, documents=first["documents"])
+                timer.update(t=time.perf_counter(), wait=first["wait_s"], steps=0, documents=first["documents"],
+                             stage_s=first["stage_s"])
             else:
                 timer["steps"] += 1
             profile.maybe_stop(step)
@@ -348,13 +352,39 @@ def _split_eval(data_cfg, listing: dict, holdout: int):
         eval_files, train_files = train_files[-holdout:], train_files[:-holdout]
     else:
         return data_cfg, None, train_files, []
-    # Virtual shards must divide the batch (fixed batch layout) and not outnumber the files; the
-    # largest such count spreads the fixed eval batches over the most held-out files.
-    batch = data_cfg.global_batch_size
-    eval_shards = max(v for v in range(1, min(len(eval_files), batch) + 1) if batch % v == 0)
-    eval_cfg = dataclasses.replace(data_cfg, sources=(), num_workers=0, num_shards=eval_shards,
+    eval_cfg = dataclasses.replace(data_cfg, sources=(), num_workers=0,
+                                   num_shards=_eval_shards(data_cfg.global_batch_size, len(eval_files)),
                                    shuffle_window=0, files_per_stream=1)
     return data_cfg, eval_cfg, train_files, eval_files
+
+
+def _eval_shards(batch: int, n_files: int) -> int:
+    """Virtual shards must divide the batch (fixed batch layout) and not outnumber the files; the
+    largest such count spreads the fixed eval batches over the most held-out files."""
+    return max(v for v in range(1, min(n_files, batch) + 1) if batch % v == 0)
+
+
+def _valid_eval_files(data_lib, eval_cfg, files: list[str], *, announce: bool):
+    """(held-out config, files) over those held-out files that hold a valid document, or
+    (None, []) when none does. Evaluation is a view on a lenient run, not its purpose: an empty,
+    truncated or corrupt held-out file is named in one line and left out, never fatal
+    (data.strict=true: the first bad record raises with file:line). Reads each held-out file up to
+    its first valid document, the same on every host, so all hosts agree."""
+    import dataclasses
+
+    reasons = [data_lib.no_document_reason(f, eval_cfg.text_key, eval_cfg.strict) for f in files]
+    good = [f for f, why in zip(files, reasons, strict=True) if why is None]
+    bad = [why for why in reasons if why is not None]
+    if bad and announce:
+        shown = "; ".join(bad[:3]) + (f"; and {len(bad) - 3} more" if len(bad) > 3 else "")
+        outcome = "training without evaluation" if not good else f"evaluating on the other {len(good)}"
+        print(f"data.eval: {len(bad)} of {len(files)} held-out file(s) hold no valid document ({shown}): "
+              f"{outcome}", flush=True)
+    if not good:
+        return None, []
+    if not bad:
+        return eval_cfg, files
+    return dataclasses.replace(eval_cfg, num_shards=_eval_shards(eval_cfg.global_batch_size, len(good))), good
 
 
 # ====================================================================== hosts
@@ -610,7 +640,15 @@ def _interval_metrics(step, fetched, timer, stats, schedule, tokens_per_step, fl
         **{f"data/{k}": v for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)},
         **{f"data/bad_{k}": v for k, v in stats.get("bad_records", {}).items()},
     }
-    timer.update(t=now, wait=stats["wait_s"], steps=0, save_s=0.0, documents=documents)
+    if stats.get("stage_s"):
+        # Where the input time went in this interval (this host), and the stage bounding it.
+        from data import timing
+
+        row.update(timing.metrics(timing.summarize(timing.sub_times(stats["stage_s"], timer["stage_s"]), dt)))
+    if stats.get("bad_examples"):
+        # The first bad records' names (file:line: kind), so a skipped file is named where it is counted.
+        row["data/bad_examples"] = "; ".join(stats["bad_examples"])
+    timer.update(t=now, wait=stats["wait_s"], steps=0, save_s=0.0, documents=documents, stage_s=stats.get("stage_s", {}))
     return row
 
 
@@ -680,11 +718,19 @@ class MetricsLogger:
 # ====================================================================== CLI
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> None:
+    from data import BadDataError
+
     try:
         train(cfg)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)
+    except BadDataError as e:
+        # Bad data (data.strict=true, or a virtual shard without any valid document) names its
+        # file and line in its message; it arrives from an input worker process as itself, and
+        # the traceback would bury that one line under Grain's and our frames.
+        print(f"data error: {e}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -93,7 +93,8 @@ class MixtureShardStream:
     """One virtual shard of a mixture: rows from its sources' sub-streams, in the row
     schedule's order. Same interface as ShardStream."""
 
-    def __init__(self, spec: StreamSpec, shard: int, encoder, state: dict | None):
+    def __init__(self, spec: StreamSpec, shard: int, encoder, state: dict | None,
+                 times: dict | None = None):
         from data.host import initial_stream_state, make_shard_stream
         self.spec = spec
         self.shard = shard
@@ -106,7 +107,7 @@ class MixtureShardStream:
         # A source without a saved sub-state starts from its beginning (a source added to a
         # mixture); saved sub-states of sources no longer listed are not read.
         self.subs = [make_shard_stream(sub, shard, encoder,
-                                       subs.get(name) or initial_stream_state(sub))
+                                       subs.get(name) or initial_stream_state(sub), times)
                      for name, _, sub in spec.mixture]
         self.row = int(state["sched"]["row"])
 

@@ -1,7 +1,6 @@
 """The per-host Grain pipeline and the device prefetcher."""
 from __future__ import annotations
 
-import functools
 import queue
 import threading
 import time
@@ -14,6 +13,7 @@ from data.mixture import mixture_spec, source_counters
 from data.state import normalize_shard_states, sum_counters
 from data.host import HostIterDataset, find_shard_states
 from data.shard import COUNTER_KEYS, StreamSpec
+from data.timing import sub_times
 from data.workers import WorkerMergeIterDataset, slab_to_batch
 from data.tokenizer import load_tokenizer, special_ids
 
@@ -62,8 +62,7 @@ def make_host_dataset(cfg: DataConfig, process_index: int, process_count: int,
     states = normalize_shard_states(shard_states, cfg.num_shards)
     shards = host_shards(cfg.num_shards, process_index, process_count)
     if cfg.num_workers == 0:
-        ds = HostIterDataset(spec, shards, states)
-        return ds.map(functools.partial(_only_batch, keep_debug=debug))
+        return _InProcessIterDataset(HostIterDataset(spec, shards, states), debug)
     if not flags.FLAGS.is_parsed():   # mp_prefetch outside absl.app.run (Hydra) needs this
         flags.FLAGS.mark_as_parsed()
     # One single-process mp_prefetch pipeline per worker (worker i owns shards i, i+N, ...)
@@ -87,10 +86,43 @@ def make_host_dataset(cfg: DataConfig, process_index: int, process_count: int,
 MIN_SHM_BYTES = 64 << 20
 
 
-def _only_batch(slab: dict, keep_debug: bool) -> dict:
-    """In-process (no workers) slabs hold one batch."""
-    one = {k: (v[0] if k in ("rows", "doc_ids") else v) for k, v in slab.items()}
-    return slab_to_batch(one, keep_debug)
+class _InProcessIterDataset(grain.IterDataset):
+    """No input workers: the host's slabs (one batch each) as batches, in this process. What
+    `.map(slab_to_batch)` would be, plus the host iterator's stage timers (`stage_times`)."""
+
+    def __init__(self, host: HostIterDataset, keep_debug: bool):
+        super().__init__(host)
+        self.keep_debug = keep_debug
+
+    def __iter__(self):
+        return _InProcessIterator(self._parent.__iter__(), self.keep_debug)
+
+    def __str__(self) -> str:
+        return "InProcessIterDataset"
+
+
+class _InProcessIterator(grain.DatasetIterator):
+    def __init__(self, host, keep_debug: bool):
+        super().__init__(host)
+        self.host = host
+        self.keep_debug = keep_debug
+
+    def __next__(self) -> dict:
+        slab = next(self.host)
+        one = {k: (v[0] if k in ("rows", "doc_ids") else v) for k, v in slab.items()}
+        return slab_to_batch(one, self.keep_debug)
+
+    def get_state(self) -> dict:
+        return self.host.get_state()
+
+    def set_state(self, state: dict) -> None:
+        self.host.set_state(state)
+
+    def stage_times(self) -> dict:
+        return self.host.stage_times()
+
+    def close(self) -> None:
+        self.host.close()
 
 
 # Tokens a worker sends per element. Each element costs a fixed amount of IPC work in the
@@ -182,6 +214,9 @@ class DevicePrefetcher:
         self._stop = threading.Event()
         self._state = self._base_state = host_iterator.get_state()
         self._base = state_counters(self._state)
+        self._stage_times = getattr(host_iterator, "stage_times", None)
+        self._h2d = 0.0                      # seconds in _to_global (the "h2d" stage)
+        self._times = self._base_times = self._times_now()
         self._wait = 0.0
         self._batches = 0
         self._done = False
@@ -199,6 +234,14 @@ class DevicePrefetcher:
                 out[k] = v
         return out
 
+    def _times_now(self) -> dict | None:
+        """The host iterator's cumulative stage seconds (data/timing.py) plus this thread's h2d."""
+        if self._stage_times is None:
+            return None
+        t = self._stage_times()
+        t["h2d"] = t.get("h2d", 0.0) + self._h2d
+        return t
+
     def _put(self, item) -> bool:
         while not self._stop.is_set():
             try:
@@ -213,7 +256,10 @@ class DevicePrefetcher:
             while not self._stop.is_set():
                 batch = next(self._it)
                 state = self._it.get_state()
-                if not self._put((self._to_global(batch), state)):
+                t0 = time.perf_counter()
+                batch = self._to_global(batch)
+                self._h2d += time.perf_counter() - t0
+                if not self._put((batch, state, self._times_now())):
                     return
         except BaseException as e:  # noqa: BLE001 - handed to the consumer
             self._put((_Stop(), e))
@@ -230,7 +276,7 @@ class DevicePrefetcher:
         if isinstance(item[0], _Stop):
             self._done = True
             raise item[1]
-        batch, self._state = item
+        batch, self._state, self._times = item
         self._batches += 1
         return batch
 
@@ -254,6 +300,9 @@ class DevicePrefetcher:
             "bad_examples": c["badex"][:10],
             "wait_s": self._wait,
             **self._source_stats(),
+            # seconds per input stage since this prefetcher started, as produced up to the last
+            # batch returned (data/timing.py); {} when the iterator keeps no timers
+            "stage_s": sub_times(self._times, self._base_times) if self._times else {},
         }
 
     def _source_stats(self) -> dict:

@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 
 import numpy as np
 
 from data import packing
 from data.sources import BadRecords, ShardReader
+from data.timing import zero_times
 from data.tokenizer import BatchEncoder
 
 STATE_VERSION = 2   # 2: windows are whole CHUNK_CHARS chunks
@@ -102,14 +104,17 @@ def shard_files(spec_files, num_shards: int, shard: int):
 
 
 class ShardStream:
-    def __init__(self, spec: StreamSpec, shard: int, encoder: BatchEncoder, state: dict):
+    def __init__(self, spec: StreamSpec, shard: int, encoder: BatchEncoder, state: dict,
+                 times: dict | None = None):
         self.spec = spec
         self.shard = shard
         self.enc = encoder
+        # this process's stage timers (data/timing.py), shared by its streams; never in the state
+        self.times = zero_times() if times is None else times
         files, ids = shard_files(spec.files, spec.num_shards, shard)
         self.bad = BadRecords(spec.strict)
         self.reader = ShardReader(files, ids, len(spec.files), shard, spec.seed,
-                                  spec.files_per_stream, spec.text_key, self.bad)
+                                  spec.files_per_stream, spec.text_key, self.bad, self.times)
         R = spec.seq_len + 1
         if spec.packing == "concat":
             self.packer = packing.ConcatPacker(R)
@@ -193,10 +198,14 @@ class ShardStream:
         parts = []
         n = 0
         target = self._target_rows()
+        times = self.times
         while n < target:
             ch = self._ahead.popleft()
             self._ahead.append(self._read_chunk())
+            t0 = time.perf_counter()
             flat, lens = ch.future.result()
+            t1 = time.perf_counter()
+            times["tokenize_wait"] += t1 - t0
             dids, firsts, lasts = ch.meta
             tok, did, first = packing.assemble(
                 flat, lens, dids, firsts, lasts, self.enc.eos,
@@ -207,6 +216,8 @@ class ShardStream:
                 rows = self.packer.add(tok, did, first)
             parts.append(rows)
             n += len(rows[0])
+            times["pack"] += time.perf_counter() - t1
+        t1 = time.perf_counter()
         fl = self.packer.flush()
         if fl is not None:
             parts.append(fl)
@@ -229,6 +240,7 @@ class ShardStream:
         self.m_segs = seg.max(1).tolist()
         self.emitted = 0
         self.win += 1
+        times["pack"] += time.perf_counter() - t1
 
     def _take(self) -> int:
         i = self.perm[self.emitted]

@@ -8,9 +8,12 @@ order, per slot: file, line, piece), restorable by re-reading at most one file p
 from __future__ import annotations
 
 import io
+import time
 
 import numpy as np
 import orjson
+
+from data.timing import zero_times
 
 try:  # isal's igzip is ~3x faster than the stdlib gzip module for decompression.
     from isal import igzip as _gzip
@@ -23,11 +26,19 @@ PIECE_CHARS = 100_000
 MAX_BAD_EXAMPLES = 5
 
 BAD_KINDS = ("malformed_json", "invalid_utf8", "missing_key", "non_string_text",
-             "empty_text", "truncated_file", "empty_file", "unreadable_file")
+             "empty_text", "truncated_file", "corrupt_file", "empty_file", "unreadable_file")
 
 
 class BadDataError(ValueError):
-    """Raised in strict mode for the first bad record, naming file:line and the kind."""
+    """Raised in strict mode for the first bad record, naming file:line and the kind.
+
+    Its message is the whole story in one line: it crosses Grain's worker processes as itself
+    (pickled with its one argument) and train.py prints it as one line."""
+
+
+class NoValidDocumentError(BadDataError):
+    """A virtual shard (or a held-out file) whose files hold no valid document at all: raised
+    when its first window is read, i.e. at start-up, not when the shard first comes round."""
 
 
 def open_lines(path: str):
@@ -124,7 +135,8 @@ class ShardReader:
     """
 
     def __init__(self, files: list[str], file_ids: list[int], n_all_files: int, shard: int,
-                 seed: int, files_per_stream: int, text_key: str, bad: BadRecords):
+                 seed: int, files_per_stream: int, text_key: str, bad: BadRecords,
+                 times: dict | None = None):
         self.files = files
         self.file_ids = file_ids
         self.n_all = n_all_files
@@ -133,6 +145,7 @@ class ShardReader:
         self.fps = max(1, files_per_stream)
         self.text_key = text_key
         self.bad = bad
+        self.times = zero_times() if times is None else times   # "read", "parse" (data/timing.py)
         self.epoch = 0
         self.next = 0
         self.slots: list[_Slot] = []
@@ -210,9 +223,10 @@ class ShardReader:
 
     def _new_epoch(self) -> None:
         if self._epoch_docs == 0:
-            raise RuntimeError(
-                f"virtual shard {self.shard} has no valid document in its {len(self.files)} "
-                f"file(s) (first: {self.files[0]}); fix the data or lower data.num_shards")
+            why = "; ".join(self.bad.examples) or ", ".join(self.files[:MAX_BAD_EXAMPLES])
+            raise NoValidDocumentError(
+                f"virtual shard {self.shard}: none of its {len(self.files)} file(s) holds a valid "
+                f"document ({why}); fix or remove those files, or lower data.num_shards")
         self.epoch += 1
         self.next = 0
         self.rr = 0
@@ -256,12 +270,20 @@ class ShardReader:
                 self._finish_slot(i)
                 continue
             path = self._path(s)
+            t0 = time.perf_counter()
             try:
                 raw = s.fh.readline()
-            except (EOFError, OSError, ValueError) as e:
-                self.bad.add(path, s.line + 1, "truncated_file", type(e).__name__)
+            except EOFError as e:   # the compressed stream ends before its end marker
+                self.bad.add(path, s.line + 1, "truncated_file", str(e) or type(e).__name__)
                 self._finish_slot(i)
                 continue
+            except Exception as e:  # noqa: BLE001 - any decoder's error: gzip's BadGzipFile
+                # (not gzip, bad CRC), zlib.error, zstandard.ZstdError, an OSError of the mount
+                self.bad.add(path, s.line + 1, "corrupt_file", f"{type(e).__name__}: {e}")
+                self._finish_slot(i)
+                continue
+            t1 = time.perf_counter()
+            self.times["read"] += t1 - t0
             if not raw:
                 if s.line == 0:
                     self.bad.add(path, 0, "empty_file")
@@ -271,6 +293,7 @@ class ShardReader:
                 s.line += 1
                 continue
             text, kind = parse_line(raw, self.text_key)
+            self.times["parse"] += time.perf_counter() - t1
             if kind is not None:
                 self.bad.add(path, s.line + 1, kind)
                 s.line += 1
@@ -284,3 +307,17 @@ class ShardReader:
             s.line += 1
             self.rr = (self.rr + 1) % len(self.slots)
             return text, did, True, True
+
+
+def no_document_reason(path: str, text_key: str, strict: bool = False) -> str | None:
+    """None when `path` holds at least one valid document, else why not ("file:line: kind" of
+    its first bad records). Reads up to the first valid document only: a cheap check for a few
+    files (the held-out ones), not for a bucket. Strict: raises at the first bad record."""
+    reader = ShardReader([path], [0], 1, 0, 0, 1, text_key, BadRecords(strict))
+    try:
+        reader.next_piece()
+    except NoValidDocumentError:
+        return "; ".join(reader.bad.examples) or f"{path}: no document"
+    finally:
+        reader.close()
+    return None
