@@ -1,7 +1,7 @@
 """Pre-train a Llama-style model: `python train.py [hydra overrides]`.
 
 The run, top to bottom (each phase is a banner below):
-  config checks -> hosts and mesh -> input pipeline -> model, optimizer, shardings ->
+  config checks -> hosts and mesh -> the run's files -> model, optimizer, shardings ->
   init or restore -> jitted train step -> loop (batch, step, metrics, checkpoint, preemption).
 
 `train(cfg)` is the whole run and is what tests call; `main` is a thin Hydra wrapper that turns
@@ -36,15 +36,14 @@ def train(cfg: DictConfig) -> dict:
     """Runs (or resumes) the training run described by `cfg`; returns a summary dict."""
     # Imports here keep `python train.py --help` and config errors fast.
     import jax
-    import numpy as np
 
     import data as data_lib
     from model import flops as flops_lib
     from model import sharding as sharding_lib
-    from model.checkpoint import Checkpointer, check_fingerprint
+    from model.checkpoint import Checkpointer, check_fingerprint, find_resume, restore_meta_and_data
     from model import step as step_lib
     from model.llama import LlamaConfig
-    from model.optimizer import make_optimizer
+    from model.optimizer import make_optimizer, resolve_warmup
 
     t_start = time.perf_counter()
 
@@ -57,12 +56,16 @@ def train(cfg: DictConfig) -> dict:
         model_cfg = LlamaConfig.from_mapping(cfg.model)
         # data.paths may be one glob or a list: DataConfig takes either.
         data_cfg = data_lib.DataConfig.from_mapping({**data_map, "tokenizer": cfg.tokenizer.path})
-        data_cfg, eval_cfg, train_files = _split_eval(data_lib, data_cfg, eval_map)
+        eval_paths, holdout = _eval_settings(eval_map)
+        if holdout and data_cfg.sources:
+            raise ValueError("data.eval.holdout_files works with data.paths only: with data.sources, "
+                             "hold out files through data.eval.paths (read with data.text_key)")
+        if cfg.train.steps <= 0:
+            raise ValueError(f"train.steps={cfg.train.steps} must be positive")
         tx, schedule = make_optimizer(cfg.optimizer, cfg.train.steps)
+        _, _, warmup_notice = resolve_warmup(cfg.optimizer, cfg.train.steps)
     except (TypeError, ValueError) as e:
         raise ConfigError(str(e)) from e
-    if cfg.train.steps <= 0:
-        raise ConfigError(f"train.steps={cfg.train.steps} must be positive")
     if data_cfg.seq_len > model_cfg.max_seq_len:
         raise ConfigError(f"data.seq_len={data_cfg.seq_len} exceeds model.max_seq_len={model_cfg.max_seq_len}")
 
@@ -70,8 +73,11 @@ def train(cfg: DictConfig) -> dict:
     _init_distributed(cfg.distributed)
     process_index, process_count = jax.process_index(), jax.process_count()
     is_main = process_index == 0
+    if warmup_notice and is_main:
+        print(warmup_notice, flush=True)
+
     try:
-        data_lib.validate(data_cfg, process_count, jax.local_device_count())
+        data_lib.validate_settings(data_cfg, process_count)
         tokenizer = data_lib.load_tokenizer(data_cfg.tokenizer)
         mesh = sharding_lib.make_mesh(cfg.mesh)
     except (FileNotFoundError, ValueError) as e:
@@ -87,6 +93,20 @@ def train(cfg: DictConfig) -> dict:
         raise ConfigError(f"train.microbatches={cfg.train.microbatches} does not divide the "
                           f"{data_cfg.global_batch_size // batch_ways} rows per batch shard")
     rules = sharding_lib.rules_from_cfg(cfg.mesh)
+
+    # ------------------------------------------------------------------ the run's files
+    # One listing per run (data/listing.py), after every cheap check: a resumed run reads the list
+    # saved in its checkpoint; otherwise process 0 lists and the other hosts receive the list. The
+    # checkpoint is only read here: a config mistake must leave no checkpoint directory behind.
+    try:
+        resume = find_resume(cfg.checkpoint)
+        meta, saved_data_states = restore_meta_and_data(resume) if resume is not None else ({}, None)
+        saved_listing = None if cfg.checkpoint.allow_data_change else meta.get("files")
+        listing = _run_listing(data_lib, data_cfg, eval_paths, saved_listing, is_main)
+        data_cfg, eval_cfg, train_files, eval_files = _split_eval(data_cfg, listing, holdout)
+        data_lib.check_files(data_cfg, process_count, train_files)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
 
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -110,12 +130,9 @@ def train(cfg: DictConfig) -> dict:
         ckpt = Checkpointer(cfg.checkpoint)
         cleanup.callback(ckpt.close)
         wandb_id = None
-        saved_data_states = None
         data_changes = []
         try:
-            resume = ckpt.find_resume()
             if resume is not None:
-                meta, saved_data_states = ckpt.restore_meta_and_data(resume)
                 data_changes = check_fingerprint(meta.get("fingerprint", {}), fingerprint,
                                                  allow_data_change=cfg.checkpoint.allow_data_change)
         except ValueError as e:
@@ -129,8 +146,11 @@ def train(cfg: DictConfig) -> dict:
                     print("checkpoint.allow_data_change: the input pipeline starts afresh on the changed data ("
                           + "; ".join(data_changes) + ")", flush=True)
 
+        if eval_cfg is not None and cfg.train.eval_every:
+            eval_cfg, eval_files = _valid_eval_files(data_lib, eval_cfg, eval_files, announce=is_main)
         # The input pipeline starts now (worker processes spawn, the first batches get tokenized)
-        # so that its start-up overlaps with restoring or initialising the model.
+        # so that its start-up overlaps with restoring or initialising the model. A training shard
+        # without any valid document fails its first window, so before the first step.
         debug_batches = bool(cfg.train.get("debug_batches", False))
         host_iter = data_lib.restore_host_iterator(data_cfg, process_index, process_count, saved_data_states,
                                                    debug=debug_batches, files=train_files, tokenizer=tokenizer)
@@ -164,7 +184,8 @@ def train(cfg: DictConfig) -> dict:
         eval_set = None
         if eval_cfg is not None and cfg.train.eval_every:
             eval_step = step_lib.make_eval_step(model_cfg, mesh, rules, state_shardings)
-            eval_set = _EvalSet(data_lib, eval_cfg, cfg.train.eval_batches, batch_sharding, eval_step, tokenizer)
+            eval_set = _EvalSet(data_lib, eval_cfg, eval_files, cfg.train.eval_batches, batch_sharding, eval_step,
+                                tokenizer)
         tokens_per_step = data_cfg.global_batch_size * data_cfg.seq_len
         flops_per_step = flops_lib.flops_per_token(model_cfg, data_cfg.seq_len) * tokens_per_step
         peak = flops_lib.peak_flops(jax.devices()[0].device_kind, cfg.train.peak_flops)
@@ -172,8 +193,10 @@ def train(cfg: DictConfig) -> dict:
 
         logger = MetricsLogger(cfg, run_dir, enabled=is_main, start_step=start_step, wandb_id=wandb_id)
         cleanup.callback(logger.close)
+        # "files": the run's listing, reused by a resumed run (~70 bytes per file: 350 KB for 5000).
         meta = {"fingerprint": fingerprint, "config": OmegaConf.to_container(cfg, resolve=True),
-                "wandb_id": logger.wandb_id, "process_count": process_count, "num_workers": data_cfg.num_workers}
+                "wandb_id": logger.wandb_id, "process_count": process_count, "num_workers": data_cfg.num_workers,
+                "files": listing}
 
         # ------------------------------------------------------------------ loop
         profile = _Profiler(cfg.profile.steps, run_dir / "profile", enabled=is_main)
@@ -184,7 +207,7 @@ def train(cfg: DictConfig) -> dict:
             cleanup.callback(debug_log.close)
         step = start_step
         pending = []            # device metrics of the steps since the last log, fetched lazily
-        timer = {"t": time.perf_counter(), "wait": 0.0, "steps": 0, "save_s": 0.0, "documents": 0}
+        timer = {"t": time.perf_counter(), "wait": 0.0, "steps": 0, "save_s": 0.0, "documents": 0, "stage_s": {}}
         last = {}
         while step < cfg.train.steps:
             profile.maybe_start(step + 1)
@@ -198,7 +221,8 @@ def train(cfg: DictConfig) -> dict:
                 # Keep compilation out of the throughput figures.
                 jax.block_until_ready(metrics)
                 first = batches.stats()
-                timer.update(t=time.perf_counter(), wait=first["wait_s"], steps=0, documents=first["documents"])
+                timer.update(t=time.perf_counter(), wait=first["wait_s"], steps=0, documents=first["documents"],
+                             stage_s=first["stage_s"])
             else:
                 timer["steps"] += 1
             profile.maybe_stop(step)
@@ -257,46 +281,110 @@ def _as_list(paths) -> list:
     return [paths] if isinstance(paths, str) else list(paths or [])
 
 
-def _split_eval(data_lib, data_cfg, eval_map: dict):
-    """(training config, held-out config or None, training files). The held-out set is
-    `data.eval.paths` (must not overlap training files), or the last `data.eval.holdout_files`
-    files of the training list, removed from training. The one listing of data.paths."""
-    import dataclasses
-    import glob
-
+def _eval_settings(eval_map: dict) -> tuple[list, int]:
+    """(data.eval.paths, data.eval.holdout_files), checked without touching the files."""
     unknown = set(eval_map) - {"paths", "holdout_files"}
     if unknown:
         raise ValueError(f"unknown setting(s): {', '.join(sorted('data.eval.' + k for k in unknown))}")
     eval_paths, holdout = _as_list(eval_map.get("paths")), int(eval_map.get("holdout_files") or 0)
     if eval_paths and holdout:
         raise ValueError("set data.eval.paths or data.eval.holdout_files, not both")
-    train_files = data_lib.list_files(data_cfg)
-    if not train_files:
-        raise ValueError(f"data.paths={list(data_cfg.paths)} matches no file")
-    if not eval_paths and not holdout:
-        return data_cfg, None, train_files
-    if eval_paths:
-        eval_files = data_lib.list_files(dataclasses.replace(data_cfg, paths=tuple(eval_paths)))
-        if not eval_files:
-            raise ValueError(f"data.eval.paths={eval_paths} matches no file")
-        overlap = sorted(set(eval_files) & set(train_files))
+    return eval_paths, holdout
+
+
+def _run_listing(data_lib, data_cfg, eval_paths: list, saved: dict | None, is_main: bool) -> dict:
+    """The run's files, {"paths", "eval_paths": the patterns; "train", "eval": their files}
+    ("paths" and "train" keyed by source name for a mixture).
+
+    A resumed run reuses the listing saved with its checkpoint when it was made from the same
+    patterns, and trusts it: a file deleted since then is found when read (an unreadable file,
+    skipped and counted; data.strict=true stops), and files added since are not trained on.
+    New patterns (a moved mount, another glob) or checkpoint.allow_data_change=true list
+    afresh, and the fingerprint compares the lists. Otherwise process 0 lists and every host
+    receives its listing (errors included), so the bucket is walked once per run."""
+    if data_cfg.sources:
+        paths = {s.name: list(s.paths) for s in data_cfg.sources}
+    else:
+        paths = list(data_cfg.paths)
+    patterns = {"paths": paths, "eval_paths": list(eval_paths)}
+    if saved and all(saved.get(k) == v for k, v in patterns.items()):
+        if is_main:
+            n = len(data_lib.all_files(saved["train"])) + len(saved["eval"])
+            print(f"data: {n} files from the checkpoint's list (no new listing)", flush=True)
+        return saved
+
+    def walk() -> dict:
+        t0 = time.perf_counter()
+        if data_cfg.sources:
+            parts = {name: data_lib.list_paths(p, f"data.sources[{name}].paths") for name, p in paths.items()}
+            train = {name: part.files for name, part in parts.items()}
+            what = "; ".join(f"{name}: {part.describe()}" for name, part in parts.items())
+        else:
+            part = data_lib.list_paths(paths, "data.paths")
+            train, what = part.files, part.describe()
+        held_out = data_lib.list_paths(eval_paths, "data.eval.paths") if eval_paths else None
+        print(f"data: listed {what}" + (f" + held-out {held_out.describe()}" if held_out else "")
+              + f" in {time.perf_counter() - t0:.1f} s", flush=True)
+        return {**patterns, "train": train, "eval": held_out.files if held_out else []}
+
+    return _from_process_0(walk)
+
+
+def _split_eval(data_cfg, listing: dict, holdout: int):
+    """(training config, held-out config or None, training files, held-out files). The held-out
+    set is `data.eval.paths` (must not overlap training files), or the last
+    `data.eval.holdout_files` files of the training list, removed from training. With
+    data.sources the held-out files come from data.eval.paths only, read with data.text_key."""
+    import dataclasses
+
+    from data.config import all_files
+
+    train_files, eval_files = listing["train"], listing["eval"]
+    if eval_files:
+        overlap = sorted(set(eval_files) & set(all_files(train_files)))
         if overlap:
             raise ValueError(f"data.eval.paths overlaps the training files (e.g. {overlap[0]}); "
                              "held-out data must not be trained on")
-    else:
+    elif holdout:
         if holdout >= len(train_files):
             raise ValueError(f"data.eval.holdout_files={holdout} leaves no training file "
                              f"(data.paths matches {len(train_files)})")
         eval_files, train_files = train_files[-holdout:], train_files[:-holdout]
-        # Literal file names, escaped so that [ ] * ? in a name stay literal.
-        data_cfg = dataclasses.replace(data_cfg, paths=tuple(glob.escape(f) for f in train_files))
-    # Virtual shards must divide the batch (fixed batch layout) and not outnumber the files; the
-    # largest such count spreads the fixed eval batches over the most held-out files.
-    batch = data_cfg.global_batch_size
-    eval_shards = max(v for v in range(1, min(len(eval_files), batch) + 1) if batch % v == 0)
-    eval_cfg = dataclasses.replace(data_cfg, paths=tuple(glob.escape(f) for f in eval_files), num_workers=0,
-                                   num_shards=eval_shards, shuffle_window=0, files_per_stream=1)
-    return data_cfg, eval_cfg, train_files
+    else:
+        return data_cfg, None, train_files, []
+    eval_cfg = dataclasses.replace(data_cfg, sources=(), num_workers=0,
+                                   num_shards=_eval_shards(data_cfg.global_batch_size, len(eval_files)),
+                                   shuffle_window=0, files_per_stream=1)
+    return data_cfg, eval_cfg, train_files, eval_files
+
+
+def _eval_shards(batch: int, n_files: int) -> int:
+    """Virtual shards must divide the batch (fixed batch layout) and not outnumber the files; the
+    largest such count spreads the fixed eval batches over the most held-out files."""
+    return max(v for v in range(1, min(n_files, batch) + 1) if batch % v == 0)
+
+
+def _valid_eval_files(data_lib, eval_cfg, files: list[str], *, announce: bool):
+    """(held-out config, files) over those held-out files that hold a valid document, or
+    (None, []) when none does. Evaluation is a view on a lenient run, not its purpose: an empty,
+    truncated or corrupt held-out file is named in one line and left out, never fatal
+    (data.strict=true: the first bad record raises with file:line). Reads each held-out file up to
+    its first valid document, the same on every host, so all hosts agree."""
+    import dataclasses
+
+    reasons = [data_lib.no_document_reason(f, eval_cfg.text_key, eval_cfg.strict) for f in files]
+    good = [f for f, why in zip(files, reasons, strict=True) if why is None]
+    bad = [why for why in reasons if why is not None]
+    if bad and announce:
+        shown = "; ".join(bad[:3]) + (f"; and {len(bad) - 3} more" if len(bad) > 3 else "")
+        outcome = "training without evaluation" if not good else f"evaluating on the other {len(good)}"
+        print(f"data.eval: {len(bad)} of {len(files)} held-out file(s) hold no valid document ({shown}): "
+              f"{outcome}", flush=True)
+    if not good:
+        return None, []
+    if not bad:
+        return eval_cfg, files
+    return dataclasses.replace(eval_cfg, num_shards=_eval_shards(eval_cfg.global_batch_size, len(good))), good
 
 
 # ====================================================================== hosts
@@ -313,6 +401,8 @@ def _init_distributed(dcfg: DictConfig) -> None:
     if dcfg.coordinator_address:
         jax.distributed.initialize(coordinator_address=dcfg.coordinator_address,
                                    num_processes=dcfg.num_processes, process_id=dcfg.process_id)
+    elif (tpu_slice := _tpu_slice_from_env()) is not None:
+        jax.distributed.initialize(**tpu_slice)
     elif _on_tpu_vm():
         # The TPU VM's metadata describes the slice (one host or many), as MaxText relies on too.
         try:
@@ -324,12 +414,63 @@ def _init_distributed(dcfg: DictConfig) -> None:
                   "process (set distributed.coordinator_address for a multi-host run)", file=sys.stderr)
 
 
+# jax's coordinator port on Cloud TPU (jax/_src/clusters/cloud_tpu_cluster.py); JAX_COORDINATOR_PORT
+# overrides it there and here.
+TPU_COORDINATOR_PORT = 8482
+
+
+def _tpu_slice_from_env() -> dict | None:
+    """A multi-host slice as the TPU VM environment describes it (TPU_WORKER_HOSTNAMES, sorted by
+    worker id, and TPU_WORKER_ID): jax.distributed.initialize's arguments, or None.
+
+    jax reads the same variables itself, but only once a TPU backend is present; reading them
+    here makes the start-up independent of the backend, so a simulated pod (CPU workers given a
+    TPU VM's environment, tests/pod_sim.py) starts exactly as a real one. Multislice runs
+    (MEGASCALE_*) are left to jax.
+    """
+    hosts = [h for h in os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]
+    if len(hosts) < 2 or os.environ.get("MEGASCALE_COORDINATOR_ADDRESS"):
+        return None
+    worker_id = os.environ.get("TPU_WORKER_ID", "")
+    if not worker_id.isdigit() or int(worker_id) >= len(hosts):
+        raise ConfigError(f"TPU_WORKER_ID={worker_id!r} is not a worker of TPU_WORKER_HOSTNAMES "
+                          f"({len(hosts)} hosts): cannot tell this host's place in the slice")
+    port = os.environ.get("JAX_COORDINATOR_PORT") or TPU_COORDINATOR_PORT
+    return {"coordinator_address": f"{hosts[0].split(':')[0]}:{port}", "num_processes": len(hosts),
+            "process_id": int(worker_id)}
+
+
 def _on_tpu_vm() -> bool:
     # Checked without starting a JAX backend: after that, initialize() is too late.
     import glob
 
     return bool(os.environ.get("TPU_WORKER_HOSTNAMES") or glob.glob("/dev/accel[0-9]*")
                 or glob.glob("/dev/vfio/[0-9]*"))
+
+
+def _from_process_0(make):
+    """make()'s JSON result, computed on process 0 only and sent to every process. A ValueError
+    raised there is raised on every process, so all hosts stop with the same one line."""
+    import jax
+
+    if jax.process_count() == 1:
+        return make()
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    payload = b""
+    if jax.process_index() == 0:
+        try:
+            payload = json.dumps({"ok": make()}).encode()
+        except ValueError as e:
+            payload = json.dumps({"error": str(e)}).encode()
+    # Two broadcasts: the length, then the bytes (every process must pass the same shape).
+    n = int(multihost_utils.broadcast_one_to_all(np.int32(len(payload))))
+    buf = np.frombuffer(payload, np.uint8) if payload else np.zeros(n, np.uint8)
+    got = json.loads(np.asarray(multihost_utils.broadcast_one_to_all(buf), np.uint8).tobytes())
+    if "error" in got:
+        raise ValueError(got["error"])
+    return got["ok"]
 
 
 # ====================================================================== exact-resume tests
@@ -440,12 +581,12 @@ class _EvalSet:
     the same tokens. Every host reads the same eval rows and keeps its slice of each batch: the
     held-out set may be a single file, fewer than the hosts."""
 
-    def __init__(self, data_lib, eval_cfg, n_batches: int, sharding, eval_step, tokenizer):
+    def __init__(self, data_lib, eval_cfg, files: list[str], n_batches: int, sharding, eval_step, tokenizer):
         import jax
 
         local = eval_cfg.global_batch_size // jax.process_count()
         lo = jax.process_index() * local
-        it = data_lib.make_host_iterator(eval_cfg, 0, 1, tokenizer=tokenizer)
+        it = data_lib.make_host_iterator(eval_cfg, 0, 1, files=files, tokenizer=tokenizer)
         self.batches = []
         for _ in range(n_batches):
             rows = next(it)
@@ -499,7 +640,15 @@ def _interval_metrics(step, fetched, timer, stats, schedule, tokens_per_step, fl
         **{f"data/{k}": v for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)},
         **{f"data/bad_{k}": v for k, v in stats.get("bad_records", {}).items()},
     }
-    timer.update(t=now, wait=stats["wait_s"], steps=0, save_s=0.0, documents=documents)
+    if stats.get("stage_s"):
+        # Where the input time went in this interval (this host), and the stage bounding it.
+        from data import timing
+
+        row.update(timing.metrics(timing.summarize(timing.sub_times(stats["stage_s"], timer["stage_s"]), dt)))
+    if stats.get("bad_examples"):
+        # The first bad records' names (file:line: kind), so a skipped file is named where it is counted.
+        row["data/bad_examples"] = "; ".join(stats["bad_examples"])
+    timer.update(t=now, wait=stats["wait_s"], steps=0, save_s=0.0, documents=documents, stage_s=stats.get("stage_s", {}))
     return row
 
 
@@ -569,11 +718,19 @@ class MetricsLogger:
 # ====================================================================== CLI
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> None:
+    from data import BadDataError
+
     try:
         train(cfg)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)
+    except BadDataError as e:
+        # Bad data (data.strict=true, or a virtual shard without any valid document) names its
+        # file and line in its message; it arrives from an input worker process as itself, and
+        # the traceback would bury that one line under Grain's and our frames.
+        print(f"data error: {e}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,19 @@
 """Input pipeline: sharded JSON-lines text -> tokens -> packed rows -> global jax.Arrays.
 
 See data/shard.py (one virtual shard's stream and state), data/host.py (the fixed batch
-layout, a host's iterator) and data/workers.py (input worker processes).
+layout, a host's iterator), data/workers.py (input worker processes) and data/mixture.py
+(weighted mixtures of sources).
 """
-from data.config import DataConfig, list_files, validate
+from data.config import (DataConfig, SourceConfig, all_files, check_files, check_shards, list_files,
+                         validate, validate_settings)
+from data.listing import Listing, list_paths
 from data.pipeline import (DevicePrefetcher, make_host_dataset, make_host_iterator,
                            restore_host_iterator)
-from data.sources import BadDataError
+from data.sources import BadDataError, NoValidDocumentError, no_document_reason
 from data.state import fingerprint, merge_host_states
 from data.tokenizer import load_tokenizer
 
-__all__ = ["DataConfig", "DevicePrefetcher", "BadDataError", "fingerprint", "list_files",
+__all__ = ["DataConfig", "SourceConfig", "all_files", "check_files", "check_shards", "DevicePrefetcher",
+           "BadDataError", "NoValidDocumentError", "fingerprint", "list_files", "list_paths", "Listing",
            "load_tokenizer", "make_host_dataset", "make_host_iterator", "merge_host_states",
-           "restore_host_iterator", "validate"]
+           "no_document_reason", "restore_host_iterator", "validate", "validate_settings"]

@@ -3,15 +3,46 @@ from __future__ import annotations
 
 import dataclasses
 
-from data.sources import expand_paths, missing_paths
+from data.listing import list_paths
 from data.tokenizer import tokenizer_file
 
 PACKINGS = ("concat", "first_fit")
 
 
 @dataclasses.dataclass(frozen=True)
+class SourceConfig:
+    """One source of a mixture (`data.sources`): its files, its share of the rows, its text key
+    (None: data.text_key)."""
+    name: str
+    paths: tuple[str, ...]
+    weight: float
+    text_key: str | None = None
+
+    @classmethod
+    def from_mapping(cls, m, index: int) -> "SourceConfig":
+        if not isinstance(m, dict):
+            raise ValueError(f"data.sources[{index}] must be a mapping with name, paths, weight "
+                             f"(got {m!r})")
+        where = f"data.sources[{m.get('name', index)}]"
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(m) - names)
+        if unknown:
+            raise ValueError(f"{where}: unknown setting(s) {unknown}; known: {sorted(names)}")
+        missing = [k for k in ("name", "paths", "weight") if k not in m]
+        if missing:
+            raise ValueError(f"{where}: missing setting(s) {missing}")
+        paths = m["paths"]
+        paths = (paths,) if isinstance(paths, str) else tuple(str(x) for x in paths or ())
+        try:
+            weight = float(m["weight"])
+        except (TypeError, ValueError):
+            raise ValueError(f"{where}.weight={m['weight']!r}: must be a number > 0") from None
+        return cls(name=str(m["name"]), paths=paths, weight=weight, text_key=m.get("text_key"))
+
+
+@dataclasses.dataclass(frozen=True)
 class DataConfig:
-    paths: tuple[str, ...]          # globs; '~' expanded; relative paths as given
+    paths: tuple[str, ...]          # globs, plain paths, @file-lists (data/listing.py); () with sources
     tokenizer: str                  # tokenizer.json path, a directory holding it, or a hub id
     seq_len: int
     global_batch_size: int
@@ -25,12 +56,21 @@ class DataConfig:
     add_bos: bool = False
     seed: int = 0
     prefetch: int = 2               # device batches prefetched ahead
+    # A weighted mixture (data/mixture.py) instead of `paths`: SourceConfig each.
+    sources: tuple[SourceConfig, ...] = ()
 
     def __post_init__(self):
         p = self.paths
         if isinstance(p, str):
             p = (p,)
-        object.__setattr__(self, "paths", tuple(str(x) for x in p))
+        object.__setattr__(self, "paths", tuple(str(x) for x in p or ()))
+        object.__setattr__(self, "sources", tuple(
+            s if isinstance(s, SourceConfig) else SourceConfig.from_mapping(s, i)
+            for i, s in enumerate(self.sources or ())))
+        check_sources(self)
+
+    def source_text_key(self, src: SourceConfig) -> str:
+        return src.text_key or self.text_key
 
     @classmethod
     def from_mapping(cls, m) -> "DataConfig":
@@ -45,15 +85,36 @@ class DataConfig:
         unknown = sorted(set(m) - names)
         if unknown:
             raise ValueError(f"unknown data setting(s) {unknown}; known: {sorted(names)}")
+        if m.get("sources"):
+            m.setdefault("paths", ())
         missing = [f.name for f in dataclasses.fields(cls)
                    if f.name not in m and f.default is dataclasses.MISSING]
         if missing:
             raise ValueError(f"missing data setting(s) {missing}")
-        if isinstance(m["paths"], str):
-            m["paths"] = (m["paths"],)
-        else:
-            m["paths"] = tuple(m["paths"])
         return cls(**m)
+
+
+def check_sources(cfg: DataConfig) -> None:
+    """The mixture's shape, checked when the config is read (no file system access)."""
+    if not cfg.sources:
+        return
+    if cfg.paths:
+        raise ValueError("set data.paths (one source) or data.sources (a mixture), not both: "
+                         "with data=... configs, override data.paths=[] to use data.sources")
+    seen = set()
+    for src in cfg.sources:
+        where = f"data.sources[{src.name}]"
+        if not src.name or "/" in src.name:
+            raise ValueError(f"{where}: a source needs a name without '/' (it names metrics)")
+        if src.name in seen:
+            raise ValueError(f"data.sources: the name {src.name!r} appears twice; names must be "
+                             "unique (they key the saved state and the metrics)")
+        seen.add(src.name)
+        if not src.weight > 0 or src.weight == float("inf"):
+            raise ValueError(f"{where}.weight={src.weight}: must be a finite number > 0")
+        if not src.paths:
+            raise ValueError(f"{where}.paths is empty: give one or more globs of .json.gz/"
+                             ".jsonl/.jsonl.zst files")
 
 
 def check_shards(cfg: DataConfig, process_count: int, n_files: int | None) -> None:
@@ -79,14 +140,12 @@ def check_shards(cfg: DataConfig, process_count: int, n_files: int | None) -> No
         raise ValueError("data.paths matches no file")
 
 
-def validate(cfg: DataConfig, process_count: int, local_device_count: int) -> None:
-    del local_device_count  # batch-axis divisibility is checked by train.py
-    if not cfg.paths:
+def validate_settings(cfg: DataConfig, process_count: int) -> None:
+    """The checks that need no file: run before the (possibly long) listing."""
+    if not cfg.paths and not cfg.sources:
         raise ValueError("data.paths is empty: give one or more globs of .json.gz/.jsonl/"
-                         ".jsonl.zst files")
-    bad = missing_paths(cfg.paths)
-    if bad:
-        raise ValueError(f"data.paths: {bad[0]!r} matches no file")
+                         ".jsonl.zst files, or @a-file-listing-them.txt (or a mixture under "
+                         "data.sources)")
     try:
         tokenizer_file(cfg.tokenizer)
     except FileNotFoundError as e:
@@ -106,8 +165,45 @@ def validate(cfg: DataConfig, process_count: int, local_device_count: int) -> No
         raise ValueError(f"data.files_per_stream={cfg.files_per_stream}: must be >= 1")
     if cfg.prefetch < 1:
         raise ValueError(f"data.prefetch={cfg.prefetch}: must be >= 1")
-    check_shards(cfg, process_count, len(expand_paths(cfg.paths)))
+    check_shards(cfg, process_count, None)
 
 
-def list_files(cfg: DataConfig) -> list[str]:
-    return expand_paths(cfg.paths)
+def validate(cfg: DataConfig, process_count: int, local_device_count: int) -> None:
+    """validate_settings, then the listing of the data against the shard count. train.py
+    runs the two halves apart, around its one listing of the run."""
+    del local_device_count  # batch-axis divisibility is checked by train.py
+    validate_settings(cfg, process_count)
+    check_files(cfg, process_count, list_files(cfg))
+
+
+def check_files(cfg: DataConfig, process_count: int, files) -> None:
+    """The shard checks that need the listing (list_files' result)."""
+    if isinstance(files, dict):
+        check_shards(cfg, process_count, None)
+        for src in cfg.sources:
+            check_source_shards(cfg, src.name, len(files[src.name]))
+    else:
+        check_shards(cfg, process_count, len(files))
+
+
+def check_source_shards(cfg: DataConfig, name: str, n_files: int) -> None:
+    """Each source splits its own files over the V virtual shards (every shard mixes all
+    sources); with fewer files than V, its files are split into parts (data/shard.py)."""
+    if n_files == 0:
+        raise ValueError(f"data.sources[{name}] matches no file")
+
+
+def list_files(cfg: DataConfig) -> list[str] | dict[str, list[str]]:
+    """The files of `cfg.paths`; for a mixture, {source name: its files} (ValueError naming
+    an entry that matches no file)."""
+    if cfg.sources:
+        return {s.name: list_paths(s.paths, f"data.sources[{s.name}].paths").files
+                for s in cfg.sources}
+    return list_paths(cfg.paths).files
+
+
+def all_files(files: list[str] | dict[str, list[str]]) -> list[str]:
+    """list_files' result as one list (every source's files, in source order)."""
+    if isinstance(files, dict):
+        return [f for fs in files.values() for f in fs]
+    return list(files)

@@ -23,12 +23,31 @@ import json
 import grain
 import numpy as np
 
+from data.mixture import MixtureShardStream, initial_mixture_state
 from data.shard import (_MARK, STATE_VERSION, ShardStream, StreamSpec, initial_shard_state,
                         progress)
+from data.timing import zero_times
 from data.tokenizer import BatchEncoder, available_cores, set_thread_env
 
 # Tokenizer threads per input process (see HostIterator._init).
 MAX_ENCODE_THREADS = 4
+
+
+def make_shard_stream(spec: StreamSpec, shard: int, encoder: BatchEncoder, state: dict,
+                      times: dict | None = None):
+    """One virtual shard's row stream, of the kind the spec describes. Every kind has
+    next_row_into(b, out), get_state() (JSON, counters under "c"), _restore(state), close().
+    `times`: the process's stage timers (data/timing.py), shared by its streams."""
+    if spec.mixture:
+        return MixtureShardStream(spec, shard, encoder, state, times)
+    return ShardStream(spec, shard, encoder, state, times)
+
+
+def initial_stream_state(spec: StreamSpec) -> dict:
+    """The state of a virtual shard that has emitted nothing yet, for the spec's kind."""
+    if spec.mixture:
+        return initial_mixture_state(spec)
+    return initial_shard_state()
 
 
 class HostIterDataset(grain.IterDataset):
@@ -56,10 +75,12 @@ class HostIterator(grain.DatasetIterator):
                              "lower data.num_workers")
         self.spec = spec
         self.shard_ids = sorted(shard_ids)
-        self._states = {str(v): shard_states.get(str(v)) or initial_shard_state()
+        self._states = {str(v): shard_states.get(str(v)) or initial_stream_state(spec)
                         for v in shard_ids}
         self.streams = None   # built lazily: get_state in the main process must stay cheap
         self._elements = 0    # elements emitted (sets the group size of the next one)
+        # This process's stage timers (data/timing.py): statistics, never in the state.
+        self.times = zero_times(reader_threads=1, in_host=spec.num_workers == 0)
 
     def _init(self) -> None:
         # Each tokenizer call is serial; this process's share of the cores runs that many calls
@@ -68,8 +89,9 @@ class HostIterator(grain.DatasetIterator):
         set_thread_env(1)
         threads = min(MAX_ENCODE_THREADS,
                       max(1, available_cores() // max(self.spec.num_workers, 1)))
-        self.enc = enc = BatchEncoder(self.spec.tokenizer_json, threads)
-        self.streams = [ShardStream(self.spec, v, enc, self._states[str(v)])
+        self.enc = enc = BatchEncoder(self.spec.tokenizer_json, threads, self.times)
+        self.times["tokenizer_threads"] = enc.threads
+        self.streams = [make_shard_stream(self.spec, v, enc, self._states[str(v)], self.times)
                         for v in self.shard_ids]
         self._states = None
 
@@ -107,7 +129,13 @@ class HostIterator(grain.DatasetIterator):
             slab["doc_ids"] = dids
         if states:
             slab["states"] = _Opaque(states)
+            # this worker's timers so far travel with its slab (a few floats)
+            slab["times"] = dict(self.times)
         return slab
+
+    def stage_times(self) -> dict:
+        """This process's cumulative stage seconds (data/timing.py)."""
+        return dict(self.times)
 
     def get_state(self) -> dict:
         if self.streams is None:
@@ -141,7 +169,7 @@ class HostIterator(grain.DatasetIterator):
     def close(self) -> None:
         if self.streams:
             for s in self.streams:
-                s.reader.close()
+                s.close()
             self.enc.close()
 
 

@@ -1,7 +1,6 @@
 """The per-host Grain pipeline and the device prefetcher."""
 from __future__ import annotations
 
-import functools
 import queue
 import threading
 import time
@@ -9,10 +8,12 @@ import time
 import grain
 from absl import flags
 
-from data.config import DataConfig, check_shards, list_files
+from data.config import DataConfig, check_shards, check_source_shards, list_files
+from data.mixture import mixture_spec, source_counters
 from data.state import normalize_shard_states, sum_counters
 from data.host import HostIterDataset, find_shard_states
 from data.shard import COUNTER_KEYS, StreamSpec
+from data.timing import sub_times
 from data.workers import WorkerMergeIterDataset, slab_to_batch
 from data.tokenizer import load_tokenizer, special_ids
 
@@ -27,11 +28,19 @@ def host_shards(num_shards: int, process_index: int, process_count: int) -> list
 
 def make_host_dataset(cfg: DataConfig, process_index: int, process_count: int,
                       shard_states: dict | None = None, *, debug: bool = False,
-                      files: list[str] | None = None, tokenizer=None):
-    files = list_files(cfg) if files is None else list(files)
-    if not files:
-        raise ValueError(f"data.paths={list(cfg.paths)} matches no file")
-    check_shards(cfg, process_count, len(files))
+                      files: list[str] | dict[str, list[str]] | None = None, tokenizer=None):
+    files = list_files(cfg) if files is None else files
+    if cfg.sources:
+        check_shards(cfg, process_count, None)
+        for src in cfg.sources:
+            if not files.get(src.name):
+                raise ValueError(f"data.sources[{src.name}].paths={list(src.paths)} matches no file")
+            check_source_shards(cfg, src.name, len(files[src.name]))
+    else:
+        files = list(files)
+        if not files:
+            raise ValueError(f"data.paths={list(cfg.paths)} matches no file")
+        check_shards(cfg, process_count, len(files))
     if cfg.global_batch_size % process_count:
         raise ValueError(f"data.global_batch_size={cfg.global_batch_size} is not divisible by "
                          f"the process count {process_count}")
@@ -41,18 +50,19 @@ def make_host_dataset(cfg: DataConfig, process_index: int, process_count: int,
         raise ValueError(f"data.add_bos=true but tokenizer.path={cfg.tokenizer!r} has no BOS "
                          "token (<s>, <|begin_of_text|>, <bos>)")
     spec = StreamSpec(
-        files=tuple(files), num_shards=cfg.num_shards, tokenizer_json=tok.to_str(),
+        files=() if cfg.sources else tuple(files), num_shards=cfg.num_shards, tokenizer_json=tok.to_str(),
         seq_len=cfg.seq_len, text_key=cfg.text_key, strict=cfg.strict, packing=cfg.packing,
         shuffle_window=cfg.shuffle_window, files_per_stream=cfg.files_per_stream,
         add_bos=cfg.add_bos, seed=cfg.seed,
         rows_per_shard=cfg.global_batch_size // cfg.num_shards, num_workers=cfg.num_workers,
         debug=debug, process_index=process_index, process_count=process_count,
         group=worker_group(cfg, process_count))
+    if cfg.sources:
+        spec = mixture_spec(spec, cfg, files)
     states = normalize_shard_states(shard_states, cfg.num_shards)
     shards = host_shards(cfg.num_shards, process_index, process_count)
     if cfg.num_workers == 0:
-        ds = HostIterDataset(spec, shards, states)
-        return ds.map(functools.partial(_only_batch, keep_debug=debug))
+        return _InProcessIterDataset(HostIterDataset(spec, shards, states), debug)
     if not flags.FLAGS.is_parsed():   # mp_prefetch outside absl.app.run (Hydra) needs this
         flags.FLAGS.mark_as_parsed()
     # One single-process mp_prefetch pipeline per worker (worker i owns shards i, i+N, ...)
@@ -76,10 +86,43 @@ def make_host_dataset(cfg: DataConfig, process_index: int, process_count: int,
 MIN_SHM_BYTES = 64 << 20
 
 
-def _only_batch(slab: dict, keep_debug: bool) -> dict:
-    """In-process (no workers) slabs hold one batch."""
-    one = {k: (v[0] if k in ("rows", "doc_ids") else v) for k, v in slab.items()}
-    return slab_to_batch(one, keep_debug)
+class _InProcessIterDataset(grain.IterDataset):
+    """No input workers: the host's slabs (one batch each) as batches, in this process. What
+    `.map(slab_to_batch)` would be, plus the host iterator's stage timers (`stage_times`)."""
+
+    def __init__(self, host: HostIterDataset, keep_debug: bool):
+        super().__init__(host)
+        self.keep_debug = keep_debug
+
+    def __iter__(self):
+        return _InProcessIterator(self._parent.__iter__(), self.keep_debug)
+
+    def __str__(self) -> str:
+        return "InProcessIterDataset"
+
+
+class _InProcessIterator(grain.DatasetIterator):
+    def __init__(self, host, keep_debug: bool):
+        super().__init__(host)
+        self.host = host
+        self.keep_debug = keep_debug
+
+    def __next__(self) -> dict:
+        slab = next(self.host)
+        one = {k: (v[0] if k in ("rows", "doc_ids") else v) for k, v in slab.items()}
+        return slab_to_batch(one, self.keep_debug)
+
+    def get_state(self) -> dict:
+        return self.host.get_state()
+
+    def set_state(self, state: dict) -> None:
+        self.host.set_state(state)
+
+    def stage_times(self) -> dict:
+        return self.host.stage_times()
+
+    def close(self) -> None:
+        self.host.close()
 
 
 # Tokens a worker sends per element. Each element costs a fixed amount of IPC work in the
@@ -110,14 +153,15 @@ def worker_buffer_size(cfg: DataConfig, process_count: int) -> int:
 
 def make_host_iterator(cfg: DataConfig, process_index: int, process_count: int,
                        shard_states: dict | None = None, *, debug: bool = False,
-                       files: list[str] | None = None, tokenizer=None):
+                       files: list[str] | dict[str, list[str]] | None = None, tokenizer=None):
     """A Grain DatasetIterator of host batches (dicts of int32 [B_host, seq_len]).
 
     shard_states: per-virtual-shard states from merge_host_states (elastic resume).
-    debug=True adds "doc_ids" (int64 [B, seq_len + 1], global document ids, -1 = padding)
-    and "row_shard" (int32 [B]) for tests.
+    debug=True adds "doc_ids" (int64 [B, seq_len + 1], global document ids, -1 = padding; a
+    mixture's carry the source's index, data/mixture.py) and "row_shard" (int32 [B]) for tests.
     files / tokenizer: already listed / loaded by the caller (a glob over thousands of shards
-    on a mounted bucket is slow: list once per run).
+    on a mounted bucket is slow: list once per run); for data.sources, {source name: files}
+    as list_files returns.
     """
     return iter(make_host_dataset(cfg, process_index, process_count, shard_states,
                                   debug=debug, files=files, tokenizer=tokenizer))
@@ -168,8 +212,11 @@ class DevicePrefetcher:
         self._sharding = sharding
         self._q: queue.Queue = queue.Queue(maxsize=max(1, prefetch))
         self._stop = threading.Event()
-        self._state = host_iterator.get_state()
+        self._state = self._base_state = host_iterator.get_state()
         self._base = state_counters(self._state)
+        self._stage_times = getattr(host_iterator, "stage_times", None)
+        self._h2d = 0.0                      # seconds in _to_global (the "h2d" stage)
+        self._times = self._base_times = self._times_now()
         self._wait = 0.0
         self._batches = 0
         self._done = False
@@ -187,6 +234,14 @@ class DevicePrefetcher:
                 out[k] = v
         return out
 
+    def _times_now(self) -> dict | None:
+        """The host iterator's cumulative stage seconds (data/timing.py) plus this thread's h2d."""
+        if self._stage_times is None:
+            return None
+        t = self._stage_times()
+        t["h2d"] = t.get("h2d", 0.0) + self._h2d
+        return t
+
     def _put(self, item) -> bool:
         while not self._stop.is_set():
             try:
@@ -201,7 +256,10 @@ class DevicePrefetcher:
             while not self._stop.is_set():
                 batch = next(self._it)
                 state = self._it.get_state()
-                if not self._put((self._to_global(batch), state)):
+                t0 = time.perf_counter()
+                batch = self._to_global(batch)
+                self._h2d += time.perf_counter() - t0
+                if not self._put((batch, state, self._times_now())):
                     return
         except BaseException as e:  # noqa: BLE001 - handed to the consumer
             self._put((_Stop(), e))
@@ -218,7 +276,7 @@ class DevicePrefetcher:
         if isinstance(item[0], _Stop):
             self._done = True
             raise item[1]
-        batch, self._state = item
+        batch, self._state, self._times = item
         self._batches += 1
         return batch
 
@@ -241,7 +299,36 @@ class DevicePrefetcher:
             "bad_records": {k: v for k, v in bad.items() if v},
             "bad_examples": c["badex"][:10],
             "wait_s": self._wait,
+            **self._source_stats(),
+            # seconds per input stage since this prefetcher started, as produced up to the last
+            # batch returned (data/timing.py); {} when the iterator keeps no timers
+            "stage_s": sub_times(self._times, self._base_times) if self._times else {},
         }
+
+    def _source_stats(self) -> dict:
+        """A mixture's per-source figures since this iterator started ("source/NAME/KEY"; the
+        training log prefixes "data/"): rows, tokens, documents, padding, bad records, the epoch
+        the source is reading, and its share of the tokens and of the rows."""
+        now = source_counters(find_shard_states(self._state))
+        if not now:
+            return {}
+        base = source_counters(find_shard_states(self._base_state))
+        delta = {name: {key: c[key] - base.get(name, {}).get(key, 0) for key in COUNTER_KEYS}
+                 for name, c in now.items()}
+        tokens = max(1, sum(d["tokens"] for d in delta.values()))
+        rows = max(1, sum(d["rows"] for d in delta.values()))
+        out = {}
+        for name, d in delta.items():
+            bad_now, bad_base = now[name]["bad"], base.get(name, {}).get("bad", {})
+            out.update({
+                f"source/{name}/tokens": d["tokens"], f"source/{name}/documents": d["docs"],
+                f"source/{name}/rows": d["rows"], f"source/{name}/padding_tokens": d["pad"],
+                f"source/{name}/epoch": now[name]["epoch"],
+                f"source/{name}/bad_records": sum(bad_now.values()) - sum(bad_base.values()),
+                f"source/{name}/token_share": d["tokens"] / tokens,
+                f"source/{name}/row_share": d["rows"] / rows,
+            })
+        return out
 
     def close(self) -> None:
         self._stop.set()

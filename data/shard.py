@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 
 import numpy as np
 
 from data import packing
 from data.sources import BadRecords, ShardReader
+from data.timing import zero_times
 from data.tokenizer import BatchEncoder
 
 # 2: windows are whole CHUNK_CHARS chunks; 3: reader slots hold byte offsets and .gz seek
@@ -80,6 +82,9 @@ class StreamSpec:
     process_index: int = 0
     process_count: int = 1
     group: int = 1                  # host batches per element (per worker IPC message)
+    # A weighted mixture (data/mixture.py): ((name, weight, StreamSpec of that source), ...);
+    # then `files` is empty and each source's spec holds its own files and text_key.
+    mixture: tuple = ()
 
 
 def zero_counters() -> dict:
@@ -111,14 +116,17 @@ def shard_files(spec_files, num_shards: int, shard: int):
 
 
 class ShardStream:
-    def __init__(self, spec: StreamSpec, shard: int, encoder: BatchEncoder, state: dict):
+    def __init__(self, spec: StreamSpec, shard: int, encoder: BatchEncoder, state: dict,
+                 times: dict | None = None):
         self.spec = spec
         self.shard = shard
         self.enc = encoder
+        # this process's stage timers (data/timing.py), shared by its streams; never in the state
+        self.times = zero_times() if times is None else times
         files, ids, residues, split = shard_files(spec.files, spec.num_shards, shard)
         self.bad = BadRecords(spec.strict)
         self.reader = ShardReader(files, ids, len(spec.files), shard, spec.seed,
-                                  spec.files_per_stream, spec.text_key, self.bad,
+                                  spec.files_per_stream, spec.text_key, self.bad, self.times,
                                   split=split, residues=residues)
         R = spec.seq_len + 1
         if spec.packing == "concat":
@@ -203,10 +211,14 @@ class ShardStream:
         parts = []
         n = 0
         target = self._target_rows()
+        times = self.times
         while n < target:
             ch = self._ahead.popleft()
             self._ahead.append(self._read_chunk())
+            t0 = time.perf_counter()
             flat, lens = ch.future.result()
+            t1 = time.perf_counter()
+            times["tokenize_wait"] += t1 - t0
             dids, firsts, lasts = ch.meta
             tok, did, first = packing.assemble(
                 flat, lens, dids, firsts, lasts, self.enc.eos,
@@ -217,6 +229,8 @@ class ShardStream:
                 rows = self.packer.add(tok, did, first)
             parts.append(rows)
             n += len(rows[0])
+            times["pack"] += time.perf_counter() - t1
+        t1 = time.perf_counter()
         fl = self.packer.flush()
         if fl is not None:
             parts.append(fl)
@@ -239,6 +253,7 @@ class ShardStream:
         self.m_segs = seg.max(1).tolist()
         self.emitted = 0
         self.win += 1
+        times["pack"] += time.perf_counter() - t1
 
     def _take(self) -> int:
         i = self.perm[self.emitted]
@@ -250,6 +265,9 @@ class ShardStream:
         c["docs"] += self.m_docs[i]
         c["segs"] += self.m_segs[i]
         return i
+
+    def close(self) -> None:
+        self.reader.close()
 
     def next_row_into(self, b: int, out: dict) -> None:
         if self.emitted >= len(self.perm):

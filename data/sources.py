@@ -1,4 +1,4 @@
-"""File listing, line readers for .json.gz / .jsonl / .jsonl.zst, and bad-record handling.
+"""Line readers for .json.gz / .jsonl / .jsonl.zst, and bad-record handling.
 
 A `ShardReader` reads the files (or parts of files) of one virtual shard: a seeded per-epoch
 order, a few open at once ("slots") interleaved document by document, documents longer than
@@ -14,15 +14,15 @@ is ~100x cheaper than tokenization).
 """
 from __future__ import annotations
 
-import glob
 import io
-import os
+import time
 import zlib
 
 import numpy as np
 import orjson
 
 from data import gzseek
+from data.timing import zero_times
 
 # Documents longer than this (characters) are tokenized in pieces, cut at whitespace.
 PIECE_CHARS = 100_000
@@ -30,38 +30,19 @@ PIECE_CHARS = 100_000
 MAX_BAD_EXAMPLES = 5
 
 BAD_KINDS = ("malformed_json", "invalid_utf8", "missing_key", "non_string_text",
-             "empty_text", "truncated_file", "empty_file", "unreadable_file")
+             "empty_text", "truncated_file", "corrupt_file", "empty_file", "unreadable_file")
 
 
 class BadDataError(ValueError):
-    """Raised in strict mode for the first bad record, naming file:line and the kind."""
+    """Raised in strict mode for the first bad record, naming file:line and the kind.
+
+    Its message is the whole story in one line: it crosses Grain's worker processes as itself
+    (pickled with its one argument) and train.py prints it as one line."""
 
 
-def expand_paths(paths) -> list[str]:
-    """Globs (or plain paths), '~' expanded, sorted and deduplicated."""
-    if isinstance(paths, str):
-        paths = (paths,)
-    out = set()
-    for p in paths:
-        p = os.path.expanduser(str(p))
-        if glob.has_magic(p):
-            out.update(f for f in glob.glob(p, recursive=True) if os.path.isfile(f))
-        elif os.path.isfile(p):
-            out.add(p)
-    return sorted(out)
-
-
-def missing_paths(paths) -> list[str]:
-    """The entries of `paths` that match no file."""
-    bad = []
-    for p in (paths,) if isinstance(paths, str) else paths:
-        q = os.path.expanduser(str(p))
-        if glob.has_magic(q):
-            if not any(os.path.isfile(f) for f in glob.iglob(q, recursive=True)):
-                bad.append(str(p))
-        elif not os.path.isfile(q):
-            bad.append(str(p))
-    return bad
+class NoValidDocumentError(BadDataError):
+    """A virtual shard (or a held-out file) whose files hold no valid document at all: raised
+    when its first window is read, i.e. at start-up, not when the shard first comes round."""
 
 
 def open_lines(path: str, off: int = 0, point: list | None = None):
@@ -197,7 +178,7 @@ class ShardReader:
 
     def __init__(self, files: list[str], file_ids: list[int], n_all_files: int, shard: int,
                  seed: int, files_per_stream: int, text_key: str, bad: BadRecords,
-                 split: int = 1, residues: list[int] | None = None):
+                 times: dict | None = None, split: int = 1, residues: list[int] | None = None):
         self.files = files
         self.file_ids = file_ids
         self.split = split
@@ -208,6 +189,7 @@ class ShardReader:
         self.fps = max(1, files_per_stream)
         self.text_key = text_key
         self.bad = bad
+        self.times = zero_times() if times is None else times   # "read", "parse" (data/timing.py)
         self.epoch = 0
         self.next = 0
         self.slots: list[_Slot] = []
@@ -283,9 +265,10 @@ class ShardReader:
 
     def _new_epoch(self) -> None:
         if self._epoch_docs == 0:
-            raise RuntimeError(
-                f"virtual shard {self.shard} has no valid document in its {len(self.files)} "
-                f"file(s) (first: {self.files[0]}); fix the data or lower data.num_shards")
+            why = "; ".join(self.bad.examples) or ", ".join(self.files[:MAX_BAD_EXAMPLES])
+            raise NoValidDocumentError(
+                f"virtual shard {self.shard}: none of its {len(self.files)} file(s) holds a valid "
+                f"document ({why}); fix or remove those files, or lower data.num_shards")
         self.epoch += 1
         self.next = 0
         self.rr = 0
@@ -330,13 +313,22 @@ class ShardReader:
                 self._finish_slot(i)
                 continue
             path = self._path(s)
+            t0 = time.perf_counter()
             try:
                 raw = s.fh.readline()
-            except (EOFError, OSError, ValueError, zlib.error) as e:
+            except EOFError as e:   # the compressed stream ends before its end marker
                 if self._residue(s) == 0:   # named once, not by each part of the file
-                    self.bad.add(path, s.line + 1, "truncated_file", type(e).__name__)
+                    self.bad.add(path, s.line + 1, "truncated_file", str(e) or type(e).__name__)
                 self._finish_slot(i)
                 continue
+            except Exception as e:  # noqa: BLE001 - any decoder's error: gzip's BadGzipFile
+                # (not gzip, bad CRC), zlib.error, zstandard.ZstdError, an OSError of the mount
+                if self._residue(s) == 0:
+                    self.bad.add(path, s.line + 1, "corrupt_file", f"{type(e).__name__}: {e}")
+                self._finish_slot(i)
+                continue
+            t1 = time.perf_counter()
+            self.times["read"] += t1 - t0
             if not raw:
                 if s.line == 0 and self._residue(s) == 0:
                     self.bad.add(path, 0, "empty_file")
@@ -349,6 +341,7 @@ class ShardReader:
                 s.advance(len(raw))
                 continue
             text, kind = parse_line(raw, self.text_key)
+            self.times["parse"] += time.perf_counter() - t1
             if kind is not None:
                 self.bad.add(path, s.line + 1, kind)
                 s.advance(len(raw))
@@ -363,3 +356,17 @@ class ShardReader:
             s.advance(len(raw))
             self.rr = (self.rr + 1) % len(self.slots)
             return text, did, True, True
+
+
+def no_document_reason(path: str, text_key: str, strict: bool = False) -> str | None:
+    """None when `path` holds at least one valid document, else why not ("file:line: kind" of
+    its first bad records). Reads up to the first valid document only: a cheap check for a few
+    files (the held-out ones), not for a bucket. Strict: raises at the first bad record."""
+    reader = ShardReader([path], [0], 1, 0, 0, 1, text_key, BadRecords(strict))
+    try:
+        reader.next_piece()
+    except NoValidDocumentError:
+        return "; ".join(reader.bad.examples) or f"{path}: no document"
+    finally:
+        reader.close()
+    return None

@@ -4,7 +4,7 @@ from __future__ import annotations
 import hashlib
 import os
 
-from data.config import DataConfig, list_files
+from data.config import DataConfig, all_files, list_files
 from data.host import find_shard_states
 from data.shard import COUNTER_KEYS, file_split
 from data.tokenizer import load_tokenizer, tokenizer_hash
@@ -69,15 +69,35 @@ def files_hash(files: list[str]) -> str:
     return hashlib.sha256("\n".join(rel).encode()).hexdigest()[:16]
 
 
-def fingerprint(cfg: DataConfig, tokenizer=None, files: list[str] | None = None) -> dict:
+def fingerprint(cfg: DataConfig, tokenizer=None,
+                files: list[str] | dict[str, list[str]] | None = None) -> dict:
+    """What the saved data positions depend on. A mixture adds, per source,
+    "source.NAME.{share,files,num_files,text_key}" (one diff line per changed setting);
+    a single-source run's fingerprint is unchanged."""
     files = list_files(cfg) if files is None else files
     tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.tokenizer)
-    return {"tokenizer": tokenizer_hash(tok), "files": files_hash(files),
-            "num_files": len(files), "seq_len": cfg.seq_len, "seed": cfg.seed,
-            "packing": cfg.packing, "num_shards": cfg.num_shards, "text_key": cfg.text_key,
-            "add_bos": cfg.add_bos, "shuffle_window": cfg.shuffle_window,
-            "files_per_stream": cfg.files_per_stream,
-            "file_split": file_split(len(files), cfg.num_shards)}
+    flat = all_files(files)
+    fp = {"tokenizer": tokenizer_hash(tok), "files": files_hash(flat),
+          "num_files": len(flat), "seq_len": cfg.seq_len, "seed": cfg.seed,
+          "packing": cfg.packing, "num_shards": cfg.num_shards, "text_key": cfg.text_key,
+          "add_bos": cfg.add_bos, "shuffle_window": cfg.shuffle_window,
+          "files_per_stream": cfg.files_per_stream}
+    # files split across shards (fewer files than shards) read in another order: named only
+    # then, so that the fingerprint of an unsplit run stays what it was
+    if not cfg.sources and file_split(len(flat), cfg.num_shards) > 1:
+        fp["file_split"] = file_split(len(flat), cfg.num_shards)
+    if cfg.sources:
+        total = sum(src.weight for src in cfg.sources)
+        fp["sources"] = [src.name for src in cfg.sources]
+        for src in cfg.sources:
+            fp.update({f"source.{src.name}.share": src.weight / total,
+                       f"source.{src.name}.files": files_hash(files[src.name]),
+                       f"source.{src.name}.num_files": len(files[src.name]),
+                       f"source.{src.name}.text_key": cfg.source_text_key(src)})
+            split = file_split(len(files[src.name]), cfg.num_shards)
+            if split > 1:
+                fp[f"source.{src.name}.file_split"] = split
+    return fp
 
 
 def sum_counters(shard_states: dict) -> dict:

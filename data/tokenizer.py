@@ -4,6 +4,8 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -93,13 +95,16 @@ class BatchEncoder:
     while the longest document of a call finishes).
     """
 
-    def __init__(self, tok_json: str, threads: int = 1):
+    def __init__(self, tok_json: str, threads: int = 1, times: dict | None = None):
         import tokenizers
         self.tok = tokenizers.Tokenizer.from_str(tok_json)
         self._fast = getattr(self.tok, "encode_batch_fast", None)
         self.eos, self.bos = special_ids(self.tok)
         self.threads = max(1, int(threads))
         self._pool = None
+        # "tokenize" seconds (data/timing.py), added from the pool's threads
+        self.times = {"tokenize": 0.0} if times is None else times
+        self._times_lock = threading.Lock()
 
     def encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """-> (all ids as one int32 array, ids per text)."""
@@ -116,7 +121,17 @@ class BatchEncoder:
     def submit(self, texts: list[str]) -> Future:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="tokenize")
-        return self._pool.submit(self.encode, texts)
+        return self._pool.submit(self._encode_timed, texts)
+
+    def _encode_timed(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        # Timed inside the task and counted when it ends (not when its result is collected, a
+        # window later): the caller's wait for the result is not tokenization time.
+        t0 = time.perf_counter()
+        out = self.encode(texts)
+        dt = time.perf_counter() - t0
+        with self._times_lock:
+            self.times["tokenize"] += dt
+        return out
 
     def close(self) -> None:
         if self._pool is not None:

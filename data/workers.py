@@ -3,12 +3,14 @@ slab -> model batch."""
 from __future__ import annotations
 
 import concurrent.futures
+import time
 
 import grain
 import numpy as np
 
 from data.host import find_shard_states
 from data.shard import _MARK, STATE_VERSION, StreamSpec
+from data.timing import add_times, zero_times
 
 
 class WorkerMergeIterDataset(grain.IterDataset):
@@ -46,9 +48,12 @@ class WorkerMergeIterator(grain.DatasetIterator):
         self._group = None           # {"rows": [G, B, 3, R], "row_shard", "doc_ids"?}
         self._states = None          # per batch of the group: {shard: state}
         self._shards = None          # {shard: state} after the last batch handed out
+        self._times = zero_times()   # this thread's stage timers: ipc, merge, worker_wait
+        self._worker_times = [None] * len(self.workers)   # each worker's, from its last slab
 
     def _pull(self) -> None:
         self._group_start = self._worker_states()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         if self._started:
             els = [next(w) for w in self.workers]
         else:
@@ -57,6 +62,11 @@ class WorkerMergeIterator(grain.DatasetIterator):
                 futs = [pool.submit(next, w) for w in self.workers]
                 els = [f.result() for f in futs]
             self._started = True
+        # Inside next(): receiving (this thread's CPU) and waiting for the workers (the rest).
+        t1, ipc = time.perf_counter(), time.thread_time() - cpu0
+        self._times["ipc"] += ipc
+        self._times["worker_wait"] += t1 - t0 - ipc
+        self._worker_times = [e.get("times") for e in els]
         row_shard = np.concatenate([e["row_shard"] for e in els])
         order = np.argsort(row_shard, kind="stable")
         grp = {"rows": np.concatenate([e["rows"] for e in els], axis=1)[:, order],
@@ -68,6 +78,7 @@ class WorkerMergeIterator(grain.DatasetIterator):
                         for g in range(grp["rows"].shape[0])]
         self._group = grp
         self._pos = 0
+        self._times["merge"] += time.perf_counter() - t1
 
     def _worker_states(self) -> list:
         return [w.get_state() for w in self.workers]
@@ -83,10 +94,21 @@ class WorkerMergeIterator(grain.DatasetIterator):
         self._pos += 1
         self._shards = self._states[g]
         grp = self._group
+        t0 = time.perf_counter()
         slab = {"rows": grp["rows"][g], "row_shard": grp["row_shard"]}
         if "doc_ids" in grp:
             slab["doc_ids"] = grp["doc_ids"][g]
-        return slab_to_batch(slab, self.keep_row_shard)
+        batch = slab_to_batch(slab, self.keep_row_shard)
+        self._times["merge"] += time.perf_counter() - t0
+        return batch
+
+    def stage_times(self) -> dict:
+        """Cumulative stage seconds of this thread and of each worker up to its last slab."""
+        total = dict(self._times)
+        for t in self._worker_times:
+            if t is not None:
+                add_times(total, t)
+        return total
 
     def get_state(self):
         sp = self.spec
@@ -108,7 +130,7 @@ class WorkerMergeIterator(grain.DatasetIterator):
             raise ValueError(f"saved input state is from {len(g['state'])} input workers, "
                              f"data.num_workers={len(self.workers)}: resume through "
                              "restore_host_iterator")
-        for w, st in zip(self.workers, g["state"]):
+        for w, st in zip(self.workers, g["state"], strict=True):
             w.set_state(st)
         self._group_start = list(g["state"])
         self._pos = int(g["skip"])

@@ -7,7 +7,8 @@ Items of a step:
          save(), so it belongs to the same step; restore returns every process's file, so a
          run can resume on another number of hosts (train.py merges them per virtual shard)
   meta   the resolved config, the data/model fingerprint, the wandb run id, the topology
-         (process count, data workers)
+         (process count, data workers), the run's file list (train.py reuses it on resume
+         instead of listing the bucket again)
 There is no RNG array to save: the train step draws no random numbers and init derives its key
 from `seed`, which the saved config and the fingerprint hold; the data order is a function of
 (seed, virtual shard, epoch) plus the saved positions.
@@ -72,21 +73,11 @@ class Checkpointer:
 
     # ---------------------------------------------------------------- where to resume
     def find_resume(self) -> ResumePoint | None:
-        """The latest complete step of this run, else checkpoint.resume_from, else None."""
-        latest = self.manager.latest_step()
-        if latest is not None:
-            return ResumePoint(self.directory, latest, "latest")
-        if self.cfg["resume_from"]:
-            return _resolve("checkpoint.resume_from", self.cfg["resume_from"], "resume_from")
-        return None
+        return find_resume(self.cfg)
 
     # ---------------------------------------------------------------- restore
     def restore_meta_and_data(self, resume: ResumePoint) -> tuple[dict, list[dict] | None]:
-        """The small items first, so the input pipeline can start while the arrays restore.
-
-        Returns (meta, [data state of process 0, 1, ...] as saved, or None if absent)."""
-        restored = self._restore(resume, ocp.args.Composite(meta=ocp.args.JsonRestore(), data=DataStateRestore()))
-        return dict(restored["meta"] or {}), restored["data"]
+        return restore_meta_and_data(resume)
 
     def restore_state(self, resume: ResumePoint, abstract_state):
         """Arrays straight into the shardings carried by `abstract_state`'s ShapeDtypeStructs,
@@ -137,6 +128,33 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def find_resume(ccfg: Mapping) -> ResumePoint | None:
+    """The latest complete step in checkpoint.dir, else checkpoint.resume_from, else None.
+    Read-only: train.py asks before its config is known good, and a failed start must leave
+    no checkpoint directory behind."""
+    directory = str(ccfg["dir"])
+    if epath.Path(directory).is_dir():
+        with _read_only_manager(directory) as manager:
+            latest = manager.latest_step()
+        if latest is not None:
+            return ResumePoint(directory, latest, "latest")
+    if ccfg["resume_from"]:
+        return _resolve("checkpoint.resume_from", ccfg["resume_from"], "resume_from")
+    return None
+
+
+def restore_meta_and_data(resume: ResumePoint) -> tuple[dict, list[dict] | None]:
+    """The small items, read before anything else: the meta holds the run's file list (so a
+    resumed run does not list its bucket again), and the input pipeline can start from the
+    data states while the arrays restore.
+
+    Returns (meta, [data state of process 0, 1, ...] as saved, or None if absent)."""
+    with _read_only_manager(resume.directory) as manager:
+        restored = manager.restore(resume.step, args=ocp.args.Composite(
+            meta=ocp.args.JsonRestore(), data=DataStateRestore()))
+    return dict(restored["meta"] or {}), restored["data"]
 
 
 def split_step_dir(path: str) -> tuple[str, int | None]:

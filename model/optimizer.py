@@ -12,14 +12,32 @@ import optax
 _KEYS = {"lr", "min_lr_ratio", "warmup_steps", "decay_steps", "b1", "b2", "eps", "weight_decay", "clip_norm"}
 
 
+def resolve_warmup(opt_cfg: Mapping, total_steps: int) -> tuple[int, int, str | None]:
+    """(warmup steps, decay steps, a one-line notice or None).
+
+    A run that decays over itself (decay_steps null) and is not longer than its warmup -- a
+    smoke run, `train.steps=20` with the default 30 -- warms up over the first half of the run
+    instead, with a notice. An explicit decay_steps not above the warmup is a mistake: it
+    raises."""
+    warmup = int(opt_cfg["warmup_steps"])
+    if warmup < 0:
+        raise ValueError(f"optimizer.warmup_steps={warmup} must be >= 0")
+    if opt_cfg["decay_steps"]:
+        decay_steps = int(opt_cfg["decay_steps"])
+        if warmup >= decay_steps:
+            raise ValueError(f"optimizer.warmup_steps={warmup} must be below optimizer.decay_steps={decay_steps}")
+        return warmup, decay_steps, None
+    if warmup < total_steps:
+        return warmup, total_steps, None
+    capped = total_steps // 2
+    return capped, total_steps, (f"note: optimizer.warmup_steps={warmup} is not below train.steps={total_steps}: "
+                                 f"warming up over the first {capped} steps (half the run) instead")
+
+
 def make_schedule(opt_cfg: Mapping, total_steps: int) -> optax.Schedule:
     """Linear warmup from 0 to lr, then cosine to lr * min_lr_ratio at `decay_steps` (default: the run)."""
     lr = float(opt_cfg["lr"])
-    warmup = int(opt_cfg["warmup_steps"])
-    decay_steps = int(opt_cfg["decay_steps"] or total_steps)
-    if warmup >= decay_steps:
-        raise ValueError(f"optimizer.warmup_steps={warmup} must be below the decay length {decay_steps} "
-                         "(optimizer.decay_steps, or train.steps when it is null)")
+    warmup, decay_steps, _ = resolve_warmup(opt_cfg, total_steps)
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=lr, warmup_steps=warmup, decay_steps=decay_steps,
         end_value=lr * float(opt_cfg["min_lr_ratio"]))

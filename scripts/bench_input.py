@@ -19,6 +19,11 @@ Figures:
                     steady-state pipeline rate (max workers), through DevicePrefetcher, after a
                     2 s pause standing in for the first step's compile: fraction of wall time
                     blocked on data.
+  stage_s / bound   per worker count (last round, after the first batch): seconds per input
+                    stage (data/timing.py), and the stage bounding the pipeline; printed as a
+                    table at the end, with the simulated loop's (which adds host -> device).
+  timer_overhead_frac  the timers' cost from their counts (timed lines + chunks + batches x the
+                    cost of one timer measured here) over the pipeline's CPU seconds.
 """
 from __future__ import annotations
 
@@ -140,15 +145,43 @@ def tree_cpu_s(main_only: bool = False) -> float:
     return total
 
 
+def timer_cost_s(n=200_000):
+    """(seconds per timed line, per timed chunk or batch): the very statements the reader runs per
+    line (three perf_counter calls, two dict adds) and the others per chunk or batch (two calls,
+    one add), minus the bare loop."""
+    from data.timing import zero_times
+    t, pc = zero_times(), time.perf_counter
+    t0 = pc()
+    for _ in range(n):
+        pass
+    bare = pc() - t0
+    t0 = pc()
+    for _ in range(n):
+        a = pc()
+        b = pc()
+        t["read"] += b - a
+        t["parse"] += pc() - b
+    line = pc() - t0 - bare
+    t0 = pc()
+    for _ in range(n):
+        a = pc()
+        t["pack"] += pc() - a
+    other = pc() - t0 - bare
+    return max(line, 0.0) / n, max(other, 0.0) / n
+
+
 def run_pipeline(cfg, max_tokens, max_batches):
     import data
+    from data.timing import sub_times
     t0 = time.perf_counter()
     it = data.make_host_iterator(cfg, 0, 1)
     b = next(it)
     first = time.perf_counter() - t0
     per_batch = int((b["segment_ids"] > 0).sum())
     from data.pipeline import state_counters
-    tok0 = state_counters(it.get_state())["tokens"]   # non-padding tokens of rows (L + 1)
+    c0 = state_counters(it.get_state())
+    tok0 = c0["tokens"]   # non-padding tokens of rows (L + 1)
+    times0 = it.stage_times()
     t1, c1, m1 = time.perf_counter(), tree_cpu_s(), tree_cpu_s(main_only=True)
     n_tok, n = 0, 0
     while n_tok < max_tokens and n < max_batches:
@@ -160,12 +193,16 @@ def run_pipeline(cfg, max_tokens, max_batches):
     cpu = tree_cpu_s() - c1
     cpu_main = tree_cpu_s(main_only=True) - m1
     state = it.get_state()
-    n_tok = state_counters(state)["tokens"] - tok0
+    c = state_counters(state)
+    n_tok = c["tokens"] - tok0
+    times = sub_times(it.stage_times(), times0)
     if hasattr(it, "close"):
         it.close()
     return {"tok_s": n_tok / dt, "tok_per_cpu_s": n_tok / cpu, "first_batch_s": first,
             "cores_main": cpu_main / dt, "cores_workers": (cpu - cpu_main) / dt,
-            "batches": n, "seconds": dt,
+            "batches": n, "seconds": dt, "cpu_s": cpu,
+            "lines": c["docs"] - c0["docs"] + sum(c["bad"].values()) - sum(c0["bad"].values()),
+            "stage_s": times,
             "state": json.loads(json.dumps(state)), "tokens_per_batch": per_batch}
 
 
@@ -196,6 +233,7 @@ def simulate_training(cfg, steps, tok_s, frac=0.8, compile_s=2.0):
     import data
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
     sh = NamedSharding(mesh, P("data"))
+    t_start = time.perf_counter()
     pf = data.DevicePrefetcher(data.make_host_iterator(cfg, 0, 1), sh, prefetch=cfg.prefetch)
     b = next(pf)
     jax.block_until_ready(b["inputs"])
@@ -209,8 +247,10 @@ def simulate_training(cfg, steps, tok_s, frac=0.8, compile_s=2.0):
     wall = time.perf_counter() - t0
     wait = pf.stats()["wait_s"] - w0
     stats = pf.stats()
+    # the stage seconds cover the prefetcher's life: from its start, not from t0
+    life = time.perf_counter() - t_start
     pf.close()
-    return wait / wall, step_s, stats
+    return wait / wall, step_s, stats, life
 
 
 def main():
@@ -298,13 +338,38 @@ def main():
     cfg = data.DataConfig(**base, num_workers=nmax)
     restore_s = measure_restore(cfg, res[nmax]["state"])
     print(f"restore (deep state, {nmax} workers) -> next batch: {restore_s:.2f} s", flush=True)
-    wait_frac, step_s, stats = simulate_training(cfg, args.sim_steps, res[nmax]["tok_s"])
+    wait_frac, step_s, stats, sim_wall = simulate_training(cfg, args.sim_steps, res[nmax]["tok_s"])
     print(f"simulated loop: step {step_s * 1e3:.1f} ms, wait fraction {wait_frac:.4f}; "
-          f"stats {json.dumps({k: v for k, v in stats.items() if k != 'bad_examples'})}",
+          f"stats {json.dumps({k: v for k, v in stats.items() if k not in ('bad_examples', 'stage_s')})}",
           flush=True)
     rss.stop()
     tok_s_after = tok_now()
     print(f"tokenizer alone again (load check): {tok_s_after / 1e6:.3f} M tok/s", flush=True)
+
+    # Where the input time goes: each worker count's last run, then the simulated loop (which
+    # adds host -> device). Times are wall seconds summed over threads and processes.
+    from data.shard import CHUNK_CHARS, CHUNK_CHARS_PER_TOKEN
+    from data.timing import format_table, summarize
+    per_line, per_other = timer_cost_s()
+    tables, overhead = {}, {}
+    for n in workers:
+        r = runs[n][-1]
+        summ = tables[n] = summarize(r["stage_s"], r["seconds"])
+        print(f"\ninput stages, workers={n}: {r['batches']} batches in {r['seconds']:.1f} s "
+              f"after the first batch", flush=True)
+        print(format_table(summ, r["batches"]), flush=True)
+        # per chunk: tokenize + tokenize_wait + pack; per batch: merge, ipc, pack (flush)
+        chunks = r["batches"] * r["tokens_per_batch"] * CHUNK_CHARS_PER_TOKEN / CHUNK_CHARS
+        cost = r["lines"] * per_line + (3 * chunks + 3 * r["batches"]) * per_other
+        overhead[n] = cost / r["cpu_s"]
+    print(f"timers: {per_line * 1e9:.0f} ns per timed line, {per_other * 1e9:.0f} ns per other "
+          "timer; overhead from the counts: "
+          + ", ".join(f"workers={n} {100 * v:.3f}% of the CPU time" for n, v in overhead.items()),
+          flush=True)
+    sim_table = summarize(stats["stage_s"], sim_wall)
+    print(f"\ninput stages, simulated training loop ({nmax} workers, through DevicePrefetcher):",
+          flush=True)
+    print(format_table(sim_table, stats["batches"]), flush=True)
     best = max(res.values(), key=lambda r: r["tok_s"])
     out = {
         "tokenizer_tok_s": round(tok_s),
@@ -329,6 +394,16 @@ def main():
         "restore_s": round(restore_s, 3),
         "peak_rss_mb": round(rss.peak / 2**20, 1),
         "sim_wait_frac": round(wait_frac, 5),
+        "stage_s": {str(n): {k: round(v, 3) for k, v in t["seconds"].items()}
+                    for n, t in tables.items()},
+        "stage_share": {str(n): {k: round(v, 4) for k, v in t["share"].items()}
+                        for n, t in tables.items()},
+        "busy": {str(n): {k: round(v, 3) for k, v in t["busy"].items()} for n, t in tables.items()},
+        "bound": {str(n): t["bound"] for n, t in tables.items()},
+        "sim_stage_s": {k: round(v, 3) for k, v in sim_table["seconds"].items()},
+        "sim_bound": sim_table["bound"],
+        "timer_ns": {"line": round(per_line * 1e9), "other": round(per_other * 1e9)},
+        "timer_overhead_frac": {str(n): round(v, 6) for n, v in overhead.items()},
         "tokenizer_tok_s_after": round(tok_s_after),
         "load_avg_1m": round(os.getloadavg()[0], 2),
         "seq_len": args.seq_len, "batch_size": args.batch_size, "workers": workers,

@@ -145,7 +145,8 @@ def main():
     args = ap.parse_args()
 
     import data
-    files = data.sources.expand_paths(args.paths)
+    files = data.list_files(data.DataConfig(paths=tuple(args.paths), tokenizer=args.tokenizer,
+                                            seq_len=args.seq_len, global_batch_size=1))
     V = len(files)
     cfg = data.DataConfig(paths=tuple(args.paths), tokenizer=args.tokenizer,
                           seq_len=args.seq_len, global_batch_size=V * args.rows_per_shard,

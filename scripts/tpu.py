@@ -19,8 +19,9 @@ Everything sent to the workers' shells is quoted with shlex.quote, so a Hydra ov
 
 Layout on every worker (--remote-dir, default ~/jaxpt):
     ~/jaxpt/                      the synced code (pip install -e . by `setup`)
-    ~/jaxpt/logs/worker_<hostname>.log   stdout+stderr of train.py on that worker (appended)
-    ~/jaxpt/logs/train.pid        pid (= process group) of the detached train.py
+    ~/jaxpt/logs/worker_<hostname>.log   stdout+stderr of train.py on that worker (appended; each
+                                  launch ends with "=== <time> train.py exited with code N ===")
+    ~/jaxpt/logs/train.pid        pid of the detached train.py (its process group: the launch's)
     ~/jaxpt/runs/<name>/          Hydra run directory (checkpoints should go to gs://)
 """
 from __future__ import annotations
@@ -40,6 +41,10 @@ from typing import Callable, Sequence
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROGRAM = "train.py"
+# Put before the user's overrides on `run` (a later value of the same key wins). A detached run
+# writes to a log file, where a progress bar is one ever-growing line of \r-updates that `logs`
+# cannot tail: train.py prints a plain line per log step instead.
+DETACHED_OVERRIDES = ("logger.progress_bar=false",)
 MASK = "***"
 REMOTE_TARBALL = "jaxpt-sync.tar.gz"  # in the worker's home directory
 # Never shipped to the workers (matched against every path component).
@@ -117,31 +122,39 @@ def join_commands(parts: Sequence[str]) -> str:
 
 
 def _stop_function(grace: int) -> str:
-    """bash function stop_training: SIGTERM our train.py process groups, SIGKILL after `grace` s.
+    """bash function stop_training: SIGTERM to our train.py processes, then wait until their
+    whole process group is gone (input workers included); SIGKILL the group after `grace` s.
 
     Candidates: the pid file and any `python ... train.py` process; only those whose working
     directory is the code dir and whose command line names train.py are touched.
+    SIGTERM goes to train.py alone, never to its group: the group also holds its input worker
+    processes, and those must keep serving batches until train.py has agreed on a step with the
+    other hosts and saved it (killed early, they leave train.py waiting on a dead pipeline).
+    A group is only killed when it is not the group of this very script.
     """
     regex = shlex.quote(PROGRAM_REGEX)
     return (
         "stop_training() { "
-        'local here; here=$(pwd -P); local cands=""; local pids=""; local p; '
+        'local here; here=$(pwd -P); local cands=""; local pids=""; local groups=""; local p; local g; '
+        'local mine; mine=$(ps -o pgid= -p $$ | tr -d " "); '
         '[ -f logs/train.pid ] && cands=$(cat logs/train.pid); '
         f"cands=\"$cands $(pgrep -f {regex} || true)\"; "
         "for p in $cands; do "
         '[ "$p" = "$$" ] && continue; '
         '[ "$(readlink /proc/$p/cwd 2>/dev/null)" = "$here" ] || continue; '
         "tr '\\0' ' ' < /proc/$p/cmdline 2>/dev/null | grep -q 'train\\.py' || continue; "
-        'case " $pids " in *" $p "*) ;; *) pids="$pids $p";; esac; '
+        'case " $pids " in *" $p "*) continue;; esac; pids="$pids $p"; '
+        'g=$(ps -o pgid= -p "$p" | tr -d " "); [ -n "$g" ] && [ "$g" != "$mine" ] && groups="$groups -$g"; '
         "done; "
         'if [ -z "$pids" ]; then echo "$(hostname): no training process running"; rm -f logs/train.pid; return 0; fi; '
         'echo "$(hostname): SIGTERM to$pids"; '
-        'for p in $pids; do kill -TERM -- "-$p" 2>/dev/null || kill -TERM "$p" 2>/dev/null; done; '
+        'kill -TERM $pids 2>/dev/null; '
         f"local i=0; while [ $i -lt {int(grace)} ]; do "
-        "local alive=0; for p in $pids; do kill -0 \"$p\" 2>/dev/null && alive=1; done; "
+        'local alive=0; for p in $pids; do kill -0 "$p" 2>/dev/null && alive=1; done; '
+        'for g in $groups; do kill -0 -- "$g" 2>/dev/null && alive=1; done; '
         "[ $alive = 0 ] && break; sleep 1; i=$((i+1)); done; "
-        "for p in $pids; do if kill -0 \"$p\" 2>/dev/null; then "
-        'echo "$(hostname): SIGKILL $p"; kill -KILL -- "-$p" 2>/dev/null || kill -KILL "$p" 2>/dev/null; fi; done; '
+        f'if [ $i -ge {int(grace)} ]; then echo "$(hostname): still running after {int(grace)} s: SIGKILL to$pids$groups"; '
+        'kill -KILL $pids 2>/dev/null; for g in $groups; do kill -KILL -- "$g" 2>/dev/null; done; fi; '
         "rm -f logs/train.pid; return 0; }"
     )
 
@@ -154,8 +167,15 @@ def _cd(remote_dir: str, must_exist: bool = True) -> str:
     return f"mkdir -p {rd} && cd {rd}"
 
 
+# Runs train.py inside the detached session and appends its exit code to the log, so that `logs`
+# tells a clean stop (code 0) from a crash or a kill. train.py runs as a child (its pid goes to
+# logs/train.pid, where `stop` sends SIGTERM); this wrapper stays to wait for it.
+_TRAIN_WRAPPER = ('"$@" & echo $! > logs/train.pid; wait $!; rc=$?; '
+                  'echo "=== $(date -u +%Y-%m-%dT%H:%M:%SZ) train.py exited with code $rc ==="; exit $rc')
+
+
 def run_script(args: argparse.Namespace, env: Sequence[EnvVar], reveal: bool) -> str:
-    overrides = " ".join(shlex.quote(o) for o in args.overrides)
+    overrides = " ".join(shlex.quote(o) for o in (*DETACHED_OVERRIDES, *args.overrides))
     py = shlex.quote(args.python)
     parts = [
         _cd(args.remote_dir),
@@ -165,10 +185,11 @@ def run_script(args: argparse.Namespace, env: Sequence[EnvVar], reveal: bool) ->
         *[e.export(reveal) for e in env],
         'log="logs/worker_$(hostname).log"',
         'echo "=== $(date -u +%Y-%m-%dT%H:%M:%SZ) start ===" >> "$log"',
-        " ".join(x for x in ("setsid nohup", py, PROGRAM, overrides) if x)
+        # setsid: a session and process group of its own, which a dropped ssh does not reach.
+        " ".join(x for x in ("setsid nohup bash -c", shlex.quote(_TRAIN_WRAPPER), "jaxpt-train", py, PROGRAM,
+                             overrides) if x)
         + ' >> "$log" 2>&1 < /dev/null &',
         "pid=$!",
-        'echo "$pid" > logs/train.pid',
     ]
     if args.startup_check > 0:
         parts += [
@@ -177,7 +198,7 @@ def run_script(args: argparse.Namespace, env: Sequence[EnvVar], reveal: bool) ->
             'echo "$(hostname): train.py exited early (code $rc); log tail:" >&2; '
             'tail -n 40 "$log" >&2; exit $(( rc == 0 ? 1 : rc )); fi',
         ]
-    parts.append(f'echo "$(hostname): train.py running (pid $pid), log: $(pwd)/$log"')
+    parts.append('echo "$(hostname): train.py running (process group $pid), log: $(pwd)/$log"')
     return join_commands(parts)
 
 
@@ -197,7 +218,7 @@ def logs_script(args: argparse.Namespace) -> str:
 
 def setup_script(args: argparse.Namespace) -> str:
     py = shlex.quote(args.python)
-    parts = ["set -e"]
+    parts = ["set -eo pipefail"]
     if args.mount_bucket:
         bucket = args.mount_bucket.removeprefix("gs://").strip("/")
         mount = args.mount_point or "~/folder-for-bucket"
@@ -217,12 +238,12 @@ def setup_script(args: argparse.Namespace) -> str:
         ]
     extra = " ".join(shlex.quote(a) for a in args.pip_arg)
     jax_req = shlex.quote(f"jax[{args.jax_extra}]") if args.jax_extra else ""
-    parts += [
-        _cd(args.remote_dir),
-        f"{py} -m pip install -q --upgrade pip",
-        " ".join(x for x in (f"{py} -m pip install -q -e .", jax_req, extra) if x),
-        f"{py} -c 'import jax; print(jax.__version__)' | sed \"s/^/$(hostname): jax /\"",
-    ]
+    parts.append(_cd(args.remote_dir))
+    if not args.no_install:
+        parts += [f"{py} -m pip install -q --upgrade pip",
+                  " ".join(x for x in (f"{py} -m pip install -q -e .", jax_req, extra) if x)]
+    # Also a check that the workers' python has what train.py needs.
+    parts.append(f"{py} -c 'import jax; print(jax.__version__)' | sed \"s/^/$(hostname): jax /\"")
     return join_commands(parts)
 
 
@@ -437,6 +458,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("setup", "sync the code, then pip install it (editable) on all workers; optional gcsfuse mount")
     p.add_argument("--no-sync", action="store_true", help="skip the code sync before installing")
+    p.add_argument("--no-install", action="store_true",
+                   help="skip pip install (an image with the dependencies baked in; the simulated pod in tests)")
     p.add_argument("--jax-extra", default="tpu", help="install jax[EXTRA] (default tpu; '' for none)")
     p.add_argument("--pip-arg", action="append", default=[], help="extra argument/requirement for pip install")
     p.add_argument("--mount-bucket", default=None, help="gcsfuse-mount this GCS bucket on all workers")

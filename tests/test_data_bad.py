@@ -1,14 +1,21 @@
-"""Bad data: each kind skipped, counted and named (lenient) or raised with file:line (strict)."""
+"""Bad data: each kind skipped, counted and named (lenient) or raised with file:line (strict);
+a lenient run survives bad files anywhere, bad held-out files included; errors in input workers
+reach the user as one line.
+
+    pytest tests/test_data_bad.py -q
+"""
 import gzip
 import json
 import os
+import random
+import shutil
 
 import numpy as np
 import pytest
 
 import data
 from data.pipeline import state_counters
-from tests.data_helpers import cfg, take, write_lines
+from tests.data_helpers import cfg, take, write_corpus, write_lines
 
 GOOD = [json.dumps({"raw_content": f"good document number {i} " + "text " * 200}).encode()
         for i in range(12)]
@@ -40,10 +47,14 @@ def _corpus(root, kind):
         with gzip.open(b, "wb"):
             pass
         return b, 0
+    if kind == "corrupt_file":   # not gzip at all
+        with open(b, "wb") as f:
+            f.write(random.Random(0).randbytes(4000))
+        return b, 1
     raise AssertionError(kind)
 
 
-KINDS = list(CASES) + ["truncated_file", "empty_file"]
+KINDS = list(CASES) + ["truncated_file", "empty_file", "corrupt_file"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -153,3 +164,119 @@ def test_restore_inside_a_huge_document(tmp_path):
             b = next(it2)
             for key in b:
                 np.testing.assert_array_equal(b[key], ref[j][key])
+
+
+def test_corrupt_zstd_file_is_skipped(tmp_path):
+    # zstandard raises its own ZstdError (not an OSError) on a corrupt frame.
+    os.makedirs(tmp_path / "d")
+    write_lines(str(tmp_path / "d" / "a.jsonl.zst"), GOOD[:6] * 4)
+    bad = str(tmp_path / "d" / "b.jsonl.zst")
+    with open(bad, "wb") as f:
+        f.write(random.Random(0).randbytes(4000))
+    c = cfg(tmp_path, paths=(str(tmp_path / "d" / "*.jsonl.zst"),), num_shards=1)
+    it = data.make_host_iterator(c, 0, 1)
+    take(it, 10)
+    cnt = state_counters(it.get_state())
+    assert cnt["bad"] == {"corrupt_file": 1} and cnt["badex"][0].startswith(bad + ":1: corrupt_file")
+
+
+# ---------------------------------------------------------------- a shard without any valid document
+def _dead_shard_corpus(root):
+    """8 files, 4 virtual shards: shard v owns files v and v + 4; both of shard 1's are bad."""
+    write_corpus(root, n_files=8, docs_per_file=12)
+    dead = [os.path.join(str(root), "0001", "en_head.json.gz"),
+            os.path.join(str(root), "0005", "en_head.json.gz")]
+    with gzip.open(dead[0], "wb"):
+        pass
+    with open(dead[1], "wb") as f:
+        f.write(random.Random(1).randbytes(3000))
+    return dead
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_shard_without_valid_document_is_named_at_the_first_batch(tmp_path, workers):
+    """Found when the shard's first window is read, i.e. before the first batch, with the shard and
+    its files' faults in one line; through a real input worker it arrives as the same error."""
+    dead = _dead_shard_corpus(tmp_path)
+    it = data.make_host_iterator(cfg(tmp_path, num_workers=workers), 0, 1)
+    with pytest.raises(data.NoValidDocumentError) as e:
+        next(it)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("virtual shard 1: none of its 2 file(s)")
+    assert f"{dead[0]}:0: empty_file" in msg and f"{dead[1]}:1: corrupt_file" in msg
+    if hasattr(it, "close"):
+        it.close()
+
+
+def test_held_out_files_without_a_valid_document_are_left_out(tmp_path, capsys):
+    import train as train_mod
+    write_corpus(tmp_path, n_files=8)
+    empty = os.path.join(str(tmp_path), "0007", "en_head.json.gz")
+    with gzip.open(empty, "wb"):
+        pass
+    base = cfg(tmp_path, global_batch_size=4)
+    _, eval_cfg, _ = train_mod._split_eval(data, base, {"holdout_files": 2})
+    assert eval_cfg.num_shards == 2
+    kept = train_mod._valid_eval_cfg(data, eval_cfg, announce=True)
+    assert data.list_files(kept) == [os.path.join(str(tmp_path), "0006", "en_head.json.gz")]
+    assert kept.num_shards == 1
+    [line] = capsys.readouterr().out.splitlines()
+    assert line.startswith("data.eval: 1 of 2 held-out file(s)") and f"{empty}:0: empty_file" in line
+    assert line.endswith("evaluating on the other 1")
+    next(data.make_host_iterator(kept, 0, 1))    # the kept held-out data reads
+    _, eval_cfg, _ = train_mod._split_eval(data, base, {"holdout_files": 1})
+    assert train_mod._valid_eval_cfg(data, eval_cfg, announce=False) is None
+
+
+# ---------------------------------------------------------------- train.py, as a user runs it
+CLI = ["train.steps=2", "train.log_every=2", "checkpoint.every=0", "optimizer.warmup_steps=1",
+       "model.max_seq_len=64", "data.seq_len=32", "data.global_batch_size=8"]
+
+
+def _user_corpus(tmp_path):
+    """The bundled sample as a new user's corpus: shard 0002 truncated, and an empty 0008 that
+    sorts last, so it becomes the held-out file."""
+    from tests.data_helpers import REPO
+    root = tmp_path / "corpus"
+    shutil.copytree(os.path.join(REPO, "data", "sample"), root, ignore=shutil.ignore_patterns("*.json"))
+    raw = (root / "0002" / "en_head.json.gz").read_bytes()
+    (root / "0002" / "en_head.json.gz").write_bytes(raw[: len(raw) // 3])
+    os.makedirs(root / "0008")
+    with gzip.open(root / "0008" / "en_head.json.gz", "wb"):
+        pass
+    return root
+
+
+def test_cli_lenient_run_survives_bad_training_and_held_out_files(tmp_path):
+    from test_train import read_metrics, run_cli
+    root = _user_corpus(tmp_path)
+    r = run_cli(tmp_path, *CLI, f"data.paths=[{root}/*/en_head.json.gz]", "train.eval_every=2",
+                "data.num_workers=1")
+    assert r.returncode == 0, r.stderr[-3000:]
+    notice = [ln for ln in r.stdout.splitlines() if ln.startswith("data.eval:")]
+    assert notice == [f"data.eval: 1 of 1 held-out file(s) hold no valid document "
+                      f"({root}/0008/en_head.json.gz:0: empty_file): training without evaluation"]
+    rows = read_metrics(tmp_path / "run")
+    assert [row["step"] for row in rows] == [2] and "eval_loss" not in rows[0]
+
+
+def test_cli_worker_data_errors_are_one_line(tmp_path):
+    """Strict mode and a lenient run with a dead virtual shard: the error is raised inside the input
+    worker process and reaches the user as one line naming the file, before the first step."""
+    from test_train import run_cli
+    root = _user_corpus(tmp_path)
+    strict = run_cli(tmp_path, *CLI, f"data.paths=[{root}/*/en_head.json.gz]", "train.eval_every=0",
+                     "data.eval.holdout_files=0", "data.strict=true", "data.num_workers=1")
+    lenient_dir = tmp_path / "dead"
+    os.makedirs(lenient_dir)
+    dead = _dead_shard_corpus(lenient_dir / "corpus")
+    lenient = run_cli(lenient_dir, *CLI, f"data.paths=[{lenient_dir}/corpus/*/en_head.json.gz]",
+                      "data.eval.holdout_files=0", "data.num_workers=1")
+    for r, needle in ((strict, f"bad record at {root}/0008/en_head.json.gz:0: empty_file"),
+                      (lenient, "virtual shard 1: none of its 2 file(s) holds a valid document (")):
+        assert r.returncode == 1, r.stderr[-3000:]
+        assert "Traceback" not in r.stderr, r.stderr[-3000:]
+        [line] = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        assert line.startswith("data error: ") and needle in line, line
+        assert "step " not in r.stdout
+    assert f"{dead[0]}:0: empty_file" in lenient.stderr and f"{dead[1]}:1: corrupt_file" in lenient.stderr

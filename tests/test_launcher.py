@@ -3,6 +3,7 @@
 No network and no gcloud binary: tpu.py is driven with --dry-run, or with a runner that executes
 the --command a worker would receive in a local bash (remote dir = a tmp dir, python = a recorder).
 launch_local.py runs real small programs written into tmp_path (--program).
+The whole pod path (a fake gcloud, the real train.py on 2 simulated workers) is test_pod_sim.py.
 """
 import importlib.util
 import json
@@ -107,12 +108,12 @@ def test_run_logs_stop_dry_run(capsys):
     assert argv[:10] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "pod-1", "--zone", "us-central2-b",
                          "--worker=all", "--command"]
     script = remote_command(argv)
-    assert "stop_training" in script and "setsid nohup python3 train.py" in script
+    assert "stop_training" in script and "setsid nohup bash -c" in script and " python3 train.py " in script
     assert 'logs/worker_$(hostname).log' in script
     assert script.index("stop_training;") < script.index("setsid nohup")  # stale ones killed first
     words = shlex.split(script)
     i = words.index("train.py")
-    assert words[i + 1:i + 3] == ["experiment=v4_32_llama_1b", "train.steps=10"]
+    assert words[i + 1:i + 4] == ["logger.progress_bar=false", "experiment=v4_32_llama_1b", "train.steps=10"]
 
     cmds, _ = dry(capsys, "logs", *POD, "--worker", "2", "-f")
     assert "--worker=2" in cmds[0] and "tail -n 100 -F" in remote_command(cmds[0])
@@ -136,8 +137,8 @@ def test_overrides_cannot_inject(capsys):
     cmds, _ = dry(capsys, "run", *POD, "--", *NASTY)
     words = shlex.split(remote_command(cmds[0]))
     i = words.index("train.py")
-    assert words[i + 1:i + 1 + len(NASTY)] == NASTY  # each one a single, unchanged argument
-    assert words[i + 1 + len(NASTY)] == ">>"
+    assert words[i + 2:i + 2 + len(NASTY)] == NASTY  # each one a single, unchanged argument
+    assert words[i + 2 + len(NASTY)] == ">>"
 
 
 def test_secret_never_printed(capsys, monkeypatch):
@@ -251,7 +252,7 @@ def test_worker_scripts_run_and_stop(tmp_path, monkeypatch, capsys):
             time.sleep(0.05)
         time.sleep(0.2)
         rec = json.loads((remote / "argv.json").read_text())
-        assert rec["argv"] == ["train.py", *nasty]
+        assert rec["argv"] == ["train.py", "logger.progress_bar=false", *nasty]
         assert rec["key"] == SECRET
         assert not list(tmp_path.rglob("PWNED"))
         pid = int((remote / "logs" / "train.pid").read_text())
@@ -265,6 +266,65 @@ def test_worker_scripts_run_and_stop(tmp_path, monkeypatch, capsys):
         os.kill(pid, 0)
     assert not (remote / "logs" / "train.pid").exists()
     assert not list(tmp_path.rglob("PWNED"))
+
+
+FAKE_PYTHON_WITH_WORKER = """\
+#!{python}
+import signal, subprocess, sys, time
+# Its "input worker": a child in the same process group, told apart by the SIGTERM it must not get.
+worker = subprocess.Popen([sys.executable, "-c", "import os, signal, sys, time\\n"
+                           "signal.signal(signal.SIGTERM, lambda *a: (open('worker_terminated', 'w').close(), sys.exit(0)))\\n"
+                           "open('worker.pid', 'w').write(str(os.getpid()))\\n"
+                           "time.sleep(120)"])
+def on_term(*_):
+    open("terminated", "w").close()
+    sys.exit(0)     # leaves its worker behind: `stop` has to wait for the group and kill it
+signal.signal(signal.SIGTERM, on_term)
+time.sleep(120)
+"""
+
+
+def alive_not_zombie(pid):
+    """A killed orphan stays a zombie until PID 1 reaps it."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_stop_terms_train_py_alone_then_kills_its_group(tmp_path):
+    """SIGTERM goes to train.py only (its input workers keep serving until it has saved), `stop`
+    waits for the whole process group and SIGKILLs what is left after the grace period; the log
+    records train.py's exit code."""
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    fake = tmp_path / "fakepython"
+    fake.write_text(FAKE_PYTHON_WITH_WORKER.format(python=sys.executable))
+    fake.chmod(0o755)
+    outputs = []
+
+    def local_worker(cmd):
+        r = subprocess.run(["bash", "-c", remote_command(cmd)], cwd=tmp_path, timeout=60, capture_output=True,
+                           text=True, start_new_session=True)
+        outputs.append(r.stdout + r.stderr)
+        return r.returncode
+
+    common = [*POD, "--remote-dir", str(remote), "--python", str(fake)]
+    assert tpu.main(["run", *common, "--startup-check", "0"], runner=local_worker) == 0
+    deadline = time.time() + 30
+    while not (remote / "worker.pid").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)
+    worker_pid = int((remote / "worker.pid").read_text())
+    assert tpu.main(["stop", *common, "--grace-period", "2"], runner=local_worker) == 0
+    assert (remote / "terminated").exists() and not (remote / "worker_terminated").exists()
+    assert "SIGKILL" in outputs[-1]
+    deadline = time.time() + 10        # SIGKILL is delivered asynchronously
+    while alive_not_zombie(worker_pid) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not alive_not_zombie(worker_pid)
+    log = next((remote / "logs").glob("worker_*.log")).read_text()
+    assert "train.py exited with code 0" in log.rstrip().splitlines()[-1]
 
 
 def test_run_reports_early_crash(tmp_path, monkeypatch, capsys):

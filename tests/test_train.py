@@ -96,6 +96,20 @@ def test_loss_falls_on_the_sample(tmp_path):
     assert list((tmp_path / "wandb").glob("offline-run-*")), "wandb offline run missing"
 
 
+def test_a_run_shorter_than_the_warmup_just_works(tmp_path, capsys):
+    # `python train.py train.steps=3` with the default 30-step warmup and decay over the run:
+    # warms up over the first half of the run, says so in one line, and trains.
+    summary = train_mod.train(make_cfg(tmp_path, "train.steps=3", "train.log_every=1", "train.eval_every=0",
+                                       "checkpoint.every=0", "logger.wandb.mode=disabled", "data.num_workers=0",
+                                       "optimizer.warmup_steps=30", "optimizer.decay_steps=null"))
+    assert summary["steps"] == 3
+    notes = [line for line in capsys.readouterr().out.splitlines() if "optimizer.warmup_steps" in line]
+    assert notes == ["note: optimizer.warmup_steps=30 is not below train.steps=3: warming up over the first "
+                     "1 steps (half the run) instead"]
+    lrs = [r["lr"] for r in read_metrics(tmp_path)]
+    assert lrs[0] == 0.0 and lrs[1] == pytest.approx(3.0e-3) and 0 < lrs[2] < lrs[1]
+
+
 # ---------------------------------------------------------------- bad input fails in one line
 def run_cli(tmp_path, *overrides):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
@@ -111,6 +125,9 @@ def run_cli(tmp_path, *overrides):
     (["data.nonsense_key=1"], "nonsense_key"),
     (["data.eval.holdout_files=0", "data.eval.paths=[${project_root:}/data/sample/0003/en_head.json.gz]"], "overlaps"),
     (["data.num_workers=8"], "data.num_shards"),
+    (["data.paths=@/nonexistent/train_files.txt"], "data.paths: cannot read the file list @/nonexistent/train_files.txt"),
+    # An explicit decay shorter than the warmup is a mistake, not a smoke run.
+    (["train.steps=5", "optimizer.decay_steps=20"], "optimizer.warmup_steps=30 must be below optimizer.decay_steps=20"),
 ])
 def test_bad_config_fails_fast_with_one_line(tmp_path, overrides, needle):
     result = run_cli(tmp_path, *overrides)

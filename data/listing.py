@@ -1,0 +1,142 @@
+"""The run's file list: `data.paths` (globs, plain paths, `@list` files) -> sorted file paths.
+
+A bucket mounted with gcsfuse holds thousands of files, and every uncached metadata call
+(stat, lookup) is a bucket request. `list_paths` therefore costs at most one metadata call
+per file: a glob component is matched against one read of its directory (the entries' types
+come with the read), and only a literal last component (`*/en_head.json.gz`, a plain path,
+an entry of a list file) is stat-ed, once. train.py runs it on one process, hands the list
+to the other hosts and saves it with the checkpoint, so a run lists its bucket once.
+
+Entries of a pattern list:
+  /mnt/rp/*/en_head.json.gz   a glob (`*`, `?`, `[...]`, `**` for any depth)
+  /mnt/rp/0001/en_head.json.gz  a plain path
+  @/mnt/rp/train_files.txt    a text file of paths, one per line (blank lines and `#`
+                              comments skipped; relative paths are relative to the list
+                              file's directory); entries are literal, never globs
+"""
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import glob
+import os
+import stat
+
+
+@dataclasses.dataclass
+class Listing:
+    files: list[str]            # sorted, deduplicated
+    dirs_read: int = 0          # directory reads (os.scandir)
+    stats: int = 0              # per-file metadata calls (os.stat)
+
+    def describe(self) -> str:
+        return (f"{len(self.files)} files ({self.dirs_read} directory reads, "
+                f"{self.stats} stats)")
+
+
+def list_paths(patterns, setting: str = "data.paths") -> Listing:
+    """Every file matched by `patterns`; ValueError naming the first entry that matches no
+    file (or the list file and line naming a missing one). `setting` names the config key
+    in those messages."""
+    if isinstance(patterns, str):
+        patterns = (patterns,)
+    walker = _Walker()
+    files: set[str] = set()
+    for p in patterns:
+        p = str(p)
+        if p.startswith("@"):
+            files.update(walker.list_file(p[1:], setting))
+            continue
+        found = walker.expand(os.path.expanduser(p))
+        if not found:
+            raise ValueError(f"{setting}: {p!r} matches no file")
+        files.update(found)
+    return Listing(sorted(files), walker.dirs_read, walker.stats)
+
+
+class _Walker:
+    """Glob expansion with one read per directory (cached) and one stat per literal file."""
+
+    def __init__(self):
+        self.dirs_read = 0
+        self.stats = 0
+        self._entries: dict[str, list[tuple[str, bool, bool]]] = {}
+
+    def expand(self, pattern: str) -> list[str]:
+        if not glob.has_magic(pattern):
+            return [pattern] if self._is_file(pattern) else []
+        base = os.sep if os.path.isabs(pattern) else ""
+        parts = [c for c in pattern.split(os.sep) if c]
+        return list(self._expand(base, parts))
+
+    def list_file(self, path: str, setting: str) -> list[str]:
+        path = os.path.expanduser(path)
+        try:
+            with open(path) as f:
+                lines = f.read().splitlines()
+        except OSError as e:
+            raise ValueError(f"{setting}: cannot read the file list @{path} "
+                             f"({e.strerror or type(e).__name__})") from None
+        root = os.path.dirname(path)
+        out = []
+        for n, line in enumerate(lines, 1):
+            entry = line.strip()
+            if not entry or entry.startswith("#"):
+                continue
+            entry = os.path.join(root, os.path.expanduser(entry))
+            if not self._is_file(entry):
+                raise ValueError(f"{setting}: @{path}:{n} names {entry!r}, which is not a file")
+            out.append(entry)
+        if not out:
+            raise ValueError(f"{setting}: the file list @{path} names no file")
+        return out
+
+    def _expand(self, base: str, parts: list[str]):
+        head, rest = parts[0], parts[1:]
+        if head == "**":    # zero or more directories
+            yield from (self._expand(base, rest) if rest else self._files_below(base))
+            for name, is_dir, _ in self._list(base):
+                if is_dir and not name.startswith("."):
+                    yield from self._expand(os.path.join(base, name), parts)
+        elif glob.has_magic(head):
+            for name, is_dir, is_file in self._list(base):
+                # glob's rule: a leading dot is matched only by a pattern's leading dot.
+                if name.startswith(".") and not head.startswith("."):
+                    continue
+                if not fnmatch.fnmatchcase(name, head):
+                    continue
+                if rest and is_dir:
+                    yield from self._expand(os.path.join(base, name), rest)
+                elif not rest and is_file:
+                    yield os.path.join(base, name)
+        elif rest:
+            # No check here: the next directory read finds out whether it exists.
+            yield from self._expand(os.path.join(base, head), rest)
+        else:
+            path = os.path.join(base, head)
+            if self._is_file(path):
+                yield path
+
+    def _files_below(self, base: str):
+        for name, _, is_file in self._list(base):
+            if is_file and not name.startswith("."):
+                yield os.path.join(base, name)
+
+    def _list(self, directory: str) -> list[tuple[str, bool, bool]]:
+        """(name, is_dir, is_file) of a directory's entries, read once per listing. The types
+        come from the directory read itself (d_type) except for symlinks, which cost a stat."""
+        if directory not in self._entries:
+            self.dirs_read += 1
+            try:
+                with os.scandir(directory or ".") as it:
+                    self._entries[directory] = [(e.name, e.is_dir(), e.is_file()) for e in it]
+            except OSError:     # missing or unreadable: matches nothing, as with glob
+                self._entries[directory] = []
+        return self._entries[directory]
+
+    def _is_file(self, path: str) -> bool:
+        self.stats += 1
+        try:
+            return stat.S_ISREG(os.stat(path).st_mode)
+        except OSError:
+            return False

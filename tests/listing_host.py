@@ -1,0 +1,40 @@
+"""One host of tests/test_data_listing.py's two-host test: `python listing_host.py ID PORT CORPUS`.
+
+Joins a real 2-process jax.distributed job, counts (Python audit hooks) every directory read
+and open that names the corpus, runs train.py's listing for a good and for a bad pattern, and
+prints one JSON line.
+"""
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+process_id, port, corpus = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+touched = []
+
+
+def _audit(event, args):
+    if event in ("os.scandir", "os.listdir", "open", "glob.glob") and args and str(args[0]).startswith(corpus):
+        touched.append([event, str(args[0])])
+
+
+sys.addaudithook(_audit)
+
+import jax  # noqa: E402
+
+jax.config.update("jax_platforms", "cpu")
+jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2, process_id=process_id)
+
+import data as data_lib  # noqa: E402
+import train  # noqa: E402
+
+cfg = data_lib.DataConfig(paths=(f"{corpus}/*/en_head.json.gz",), tokenizer="unused", seq_len=8,
+                          global_batch_size=4)
+listing = train._run_listing(data_lib, cfg, [], None, process_id == 0)
+try:
+    train._run_listing(data_lib, cfg, [f"{corpus}/nothing/*.json.gz"], None, process_id == 0)
+    error = None
+except ValueError as e:
+    error = str(e)
+print(json.dumps({"files": listing["train"], "touched": touched, "error": error}), flush=True)

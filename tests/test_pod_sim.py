@@ -1,0 +1,127 @@
+"""scripts/tpu.py end to end on a simulated 2-worker pod (tests/pod_sim.py: a fake `gcloud` runs
+each command in the workers' homes, through their shells, with a TPU VM's environment).
+
+    pytest tests/test_pod_sim.py -q        # about a minute on 2 cores
+
+setup (no pip install: --no-install) -> run -> logs -> stop -> run. The two train.py processes find
+each other from the TPU VM environment alone (no distributed.* override), train one tiny model
+together, save on SIGTERM and exit 0; the second run resumes from that checkpoint. A run name
+holding quotes, spaces, `;` and `$(...)` reaches train.py verbatim and never runs as a command.
+"""
+import json
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from pod_sim import SimPod
+
+import train as train_mod
+
+# A tiny model on the bundled sample, logged every step (a SIGTERM is agreed between hosts at log
+# steps) and no periodic checkpoint: the only checkpoint is the one `stop` causes.
+# The progress bar is left to tpu.py, which turns it off for detached runs (`logs` shows step lines).
+TINY = ["mesh=fsdp", "data.seq_len=64", "data.global_batch_size=16", "data.num_shards=4", "data.num_workers=1",
+        "train.log_every=1", "train.eval_every=0", "checkpoint.every=1000000", "logger.wandb.mode=offline",
+        "optimizer.warmup_steps=1", "optimizer.decay_steps=1000"]
+# As typed on the local command line; Hydra's own quoting makes it one string value.
+ODD_NAME = """name='it\\'s "odd"; $(touch PWNED) a  b'"""
+ODD_NAME_VALUE = """it's "odd"; $(touch PWNED) a  b"""
+EXIT_0 = "train.py exited with code 0"
+
+
+def ok(result):
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return result.stdout
+
+
+def wait_for_exits(pod, launches, timeout=300):
+    """Until every worker's log records `launches` exits of train.py. Reads the logs directly:
+    polling through `tpu.py logs` would add a python and two shells per poll to a busy machine."""
+    deadline = time.time() + timeout
+    while not all(worker_log(pod, w).count("train.py exited with code") >= launches for w in range(pod.workers)):
+        assert time.time() < deadline, [worker_log(pod, w)[-2000:] for w in range(pod.workers)]
+        time.sleep(1)
+
+
+def worker_log(pod, w):
+    return next((pod.home(w) / "jaxpt" / "logs").glob("worker_*.log")).read_text()
+
+
+@pytest.fixture
+def pod(tmp_path):
+    pod = SimPod(tmp_path / "pod", workers=2, devices_per_worker=2)
+    yield pod
+    # A failed test must not leave detached train.py processes behind on a shared machine.
+    pod.tpu("stop", "--grace-period", "10")
+
+
+def test_sync_run_logs_stop_resume_on_simulated_pod(pod, tmp_path):
+    bucket = tmp_path / "bucket" / "ckpt"      # stands for gs://...: all workers write one checkpoint there
+
+    out = ok(pod.tpu("setup", "--no-install"))
+    for w in range(2):
+        assert f"t1v-n-pod-sim-w-{w}: jax " in out
+        assert (pod.home(w) / "jaxpt" / "train.py").exists()
+
+    ok(pod.tpu("run", "--", *TINY, "train.steps=1000000", f"checkpoint.dir={bucket}", ODD_NAME))
+    # `logs` (worker 0 by default) shows the training progress.
+    deadline = time.time() + 300
+    while "step 2 loss" not in (log0 := ok(pod.tpu("logs"))):
+        assert time.time() < deadline and "exited with code" not in log0, log0[-4000:]
+        time.sleep(3)
+    assert "Starting a new run" in log0
+    # Both workers joined one 2-process x 2-device job, from the TPU VM environment alone.
+    pid = int((pod.home(0) / "jaxpt" / "logs" / "train.pid").read_text())
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
+    assert argv[-1] == ODD_NAME                 # verbatim, one argument
+    assert not any(a.startswith("distributed.") for a in argv)
+
+    out = ok(pod.tpu("stop", "--grace-period", "120"))
+    assert "SIGKILL" not in out
+    logs = [worker_log(pod, w) for w in range(2)]
+    assert all(EXIT_0 in log.rstrip().splitlines()[-1] for log in logs), [log[-1500:] for log in logs]
+    saved = int(logs[0].split("Preempted: saved step ")[1].split()[0])
+    # One checkpoint written by a 2-process job: each process saved its data state there.
+    assert sorted(f.name for f in (bucket / str(saved) / "data").glob("*.json")) == \
+        ["process_0-of-2.json", "process_1-of-2.json"]
+    run_dir = pod.home(0) / "jaxpt" / "runs" / ODD_NAME_VALUE
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert config["name"] == ODD_NAME_VALUE
+    assert config["distributed"]["coordinator_address"] is None
+
+    ok(pod.tpu("run", "--", *TINY, f"train.steps={saved + 2}", f"checkpoint.dir={bucket}", ODD_NAME))
+    wait_for_exits(pod, launches=2)
+    out = ok(pod.tpu("logs", "--worker", "all"))
+    assert out.count(EXIT_0) == 4, out[-4000:]      # both launches, both workers
+    logs = [worker_log(pod, w) for w in range(2)]
+    second = logs[0].split("start ===")[-1]
+    assert "Resuming from latest checkpoint" in second and f"at step {saved}" in second, second[-2000:]
+    assert f"Done: steps {saved}->{saved + 2}" in second
+    wandb_ids = [line.split()[2].rstrip(":") for line in logs[0].splitlines() if line.startswith("wandb run ")]
+    assert len(wandb_ids) == 2 and wandb_ids[0] == wandb_ids[1]      # the same wandb run continues
+    assert (bucket / str(saved + 2)).is_dir()
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, saved + 3))     # continued, not restarted
+    assert not list(tmp_path.rglob("PWNED"))
+
+
+def test_tpu_slice_from_the_vm_environment(monkeypatch):
+    """What train.py reads to start jax.distributed on a pod, and its one-line errors."""
+    for name in ("MEGASCALE_COORDINATOR_ADDRESS", "JAX_COORDINATOR_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "10.0.0.2,10.0.0.3,10.0.0.4,10.0.0.5")
+    monkeypatch.setenv("TPU_WORKER_ID", "2")
+    assert train_mod._tpu_slice_from_env() == {"coordinator_address": "10.0.0.2:8482", "num_processes": 4,
+                                               "process_id": 2}
+    monkeypatch.setenv("JAX_COORDINATOR_PORT", "9999")
+    assert train_mod._tpu_slice_from_env()["coordinator_address"] == "10.0.0.2:9999"
+    for bad in ("4", "", "w1"):
+        monkeypatch.setenv("TPU_WORKER_ID", bad)
+        with pytest.raises(train_mod.ConfigError, match="TPU_WORKER_ID"):
+            train_mod._tpu_slice_from_env()
+    monkeypatch.setenv("MEGASCALE_COORDINATOR_ADDRESS", "10.0.0.2")    # multislice: jax's own detection
+    assert train_mod._tpu_slice_from_env() is None
+    monkeypatch.delenv("MEGASCALE_COORDINATOR_ADDRESS")
+    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "10.0.0.2")             # one host: no jax.distributed
+    assert train_mod._tpu_slice_from_env() is None
