@@ -11,7 +11,7 @@ per element after a ramp 1, 2, 4, ... that keeps the first batch early); the hos
 workers' slabs back into shard order (WorkerMergeIterDataset) and derives the batch arrays
 (slab_to_batch).
 
-Host state (JSON): {"__vshards__": 2, "num_shards": V,
+Host state (JSON): {"__vshards__": STATE_VERSION (3), "num_shards": V,
 "topology": [process_index, process_count, num_workers], "shards": {"v": shard state}}, and
 with workers "grain": {"state": [each worker pipeline's Grain state at the start of the current
 group], "skip": n}.
