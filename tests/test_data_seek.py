@@ -244,3 +244,24 @@ def test_split_file_resume_exact_and_on_other_host_count(tmp_path, P1, N1, P2, N
         for key in ("inputs", "targets", "doc_ids", "row_shard"):
             np.testing.assert_array_equal(np.concatenate([b[key] for b in hosts]),
                                           straight[step][key], err_msg=f"step {step} {key}")
+
+
+def test_mixture_sources_with_fewer_files_than_shards_are_split(tmp_path):
+    from data.mixture import SOURCE_ID_SHIFT, source_of_doc_id
+    for i, name in enumerate(("a", "b")):
+        write_corpus(tmp_path / name, n_files=1, docs_per_file=24, seed=i, max_words=30)
+    sources = [{"name": n, "weight": 1.0, "paths": [str(tmp_path / n / "*" / "*")]}
+               for n in ("a", "b")]
+    c = cfg(tmp_path, paths=(), sources=sources, num_shards=4, global_batch_size=8, seq_len=16,
+            shuffle_window=4, files_per_stream=1)
+    data.validate(c, 1, 1)
+    fp = data.fingerprint(c)
+    assert fp["source.a.file_split"] == fp["source.b.file_split"] == 4
+    lines = {0: {}, 1: {}}
+    for shard, did, _ in rows_of(take(data.make_host_iterator(c, 0, 1, debug=True), 80)):
+        for d in set(did[did >= 0].tolist()):
+            e, f, line = decode_doc_id(d & ((1 << SOURCE_ID_SHIFT) - 1), 1)
+            assert line % 4 == shard, "a shard read another shard's line of a source"
+            lines[int(source_of_doc_id(d))].setdefault(e, set()).add(line)
+    for src in (0, 1):
+        assert lines[src][0] == set(range(24)), f"source {src}: epoch 0 not every line once"
