@@ -215,17 +215,18 @@ def test_held_out_files_without_a_valid_document_are_left_out(tmp_path, capsys):
     with gzip.open(empty, "wb"):
         pass
     base = cfg(tmp_path, global_batch_size=4)
-    _, eval_cfg, _ = train_mod._split_eval(data, base, {"holdout_files": 2})
+    listing = {"train": data.list_files(base), "eval": []}
+    _, eval_cfg, _, eval_files = train_mod._split_eval(base, listing, 2)
     assert eval_cfg.num_shards == 2
-    kept = train_mod._valid_eval_cfg(data, eval_cfg, announce=True)
-    assert data.list_files(kept) == [os.path.join(str(tmp_path), "0006", "en_head.json.gz")]
+    kept, kept_files = train_mod._valid_eval_files(data, eval_cfg, eval_files, announce=True)
+    assert kept_files == [os.path.join(str(tmp_path), "0006", "en_head.json.gz")]
     assert kept.num_shards == 1
     [line] = capsys.readouterr().out.splitlines()
     assert line.startswith("data.eval: 1 of 2 held-out file(s)") and f"{empty}:0: empty_file" in line
     assert line.endswith("evaluating on the other 1")
-    next(data.make_host_iterator(kept, 0, 1))    # the kept held-out data reads
-    _, eval_cfg, _ = train_mod._split_eval(data, base, {"holdout_files": 1})
-    assert train_mod._valid_eval_cfg(data, eval_cfg, announce=False) is None
+    next(data.make_host_iterator(kept, 0, 1, files=kept_files))    # the kept held-out data reads
+    _, eval_cfg, _, eval_files = train_mod._split_eval(base, listing, 1)
+    assert train_mod._valid_eval_files(data, eval_cfg, eval_files, announce=False) == (None, [])
 
 
 # ---------------------------------------------------------------- train.py, as a user runs it
