@@ -10,8 +10,9 @@ TrainState is a plain dict {"params": nested dict of arrays, "opt_state": optax 
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -193,6 +194,55 @@ def make_eval_step(model_cfg, mesh: Mesh, rules, state_shardings) -> Callable:
 
     return jax.jit(step, in_shardings=(state_shardings["params"], {k: b_sh for k in BATCH_KEYS}),
                    out_shardings=shd.replicated(mesh))
+
+
+# ----------------------------------------------------------------------------- the program
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """The compiled program of a run, before any array exists: mesh, rules, the abstract train
+    state with its shardings, and the jitted train and eval steps. train.py runs it;
+    scripts/compile_tpu.py compiles the same object for a TPU topology, so what the compile
+    check reports is what the run executes."""
+
+    mesh: Mesh
+    rules: shd.Rules
+    abstract_state: TrainState   # jax.ShapeDtypeStruct leaves carrying .sharding
+    state_shardings: Any
+    batch_sharding: NamedSharding
+    train_step: Callable         # (state, batch) -> (state, metrics); state donated
+    eval_step: Callable          # (params, batch) -> {"loss_sum", "n_tokens"}
+
+    def abstract_batch(self, global_batch: int, seq_len: int) -> dict:
+        """The global batch as the input pipeline delivers it: int32 [global_batch, seq_len] per key."""
+        return {k: jax.ShapeDtypeStruct((global_batch, seq_len), jnp.int32, sharding=self.batch_sharding)
+                for k in BATCH_KEYS}
+
+
+def build_program(model_cfg, tx, mesh_cfg: Mapping, *, global_batch: int, z_loss: float, microbatches: int,
+                  devices: Sequence[jax.Device] | None = None) -> Program:
+    """The run's Program over `devices` (default: every process's devices).
+
+    Raises ValueError naming the setting when the batch does not split over the mesh's batch
+    shards or the microbatches; nothing is allocated or compiled here.
+    """
+    cfg = _as_cfg(model_cfg)
+    mesh = shd.make_mesh(mesh_cfg, devices)
+    batch_ways = mesh.shape["data"] * mesh.shape["fsdp"]
+    if global_batch % batch_ways:
+        raise ValueError(f"data.global_batch_size={global_batch} does not divide over the {batch_ways} batch "
+                         f"shards of mesh {dict(mesh.shape)} (mesh.data x mesh.fsdp)")
+    if (global_batch // batch_ways) % microbatches:
+        raise ValueError(f"train.microbatches={microbatches} does not divide the "
+                         f"{global_batch // batch_ways} rows per batch shard")
+    rules = shd.rules_from_cfg(mesh_cfg)
+    abstract_state, state_shardings = abstract_train_state(cfg, tx, mesh, rules)
+    return Program(
+        mesh=mesh, rules=rules, abstract_state=abstract_state, state_shardings=state_shardings,
+        batch_sharding=batch_sharding(mesh, rules),
+        train_step=make_train_step(cfg, tx, mesh, rules, state_shardings, z_loss=z_loss, microbatches=microbatches),
+        eval_step=make_eval_step(cfg, mesh, rules, state_shardings))
 
 
 # ----------------------------------------------------------------------------- memory
