@@ -44,15 +44,17 @@ class Generation:
     cores_per_name: int     # the slice name counts TensorCores (v4, v5p: 2 per chip) or chips
     torus_dims: int         # 3-D torus (v4, v5p) or 2-D (v5e, v6e)
     chip_config: str        # "megacore": the chip's two TensorCores act as one device
-    hbm_gib: float
+    hbm_gib: float          # HBM per chip, as sold
+    usable_gib: float       # what the compiler may allocate: plans are judged against this
 
 
-# HBM per chip from Google's TPU system-architecture pages.
+# HBM per chip from Google's TPU system-architecture pages; usable HBM as libtpu 0.0.42.1 states
+# it when a program exceeds it ("exceeds available HBM (30.75G)" on v4): the rest is reserved.
 GENERATIONS = {
-    "v4": Generation("v4", 2, 3, "megacore", 32),
-    "v5p": Generation("v5p", 2, 3, "megacore", 95),
-    "v5e": Generation("v5e", 1, 2, "default", 16),
-    "v6e": Generation("v6e", 1, 2, "default", 32),
+    "v4": Generation("v4", 2, 3, "megacore", 32, 30.75),
+    "v5p": Generation("v5p", 2, 3, "megacore", 95, 95.74),
+    "v5e": Generation("v5e", 1, 2, "default", 16, 15.75),
+    "v6e": Generation("v6e", 1, 2, "default", 32, 31.25),
 }
 GENERATIONS["v5litepod"] = GENERATIONS["v5e"]     # the Cloud TPU API's name for v5e slices
 
@@ -98,6 +100,17 @@ def slice_devices(tpu: Slice):
     return desc.devices
 
 
+def libtpu_env(tpu: Slice) -> None:
+    """Environment for libtpu as a compiler only, set before its first use in the process."""
+    # Which slice this is and that no other worker exists: libtpu's start-up otherwise logs that
+    # it could not find them.
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", tpu.name)
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    # libtpu takes a machine-wide lock meant for processes that drive TPU chips; compiling drives
+    # none, and two checks at once (or one beside a test run) must not fail on the lock.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+
 def require_libtpu() -> None:
     try:
         import libtpu  # noqa: F401  (the TPU compiler ships in this wheel)
@@ -135,9 +148,10 @@ def _compile_one(fn, args, capacity: int) -> dict:
     except Exception as e:  # the TPU compiler reports a program that exceeds HBM as RESOURCE_EXHAUSTED
         if "RESOURCE_EXHAUSTED" not in str(e) and "Ran out of memory" not in str(e):
             raise
-        used = re.search(r"Used ([\d.]+[KMGT]?) of ([\d.]+[KMGT]?) hbm", str(e))
+        # libtpu's early check names only the overflowing total ("... HLO temporaries (33.70G)
+        # exceeds available HBM (30.75G)"); its full report also lists the largest allocations.
         return {"fits": False, "compile_s": time.perf_counter() - t0,
-                "compiler_says": used.group(0) if used else str(e).splitlines()[0][:200],
+                "compiler_says": str(e).splitlines()[0][:300],
                 "largest_allocations": _largest_allocations(str(e))}
     compile_s = time.perf_counter() - t0
     m = compiled.memory_analysis()
@@ -156,19 +170,23 @@ def _compile_one(fn, args, capacity: int) -> dict:
 def compile_plan(cfg, tpu: Slice) -> dict:
     """Compile the run `cfg` describes for `tpu`: {"train_step": figures, "eval_step": figures, ...}."""
     import train
+    from model.flops import recompute_factor
 
     model_cfg, tx, _ = train.model_and_optimizer(cfg)
     if cfg.data.seq_len > model_cfg.max_seq_len:
         raise ValueError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={model_cfg.max_seq_len}")
     program = train.build_program(cfg, model_cfg, tx, devices=slice_devices(tpu))
     batch = program.abstract_batch(int(cfg.data.global_batch_size), int(cfg.data.seq_len))
-    capacity = int(tpu.generation.hbm_gib * GIB)
+    capacity = int(tpu.generation.usable_gib * GIB)
     plan = {
         "topology": tpu.name, "libtpu_topology": tpu.libtpu_name, "chips": tpu.chips,
         "device_kind": program.mesh.devices.flat[0].device_kind, "hbm_gib_per_chip": tpu.generation.hbm_gib,
+        "usable_hbm_gib_per_chip": tpu.generation.usable_gib,
         "mesh": dict(program.mesh.shape), "model": {k: cfg.model[k] for k in ("attention", "remat")},
-        "microbatches": int(cfg.train.microbatches), "seq_len": int(cfg.data.seq_len),
+        "microbatches": int(cfg.train.microbatches), "loss_chunk": int(cfg.train.loss_chunk), "seq_len": int(cfg.data.seq_len),
         "global_batch_size": int(cfg.data.global_batch_size),
+        # executed / useful FLOPs: what rematerialisation and a chunked loss cost in compute
+        "recompute_factor": recompute_factor(model_cfg, int(cfg.data.seq_len), int(cfg.train.loss_chunk)),
     }
     plan["train_step"] = _compile_one(program.train_step, (program.abstract_state, batch), capacity)
     plan["eval_step"] = _compile_one(program.eval_step, (program.abstract_state["params"], batch), capacity)
@@ -177,15 +195,17 @@ def compile_plan(cfg, tpu: Slice) -> dict:
 
 def report(plan: dict) -> str:
     """The plan's figures as the console shows them."""
-    cap = plan["hbm_gib_per_chip"]
-    lines = [f"{plan['topology']} ({plan['chips']} x {plan['device_kind']}, {cap:g} GiB HBM each), "
+    cap = plan["usable_hbm_gib_per_chip"]
+    lines = [f"{plan['topology']} ({plan['chips']} x {plan['device_kind']}, {plan['hbm_gib_per_chip']:g} GiB HBM "
+             f"each, {cap:g} usable), "
              f"mesh {plan['mesh']}, attention {plan['model']['attention']}, remat {plan['model']['remat']}, "
-             f"microbatches {plan['microbatches']}, batch {plan['global_batch_size']} x {plan['seq_len']}"]
+             f"microbatches {plan['microbatches']}, loss_chunk {plan['loss_chunk']}, "
+             f"batch {plan['global_batch_size']} x {plan['seq_len']}; recompute factor {plan['recompute_factor']:.3f}"]
     for step in ("train_step", "eval_step"):
         r = plan[step]
         if not r["fits"] and "total_gib" not in r:
-            lines.append(f"  {step}: does not fit ({r['compiler_says']}); compiled in {r['compile_s']:.1f} s; "
-                         "largest allocations:")
+            lines.append(f"  {step}: does not fit ({r['compiler_says']}); compiler ran {r['compile_s']:.1f} s"
+                         + ("; largest allocations:" if r["largest_allocations"] else ""))
             lines += [f"    {a}" for a in r["largest_allocations"]]
             continue
         verdict = (f"fits, margin {r['margin_gib']:.2f} GiB ({1 - r['hbm_fraction']:.0%})" if r["fits"]
@@ -228,10 +248,7 @@ def main(argv=None) -> int:
     except ValueError as e:
         raise SystemExit(f"compile_tpu: {e}") from None
     require_libtpu()
-    # Which slice this is and that no other worker exists: libtpu's start-up otherwise logs that
-    # it could not find them.
-    os.environ.setdefault("TPU_ACCELERATOR_TYPE", tpu.name)
-    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    libtpu_env(tpu)
     try:
         plan = compile_plan(cfg, tpu)
     except ValueError as e:     # a config mistake (mesh, batch, microbatches): one line
