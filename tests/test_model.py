@@ -190,8 +190,14 @@ def test_chunked_loss_equals_whole_sequence_loss_and_grads():
     inputs, targets = (rng.integers(0, SMALL.vocab_size, (2, 16)).astype(np.int32) for _ in range(2))
     seg = np.repeat(np.array([[1] * 10 + [2] * 6]), 2, axis=0).astype(np.int32)
     pos = np.where(seg == 1, np.arange(16), np.arange(16) - 10).astype(np.int32)
-    batch = dict(inputs=inputs, targets=targets, segment_ids=seg, positions=pos, loss_mask=np.ones_like(seg))
-    graphdef, params = nnx.split(Llama(SMALL, rngs=nnx.Rngs(0)), nnx.Param)
+    mask = np.ones_like(seg)
+    mask[0, -3:] = mask[1, :5] = 0   # uneven: a chunk's tokens landing at the wrong positions show
+    batch = dict(inputs=inputs, targets=targets, segment_ids=seg, positions=pos, loss_mask=mask)
+    model = Llama(SMALL, rngs=nnx.Rngs(0))
+    for whole, chunked in zip(step.model_token_losses(model, batch), step.model_token_losses(model, batch, 4),
+                              strict=True):
+        np.testing.assert_allclose(chunked, whole, rtol=1e-6, atol=1e-6)
+    graphdef, params = nnx.split(model, nnx.Param)
     params = nnx.to_pure_dict(params)
 
     def loss_and_grad(chunk):
