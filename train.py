@@ -39,11 +39,9 @@ def train(cfg: DictConfig) -> dict:
 
     import data as data_lib
     from model import flops as flops_lib
-    from model import sharding as sharding_lib
     from model.checkpoint import Checkpointer, check_fingerprint, find_resume, restore_meta_and_data
     from model import step as step_lib
-    from model.llama import LlamaConfig
-    from model.optimizer import make_optimizer, resolve_warmup
+    from model.optimizer import resolve_warmup
 
     t_start = time.perf_counter()
 
@@ -53,16 +51,15 @@ def train(cfg: DictConfig) -> dict:
     data_map = OmegaConf.to_container(cfg.data, resolve=True)
     eval_map = data_map.pop("eval", None) or {}
     try:
-        model_cfg = LlamaConfig.from_mapping(cfg.model)
+        if cfg.train.steps <= 0:
+            raise ValueError(f"train.steps={cfg.train.steps} must be positive")
+        model_cfg, tx, schedule = model_and_optimizer(cfg)
         # data.paths may be one glob or a list: DataConfig takes either.
         data_cfg = data_lib.DataConfig.from_mapping({**data_map, "tokenizer": cfg.tokenizer.path})
         eval_paths, holdout = _eval_settings(eval_map)
         if holdout and data_cfg.sources:
             raise ValueError("data.eval.holdout_files works with data.paths only: with data.sources, "
                              "hold out files through data.eval.paths (read with data.text_key)")
-        if cfg.train.steps <= 0:
-            raise ValueError(f"train.steps={cfg.train.steps} must be positive")
-        tx, schedule = make_optimizer(cfg.optimizer, cfg.train.steps)
         _, _, warmup_notice = resolve_warmup(cfg.optimizer, cfg.train.steps)
     except (TypeError, ValueError) as e:
         raise ConfigError(str(e)) from e
@@ -79,20 +76,12 @@ def train(cfg: DictConfig) -> dict:
     try:
         data_lib.validate_settings(data_cfg, process_count)
         tokenizer = data_lib.load_tokenizer(data_cfg.tokenizer)
-        mesh = sharding_lib.make_mesh(cfg.mesh)
+        program = build_program(cfg, model_cfg, tx)
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(str(e)) from e
     if tokenizer.get_vocab_size() > model_cfg.vocab_size:
         raise ConfigError(f"model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's "
                           f"{tokenizer.get_vocab_size()} pieces (tokenizer.path={data_cfg.tokenizer})")
-    batch_ways = mesh.shape["data"] * mesh.shape["fsdp"]
-    if data_cfg.global_batch_size % batch_ways:
-        raise ConfigError(f"data.global_batch_size={data_cfg.global_batch_size} does not divide over the "
-                          f"{batch_ways} batch shards of mesh {dict(mesh.shape)} (mesh.data x mesh.fsdp)")
-    if (data_cfg.global_batch_size // batch_ways) % cfg.train.microbatches:
-        raise ConfigError(f"train.microbatches={cfg.train.microbatches} does not divide the "
-                          f"{data_cfg.global_batch_size // batch_ways} rows per batch shard")
-    rules = sharding_lib.rules_from_cfg(cfg.mesh)
 
     # ------------------------------------------------------------------ the run's files
     # One listing per run (data/listing.py), after every cheap check: a resumed run reads the list
@@ -115,8 +104,8 @@ def train(cfg: DictConfig) -> dict:
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
 
     # ------------------------------------------------------------------ model, optimizer, shardings
-    abstract_state, state_shardings = step_lib.abstract_train_state(model_cfg, tx, mesh, rules)
-    batch_sharding = step_lib.batch_sharding(mesh, rules)
+    mesh, rules, abstract_state = program.mesh, program.rules, program.abstract_state
+    batch_sharding = program.batch_sharding
     fingerprint = {"data": data_lib.fingerprint(data_cfg, tokenizer=tokenizer, files=train_files),
                    "model": OmegaConf.to_container(cfg.model, resolve=True)}
 
@@ -179,12 +168,12 @@ def train(cfg: DictConfig) -> dict:
                 print(f"Starting a new run in {run_dir}", flush=True)
 
         # ------------------------------------------------------------------ jitted steps
-        train_step = step_lib.make_train_step(model_cfg, tx, mesh, rules, state_shardings, z_loss=cfg.train.z_loss,
-                                              microbatches=cfg.train.microbatches)
+        # Built with the program (build_program): jax.jit compiles at the first call.
+        train_step = program.train_step
         eval_set = None
         if eval_cfg is not None and cfg.train.eval_every:
-            eval_step = step_lib.make_eval_step(model_cfg, mesh, rules, state_shardings)
-            eval_set = _EvalSet(data_lib, eval_cfg, eval_files, cfg.train.eval_batches, batch_sharding, eval_step,
+            eval_set = _EvalSet(data_lib, eval_cfg, eval_files, cfg.train.eval_batches, batch_sharding,
+                                program.eval_step,
                                 tokenizer)
         tokens_per_step = data_cfg.global_batch_size * data_cfg.seq_len
         flops_per_step = flops_lib.flops_per_token(model_cfg, data_cfg.seq_len) * tokens_per_step
@@ -273,6 +262,26 @@ def train(cfg: DictConfig) -> dict:
         print(f"Done: steps {start_step}->{step}, {summary['tokens']:,} tokens in {summary['wall_s']:.0f} s, "
               f"final loss {final}; checkpoints in {ckpt.directory}", flush=True)
     return summary
+
+
+# ====================================================================== the program
+def model_and_optimizer(cfg: DictConfig):
+    """(LlamaConfig, optax optimizer, lr schedule) from cfg.model, cfg.optimizer, cfg.train.steps."""
+    from model.llama import LlamaConfig
+    from model.optimizer import make_optimizer
+
+    return (LlamaConfig.from_mapping(cfg.model), *make_optimizer(cfg.optimizer, cfg.train.steps))
+
+
+def build_program(cfg: DictConfig, model_cfg, tx, devices=None):
+    """The run's mesh, shardings, abstract state and jitted steps (model/step.py Program) over
+    `devices` (default: all). The one place where the config becomes the compiled program:
+    train() runs it and scripts/compile_tpu.py compiles it for a TPU topology."""
+    from model import step as step_lib
+
+    return step_lib.build_program(model_cfg, tx, cfg.mesh, global_batch=int(cfg.data.global_batch_size),
+                                  z_loss=float(cfg.train.z_loss), microbatches=int(cfg.train.microbatches),
+                                  loss_chunk=int(cfg.train.loss_chunk), devices=devices)
 
 
 # ====================================================================== data

@@ -42,6 +42,25 @@ def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
     return float(6 * matmul_params(cfg) + attn)
 
 
+def recompute_factor(cfg: LlamaConfig, seq_len: int, loss_chunk: int = 0) -> float:
+    """FLOPs a train step executes over the useful ones (flops_per_token), counting the matmuls
+    that rematerialisation and a chunked loss run again in the backward pass.
+
+    - remat "full" re-runs each layer's forward: its weight matmuls and attention (~4/3 overall);
+    - "dots"/"dots_all" keep the weight matmuls and re-run attention (a splash kernel is no dot,
+      so "dots_all" keeps attention only with the XLA einsums);
+    - loss_chunk > 0 re-runs the output projection.
+    Elementwise work (norms, RoPE, softmax) is left out, as in flops_per_token.
+    """
+    layer_weights = matmul_params(cfg) - cfg.d_model * cfg.vocab_size
+    attention_fwd = 4 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
+    extra = {"none": 0, "full": 2 * layer_weights + attention_fwd, "dots": attention_fwd,
+             "dots_all": attention_fwd if cfg.attention == "splash" else 0}[cfg.remat]
+    if loss_chunk:
+        extra += 2 * cfg.d_model * cfg.vocab_size
+    return 1.0 + extra / flops_per_token(cfg, seq_len)
+
+
 def peak_flops(device_kind: str, override: float | None = None) -> float | None:
     """Peak bf16 FLOP/s of one device, `override` if given, None when unknown (e.g. CPU)."""
     if override:

@@ -18,7 +18,6 @@ Conventions (see docs/style.md):
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any, Mapping
 
@@ -339,6 +338,11 @@ class Llama(nnx.Module):
 
     def __call__(self, tokens_bt, positions_bt, segment_ids_bt):
         """Logits [b, t, v] in fp32. positions restart at 0 per packed document."""
+        return self.logits(self.hidden(tokens_bt, positions_bt, segment_ids_bt))
+
+    def hidden(self, tokens_bt, positions_bt, segment_ids_bt):
+        """The final-normed hidden states [b, t, d] that `logits` projects onto the vocab. Apart
+        so the loss can project a chunk of positions at a time (train.loss_chunk)."""
         cfg = self.cfg
         dt = jnp.dtype(cfg.dtype)
         x_btd = jnp.take(self.embed_vd[...], tokens_bt, axis=0).astype(dt)
@@ -361,10 +365,15 @@ class Llama(nnx.Module):
                 graphdef, state = nnx.split(block)
                 x_btd = apply(graphdef, state, x_btd)
 
-        x_btd = self.final_norm(x_btd)
+        return self.final_norm(x_btd)
+
+    def logits(self, x_btd):
+        """[b, t, d] hidden states -> [b, t, v] logits in fp32."""
+        cfg = self.cfg
         head_dv = self.embed_vd[...].T if cfg.tie_embeddings else self.lm_head_dv[...]
         # fp32 accumulation and output: the loss is a log-softmax over the vocab.
-        logits_btv = jnp.einsum("btd,dv->btv", x_btd, head_dv.astype(dt), preferred_element_type=jnp.float32)
+        logits_btv = jnp.einsum("btd,dv->btv", x_btd, head_dv.astype(jnp.dtype(cfg.dtype)),
+                                preferred_element_type=jnp.float32)
         return shd.constrain(logits_btv, ("act_batch", "act_len", "act_vocab"))
 
     # ------------------------------------------------------------------------- generation

@@ -10,8 +10,9 @@ TrainState is a plain dict {"params": nested dict of arrays, "opt_state": optax 
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -109,15 +110,37 @@ def token_losses(logits_btv, targets_bt):
     return lse_bt - target_logit_bt, lse_bt
 
 
-def loss_fn(params, graphdef, batch, z_loss: float, denom=None):
+def model_token_losses(model: Llama, batch, loss_chunk: int = 0):
+    """(CE, lse) per token [b, t] of `model` on `batch`.
+
+    loss_chunk > 0 projects onto the vocab `loss_chunk` positions at a time and recomputes each
+    chunk's logits in the backward pass, so the fp32 logits and their gradient ([b, t, v]
+    each: 4 GiB per chip for Llama-2's vocab at 32 x 1024 tokens) never exist whole. Same
+    values; the head matmul runs twice (about 2 N_head FLOPs per token more).
+    """
+    x_btd = model.hidden(batch["inputs"], batch["positions"], batch["segment_ids"])
+    targets_bt = batch["targets"]
+    if not loss_chunk:
+        return token_losses(model.logits(x_btd), targets_bt)
+    b, t, d = x_btd.shape
+    if t % loss_chunk:
+        raise ValueError(f"train.loss_chunk={loss_chunk} does not divide the sequence length {t}")
+    n = t // loss_chunk
+    x_nbcd = jnp.swapaxes(x_btd.reshape(b, n, loss_chunk, d), 0, 1)
+    y_nbc = jnp.swapaxes(targets_bt.reshape(b, n, loss_chunk), 0, 1)
+    chunk_losses = jax.checkpoint(lambda x_bcd, y_bc: token_losses(model.logits(x_bcd), y_bc))
+    _, (ce_nbc, lse_nbc) = jax.lax.scan(lambda carry, xy: (carry, chunk_losses(*xy)), None, (x_nbcd, y_nbc))
+    return jnp.swapaxes(ce_nbc, 0, 1).reshape(b, t), jnp.swapaxes(lse_nbc, 0, 1).reshape(b, t)
+
+
+def loss_fn(params, graphdef, batch, z_loss: float, denom=None, loss_chunk: int = 0):
     """Mean CE over loss_mask tokens (+ z_loss * mean lse^2, PaLM's softmax stabiliser).
 
     `denom`: the token count to average over; with gradient accumulation it is the whole
     batch's, so the microbatches' losses add up to the batch mean exactly.
     """
     model = nnx.merge(graphdef, params)
-    logits_btv = model(batch["inputs"], batch["positions"], batch["segment_ids"])
-    ce_bt, lse_bt = token_losses(logits_btv, batch["targets"])
+    ce_bt, lse_bt = model_token_losses(model, batch, loss_chunk)
     mask_bt = batch["loss_mask"].astype(jnp.float32)
     n_tokens = mask_bt.sum()
     denom = jnp.maximum(n_tokens if denom is None else denom, 1.0)
@@ -127,18 +150,19 @@ def loss_fn(params, graphdef, batch, z_loss: float, denom=None):
 
 
 def make_train_step(model_cfg, tx, mesh: Mesh, rules, state_shardings, z_loss: float = 0.0,
-                    microbatches: int = 1) -> Callable:
+                    microbatches: int = 1, loss_chunk: int = 0) -> Callable:
     """jitted (state, batch) -> (new_state, metrics); `state` is donated.
 
     microbatches > 1 accumulates gradients over that many slices of the batch (lax.scan), for
     global batches whose activations do not fit at once; the result equals one big step.
+    loss_chunk: see model_token_losses.
     """
     cfg = _as_cfg(model_cfg)
     graphdef, _ = _abstract_model(cfg)
     b_sh = batch_sharding(mesh, rules)
     rep = shd.replicated(mesh)
     grad_fn = jax.value_and_grad(
-        lambda p, batch, denom: loss_fn(p, graphdef, batch, z_loss, denom), has_aux=True)
+        lambda p, batch, denom: loss_fn(p, graphdef, batch, z_loss, denom, loss_chunk), has_aux=True)
 
     def grads_and_metrics(params, batch):
         with shd.activation_sharding(mesh, rules):
@@ -177,7 +201,7 @@ def make_train_step(model_cfg, tx, mesh: Mesh, rules, state_shardings, z_loss: f
                    out_shardings=(state_shardings, rep), donate_argnums=(0,))
 
 
-def make_eval_step(model_cfg, mesh: Mesh, rules, state_shardings) -> Callable:
+def make_eval_step(model_cfg, mesh: Mesh, rules, state_shardings, loss_chunk: int = 0) -> Callable:
     """jitted (params, batch) -> {"loss_sum", "n_tokens"} over loss_mask tokens."""
     cfg = _as_cfg(model_cfg)
     graphdef, _ = _abstract_model(cfg)
@@ -185,9 +209,7 @@ def make_eval_step(model_cfg, mesh: Mesh, rules, state_shardings) -> Callable:
 
     def step(params, batch):
         with shd.activation_sharding(mesh, rules):
-            model = nnx.merge(graphdef, params)
-            logits_btv = model(batch["inputs"], batch["positions"], batch["segment_ids"])
-        ce_bt, _ = token_losses(logits_btv, batch["targets"])
+            ce_bt, _ = model_token_losses(nnx.merge(graphdef, params), batch, loss_chunk)
         mask_bt = batch["loss_mask"].astype(jnp.float32)
         return {"loss_sum": (ce_bt * mask_bt).sum(), "n_tokens": mask_bt.sum()}
 
@@ -195,49 +217,51 @@ def make_eval_step(model_cfg, mesh: Mesh, rules, state_shardings) -> Callable:
                    out_shardings=shd.replicated(mesh))
 
 
-# ----------------------------------------------------------------------------- memory
+# ----------------------------------------------------------------------------- the program
 
 
-def memory_estimate(model_cfg, mesh_sizes: dict, seq_len: int, global_batch: int,
-                    microbatches: int = 1, opt_moments: int = 2, activations_dtype_bytes: int = 2) -> dict:
-    """Rough bytes per device for one train step (see docstring terms; ±20%).
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """The compiled program of a run, before any array exists: mesh, rules, the abstract train
+    state with its shardings, and the jitted train and eval steps. train.py runs it;
+    scripts/compile_tpu.py compiles the same object for a TPU topology, so what the compile
+    check reports is what the run executes."""
 
-    Assumes the default rules: parameters split over fsdp*tensor (replicated over data),
-    batch split over data*fsdp. Terms:
-      params, grads: fp32, sharded; opt: `opt_moments` fp32 copies (Adam mu, nu), sharded.
-      layer_inputs: with remat "full" each layer's input [b, t, d] is kept for backward;
-        "dots" also keeps q, k, v, attn out, gate, up, down outputs; "none" ~ everything.
-      layer_peak: one layer's recompute working set (fwd+bwd), incl. the attention matrix
-        [b, n, t, t] in fp32 (xla attention; ~0 for splash/cudnn flash kernels).
-      logits: fp32 logits and their gradient [b, t, v] (v split over tensor).
-      gathered: one layer's parameters all-gathered in bf16 (FSDP), twice for prefetch.
-      microbatches > 1: activations are per microbatch; grads become an fp32 accumulator.
+    mesh: Mesh
+    rules: shd.Rules
+    abstract_state: TrainState   # jax.ShapeDtypeStruct leaves carrying .sharding
+    state_shardings: Any
+    batch_sharding: NamedSharding
+    train_step: Callable         # (state, batch) -> (state, metrics); state donated
+    eval_step: Callable          # (params, batch) -> {"loss_sum", "n_tokens"}
+
+    def abstract_batch(self, global_batch: int, seq_len: int) -> dict:
+        """The global batch as the input pipeline delivers it: int32 [global_batch, seq_len] per key."""
+        return {k: jax.ShapeDtypeStruct((global_batch, seq_len), jnp.int32, sharding=self.batch_sharding)
+                for k in BATCH_KEYS}
+
+
+def build_program(model_cfg, tx, mesh_cfg: Mapping, *, global_batch: int, z_loss: float, microbatches: int,
+                  loss_chunk: int = 0, devices: Sequence[jax.Device] | None = None) -> Program:
+    """The run's Program over `devices` (default: every process's devices).
+
+    Raises ValueError naming the setting when the batch does not split over the mesh's batch
+    shards or the microbatches; nothing is allocated or compiled here.
     """
     cfg = _as_cfg(model_cfg)
-    data, fsdp, tensor = (int(mesh_sizes.get(a, 1)) for a in ("data", "fsdp", "tensor"))
-    p_shards = fsdp * tensor
-    n = cfg.num_params()
-    b = global_batch // (data * fsdp * microbatches)  # sequences per device per microbatch
-    t, d, f, L = seq_len, cfg.d_model, cfg.d_ff, cfg.n_layers
-    nh, kh, h = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    a = activations_dtype_bytes
-    params = 4 * n / p_shards
-    grads = 4 * n / p_shards
-    opt = opt_moments * 4 * n / p_shards
-    per_layer_btd = b * t * d * a
-    dots_extra = b * t * (2 * nh * h + 2 * kh * h + 3 * f / tensor) * a  # q, o, k, v, gate, up, h
-    if cfg.remat == "full":
-        layer_inputs = L * per_layer_btd
-    elif cfg.remat in ("dots", "dots_all"):
-        layer_inputs = L * (per_layer_btd + dots_extra)
-    else:
-        layer_inputs = L * (4 * per_layer_btd + dots_extra + b * nh / tensor * t * t * 4)
-    attn_matrix = 0 if cfg.attention in ("splash", "cudnn") else 2 * b * (nh / tensor) * t * t * 4
-    # one layer's recomputed activations plus their cotangents during its backward
-    layer_peak = 2 * (per_layer_btd + dots_extra) + attn_matrix
-    logits = 2 * b * t * cfg.vocab_size / tensor * 4
-    gathered = 2 * 2 * cfg.layer_params() / tensor
-    total = params + grads + opt + layer_inputs + layer_peak + logits + gathered
-    return {k: float(v) for k, v in dict(
-        params=params, grads=grads, opt_state=opt, layer_inputs=layer_inputs, layer_peak=layer_peak,
-        logits=logits, gathered_weights=gathered, total=total, seqs_per_device=b).items()}
+    mesh = shd.make_mesh(mesh_cfg, devices)
+    batch_ways = mesh.shape["data"] * mesh.shape["fsdp"]
+    if global_batch % batch_ways:
+        raise ValueError(f"data.global_batch_size={global_batch} does not divide over the {batch_ways} batch "
+                         f"shards of mesh {dict(mesh.shape)} (mesh.data x mesh.fsdp)")
+    if (global_batch // batch_ways) % microbatches:
+        raise ValueError(f"train.microbatches={microbatches} does not divide the "
+                         f"{global_batch // batch_ways} rows per batch shard")
+    rules = shd.rules_from_cfg(mesh_cfg)
+    abstract_state, state_shardings = abstract_train_state(cfg, tx, mesh, rules)
+    return Program(
+        mesh=mesh, rules=rules, abstract_state=abstract_state, state_shardings=state_shardings,
+        batch_sharding=batch_sharding(mesh, rules),
+        train_step=make_train_step(cfg, tx, mesh, rules, state_shardings, z_loss=z_loss, microbatches=microbatches,
+                                   loss_chunk=loss_chunk),
+        eval_step=make_eval_step(cfg, mesh, rules, state_shardings, loss_chunk=loss_chunk))

@@ -16,6 +16,25 @@ def test_flops_per_token_llama2_7b():
     assert got == pytest.approx(6 * 6.61e9 + 1.61e9, rel=0.01)  # ~41.3 GFLOP/token
 
 
+def test_recompute_factor():
+    import dataclasses
+
+    fpt = flops.flops_per_token(LLAMA2_7B, 1024)
+    attention_fwd = 4 * 32 * 4096 * 1024
+    head = 2 * 4096 * 32000
+    layers_fwd = 2 * (flops.matmul_params(LLAMA2_7B) - 4096 * 32000) + attention_fwd
+    assert flops.recompute_factor(dataclasses.replace(LLAMA2_7B, remat="none"), 1024) == 1.0
+    full = dataclasses.replace(LLAMA2_7B, remat="full")
+    assert flops.recompute_factor(full, 1024) == pytest.approx(1 + layers_fwd / fpt)
+    assert flops.recompute_factor(full, 1024) == pytest.approx(4 / 3, abs=0.01)  # 8ND vs 6ND
+    assert flops.recompute_factor(full, 1024, loss_chunk=256) == pytest.approx(1 + (layers_fwd + head) / fpt)
+    for attention, dots_all in (("xla", 1.0), ("splash", 1 + attention_fwd / fpt)):
+        cfg = dataclasses.replace(LLAMA2_7B, attention=attention)
+        assert flops.recompute_factor(dataclasses.replace(cfg, remat="dots"), 1024) == pytest.approx(
+            1 + attention_fwd / fpt)
+        assert flops.recompute_factor(dataclasses.replace(cfg, remat="dots_all"), 1024) == pytest.approx(dots_all)
+
+
 def test_tied_head_still_counts_output_projection():
     tied = LlamaConfig(vocab_size=100, d_model=8, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=16, tie_embeddings=True)
     assert flops.matmul_params(tied) == tied.layer_params() - 16 + 800

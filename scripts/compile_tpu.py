@@ -1,0 +1,245 @@
+"""Compile a run's train and eval steps for a TPU slice on any machine, before renting it.
+
+    pip install -e ".[tpu]"          # libtpu, the TPU compiler; no TPU needed
+    python scripts/compile_tpu.py experiment=v4_32_llama_1b
+    python scripts/compile_tpu.py experiment=v4_32_llama_1b --topology v5e-16 model.remat=dots --json plan.json
+
+The topology is the experiment's `tpu.topology` (e.g. v4-32) or `--topology`; the rest are the
+same Hydra overrides train.py takes. libtpu describes the slice's devices
+(`jax.experimental.topologies`), and train.py's own `build_program` builds the mesh, rules,
+shardings, abstract state and jitted steps over them, so this compiles exactly what the run
+would execute, from `jax.ShapeDtypeStruct`s: nothing is allocated and no data is read.
+
+Prints per chip what XLA reports (arguments, temporaries, outputs and the part of them aliased
+to donated arguments, generated code, total) against the chip's usable HBM, "fits" with the
+margin or "does not fit" with the compiler's own statement of what overflows, and the compile
+time; `--json` writes the same figures. Memory only: XLA's cost analysis counts a scanned layer once and misses the
+Pallas kernels, so no speed figure is derived from it.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+GIB = 2**30
+
+
+# ----------------------------------------------------------------------------- TPU slices
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """What libtpu needs to describe a slice of one TPU generation, and its HBM per chip."""
+
+    name: str               # libtpu's topology prefix: "v4" in "v4:2x2x4"
+    cores_per_name: int     # the slice name counts TensorCores (v4, v5p: 2 per chip) or chips
+    torus_dims: int         # 3-D torus (v4, v5p) or 2-D (v5e, v6e)
+    chip_config: str        # "megacore": the chip's two TensorCores act as one device
+    hbm_gib: float          # HBM per chip, as sold
+    usable_gib: float       # what the compiler may allocate: plans are judged against this
+
+
+# HBM per chip from Google's TPU system-architecture pages; usable HBM as libtpu 0.0.42.1 states
+# it when a program exceeds it ("exceeds available HBM (30.75G)" on v4): the rest is reserved.
+GENERATIONS = {
+    "v4": Generation("v4", 2, 3, "megacore", 32, 30.75),
+    "v5p": Generation("v5p", 2, 3, "megacore", 95, 95.74),
+    "v5e": Generation("v5e", 1, 2, "default", 16, 15.75),
+    "v6e": Generation("v6e", 1, 2, "default", 32, 31.25),
+}
+GENERATIONS["v5litepod"] = GENERATIONS["v5e"]     # the Cloud TPU API's name for v5e slices
+
+
+@dataclasses.dataclass(frozen=True)
+class Slice:
+    name: str               # "v4-32", as `gcloud compute tpus tpu-vm create --accelerator-type` spells it
+    generation: Generation
+    chips: int
+    torus: tuple[int, ...]  # chips along each torus axis, e.g. (2, 2, 4)
+
+    @property
+    def libtpu_name(self) -> str:
+        return f"{self.generation.name}:{'x'.join(map(str, self.torus))}"
+
+
+def parse_slice(name: str) -> Slice:
+    """"v4-32" -> 16 chips on a 2x2x4 torus. Raises ValueError naming the accepted forms."""
+    m = re.fullmatch(r"(v\w+?)-(\d+)", name.strip())
+    gen = GENERATIONS.get(m.group(1)) if m else None
+    count = int(m.group(2)) if m else 0
+    chips = count // gen.cores_per_name if gen else 0
+    if gen is None or chips < 1 or count % gen.cores_per_name or chips & (chips - 1):
+        raise ValueError(f"TPU topology {name!r}: expected <generation>-<size> with generation one of "
+                         f"{', '.join(sorted(GENERATIONS))} and a power-of-two size, e.g. v4-32, v5e-16, v6e-16")
+    # Cloud TPU's slice shapes: 3-D slices grow from one 2x2x1 host, 2-D ones from 1x1, doubling the
+    # shortest axis (the last of equals) until the slice has its chips: v4-32 = 2x2x4, v6e-32 = 4x8.
+    torus = [2, 2, 1] if gen.torus_dims == 3 and chips >= 4 else [1] * gen.torus_dims
+    while math.prod(torus) < chips:
+        shortest = min(torus)
+        axis = max(i for i, n in enumerate(torus) if n == shortest)
+        torus[axis] *= 2
+    return Slice(name.strip(), gen, chips, tuple(torus))
+
+
+def slice_devices(tpu: Slice):
+    """The slice's devices as libtpu describes them (not attached: compile only)."""
+    from jax.experimental import topologies
+
+    desc = topologies.get_topology_desc(
+        platform="tpu", topology_name=tpu.libtpu_name, chip_config_name=tpu.generation.chip_config,
+        chips_per_host_bounds=(2, 2, 1) if tpu.chips >= 4 else (1, 1, 1), num_slices=1)
+    return desc.devices
+
+
+def libtpu_env(tpu: Slice) -> None:
+    """Environment for libtpu as a compiler only, set before its first use in the process."""
+    # Which slice this is and that no other worker exists: libtpu's start-up otherwise logs that
+    # it could not find them.
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", tpu.name)
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    # libtpu takes a machine-wide lock meant for processes that drive TPU chips; compiling drives
+    # none, and two checks at once (or one beside a test run) must not fail on the lock.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+
+def require_libtpu() -> None:
+    try:
+        import libtpu  # noqa: F401  (the TPU compiler ships in this wheel)
+    except ImportError:
+        raise SystemExit('compile_tpu: the TPU compiler (libtpu) is not installed; install it with '
+                         'pip install -e ".[tpu]"') from None
+
+
+# ----------------------------------------------------------------------------- compile
+
+
+def _compile_one(fn, args, capacity: int) -> dict:
+    """Compile `fn` at `args`; XLA's per-chip memory figures, or the compiler's out-of-memory report."""
+    t0 = time.perf_counter()
+    try:
+        compiled = fn.lower(*args).compile()
+    except Exception as e:  # the TPU compiler reports a program that exceeds HBM as RESOURCE_EXHAUSTED
+        if "RESOURCE_EXHAUSTED" not in str(e) and "Ran out of memory" not in str(e):
+            raise
+        # libtpu 0.0.42.1 stops at its first check and names only the overflowing total ("... HLO
+        # temporaries (33.70G) exceeds available HBM (30.75G)"), no buffer list.
+        return {"fits": False, "compile_s": time.perf_counter() - t0,
+                "compiler_says": str(e).splitlines()[0][:300]}
+    compile_s = time.perf_counter() - t0
+    m = compiled.memory_analysis()
+    # Outputs aliased to donated arguments (the new train state) reuse the arguments' buffers.
+    total = (m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+             + m.generated_code_size_in_bytes)
+    return {
+        "fits": total <= capacity, "compile_s": compile_s,
+        "arguments_gib": m.argument_size_in_bytes / GIB, "temporaries_gib": m.temp_size_in_bytes / GIB,
+        "outputs_gib": m.output_size_in_bytes / GIB, "aliased_gib": m.alias_size_in_bytes / GIB,
+        "code_gib": m.generated_code_size_in_bytes / GIB, "total_gib": total / GIB,
+        "hbm_fraction": total / capacity, "margin_gib": (capacity - total) / GIB,
+    }
+
+
+def compile_plan(cfg, tpu: Slice) -> dict:
+    """Compile the run `cfg` describes for `tpu`: {"train_step": figures, "eval_step": figures, ...}."""
+    import train
+    from model.flops import recompute_factor
+
+    model_cfg, tx, _ = train.model_and_optimizer(cfg)
+    if cfg.data.seq_len > model_cfg.max_seq_len:
+        raise ValueError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={model_cfg.max_seq_len}")
+    program = train.build_program(cfg, model_cfg, tx, devices=slice_devices(tpu))
+    batch = program.abstract_batch(int(cfg.data.global_batch_size), int(cfg.data.seq_len))
+    capacity = int(tpu.generation.usable_gib * GIB)
+    plan = {
+        "topology": tpu.name, "libtpu_topology": tpu.libtpu_name, "chips": tpu.chips,
+        "device_kind": program.mesh.devices.flat[0].device_kind, "hbm_gib_per_chip": tpu.generation.hbm_gib,
+        "usable_hbm_gib_per_chip": tpu.generation.usable_gib,
+        "mesh": dict(program.mesh.shape), "model": {k: cfg.model[k] for k in ("attention", "remat")},
+        "microbatches": int(cfg.train.microbatches), "loss_chunk": int(cfg.train.loss_chunk), "seq_len": int(cfg.data.seq_len),
+        "global_batch_size": int(cfg.data.global_batch_size),
+        # executed / useful FLOPs: what rematerialisation and a chunked loss cost in compute
+        "recompute_factor": recompute_factor(model_cfg, int(cfg.data.seq_len), int(cfg.train.loss_chunk)),
+    }
+    plan["train_step"] = _compile_one(program.train_step, (program.abstract_state, batch), capacity)
+    plan["eval_step"] = _compile_one(program.eval_step, (program.abstract_state["params"], batch), capacity)
+    return plan
+
+
+def report(plan: dict) -> str:
+    """The plan's figures as the console shows them."""
+    cap = plan["usable_hbm_gib_per_chip"]
+    lines = [f"{plan['topology']} ({plan['chips']} x {plan['device_kind']}, {plan['hbm_gib_per_chip']:g} GiB HBM "
+             f"each, {cap:g} usable), "
+             f"mesh {plan['mesh']}, attention {plan['model']['attention']}, remat {plan['model']['remat']}, "
+             f"microbatches {plan['microbatches']}, loss_chunk {plan['loss_chunk']}, "
+             f"batch {plan['global_batch_size']} x {plan['seq_len']}; recompute factor {plan['recompute_factor']:.3f}"]
+    for step in ("train_step", "eval_step"):
+        r = plan[step]
+        if not r["fits"] and "total_gib" not in r:
+            lines.append(f"  {step}: does not fit ({r['compiler_says']}); compiler ran {r['compile_s']:.1f} s")
+            continue
+        verdict = (f"fits, margin {r['margin_gib']:.2f} GiB ({1 - r['hbm_fraction']:.0%})" if r["fits"]
+                   else f"does not fit, over by {-r['margin_gib']:.2f} GiB")
+        lines.append(f"  {step}: per chip {r['total_gib']:.2f} of {cap:g} GiB ({r['hbm_fraction']:.0%}): arguments "
+                     f"{r['arguments_gib']:.2f}, temporaries {r['temporaries_gib']:.2f}, outputs "
+                     f"{r['outputs_gib']:.2f} (aliased {r['aliased_gib']:.2f}), code {r['code_gib']:.2f} GiB; "
+                     f"{verdict}; compiled in {r['compile_s']:.1f} s")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def compose(overrides: list[str]):
+    """The run's config as train.py would see it (Hydra compose; no run directory is created)."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    import train  # registers the ${project_root:} resolver
+
+    with initialize_config_dir(config_dir=str(train.PROJECT_ROOT / "configs"), version_base="1.3"):
+        return hydra_compose(config_name="train", overrides=overrides)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--topology", help="TPU slice, e.g. v4-32, v5e-16, v6e-16 (default: the config's tpu.topology)")
+    parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py (experiment=...)")
+    args = parser.parse_args(argv)
+
+    cfg = compose(args.overrides)
+    name = args.topology or cfg.tpu.topology
+    if not name:
+        raise SystemExit("compile_tpu: no TPU topology: pass --topology (e.g. v4-32) or set tpu.topology "
+                         "in the experiment")
+    try:
+        tpu = parse_slice(name)
+    except ValueError as e:
+        raise SystemExit(f"compile_tpu: {e}") from None
+    require_libtpu()
+    libtpu_env(tpu)
+    try:
+        plan = compile_plan(cfg, tpu)
+    except ValueError as e:     # a config mistake (mesh, batch, microbatches): one line
+        raise SystemExit(f"compile_tpu: config error: {e}") from None
+    print(report(plan), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(plan, indent=1) + "\n")
+    return 0 if plan["train_step"]["fits"] and plan["eval_step"]["fits"] else 1
+
+
+if __name__ == "__main__":
+    # The compile runs on libtpu's description of the slice; the local backend only holds
+    # host-side constants, so keep it on CPU (no TPU probe on a machine without one).
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""Every experiment that declares a TPU slice (tpu.topology) compiles for it and fits in 90% of its
+usable HBM, compiled by the real TPU compiler (libtpu) on this CPU machine: scripts/compile_tpu.py.
+
+    pip install -e ".[tpu]"   # CI installs it; without libtpu the compile tests skip
+    pytest tests/test_compile_tpu.py -q -s   # -s prints each plan's per-chip figures
+"""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "compile_tpu.py"
+HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
+needs_libtpu = pytest.mark.skipif(not HAS_LIBTPU, reason='libtpu not installed: pip install -e ".[tpu]" (CI does)')
+MAX_HBM_FRACTION = 0.9   # XLA's figures are exact, but leave the run room (fragmentation, a bigger eval)
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("compile_tpu", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["compile_tpu"] = mod   # its dataclasses look their module up while being defined
+    spec.loader.exec_module(mod)
+    return mod
+
+
+ct = _load_script()
+
+
+def planned_experiments() -> list[str]:
+    """Experiment files that declare a TPU slice (read as YAML: no composing at collection)."""
+    out = []
+    for path in sorted((ROOT / "configs" / "experiment").glob("*.yaml")):
+        if OmegaConf.select(OmegaConf.load(path), "tpu.topology"):
+            out.append(path.stem)
+    return out
+
+
+def run_script(*args, env_extra=None):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env_extra or {})}
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=600)
+
+
+# ---------------------------------------------------------------- slices (no libtpu needed)
+@pytest.mark.parametrize("name,chips,torus", [
+    ("v4-8", 4, (2, 2, 1)), ("v4-32", 16, (2, 2, 4)), ("v4-64", 32, (2, 4, 4)), ("v4-256", 128, (4, 4, 8)),
+    ("v5p-128", 64, (4, 4, 4)), ("v5e-16", 16, (4, 4)), ("v5litepod-32", 32, (4, 8)), ("v6e-8", 8, (2, 4)),
+    ("v6e-256", 256, (16, 16)), ("v5e-1", 1, (1, 1)),
+])
+def test_slice_names_map_to_cloud_tpu_shapes(name, chips, torus):
+    tpu = ct.parse_slice(name)
+    assert (tpu.chips, tpu.torus) == (chips, torus)
+
+
+@pytest.mark.parametrize("bad", ["v4-31", "v4-3", "v3-32", "tpu-v4-32", "v6e"])
+def test_bad_slice_name_is_named(bad):
+    with pytest.raises(ValueError, match=f"TPU topology '{bad}'.*v4-32"):
+        ct.parse_slice(bad)
+
+
+def test_every_planned_experiment_declares_a_known_slice():
+    names = planned_experiments()
+    assert {"v4_32_llama_1b", "v4_32_llama2_7b"} <= set(names)
+    assert {ct.parse_slice(OmegaConf.load(ROOT / "configs" / "experiment" / f"{n}.yaml").tpu.topology)
+            .generation.name for n in names} >= {"v4", "v5e", "v6e"}
+
+
+def test_without_libtpu_it_fails_in_one_line(tmp_path):
+    # A libtpu that cannot be imported stands in for a plain dev install (CI has the real one).
+    (tmp_path / "libtpu.py").write_text("raise ImportError('no libtpu in this test')\n")
+    result = run_script("experiment=v4_32_llama_1b",
+                        env_extra={"PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])})
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and 'pip install -e ".[tpu]"' in lines[0], result.stderr
+
+
+# ---------------------------------------------------------------- compiles (libtpu)
+@needs_libtpu
+def test_cli_prints_and_writes_the_compiled_figures(tmp_path):
+    # The default run (tiny model, batch 16 x 256) on a v5e-4: seconds to compile.
+    out = tmp_path / "plan.json"
+    result = run_script("--topology", "v5e-4", "--json", str(out))
+    assert result.returncode == 0, result.stdout + result.stderr
+    plan = json.loads(out.read_text())
+    assert plan["chips"] == 4 and plan["device_kind"].startswith("TPU v5") and plan["mesh"]["data"] == 4
+    for step in ("train_step", "eval_step"):
+        r = plan[step]
+        assert r["fits"] and 0 < r["total_gib"] < 1
+        assert r["total_gib"] == pytest.approx(r["arguments_gib"] + r["temporaries_gib"] + r["outputs_gib"]
+                                               - r["aliased_gib"] + r["code_gib"])
+        assert f"{step}: per chip {r['total_gib']:.2f} of 15.75 GiB" in result.stdout
+    # The train state is donated: the new state's buffers alias the old one's.
+    assert plan["train_step"]["aliased_gib"] == pytest.approx(plan["train_step"]["arguments_gib"], rel=0.01)
+
+
+@needs_libtpu
+def test_a_plan_that_exceeds_hbm_does_not_fit(tmp_path):
+    # 65,536 rows of 256 on 4 chips: the fp32 logits alone are 64 GiB per chip.
+    out = tmp_path / "plan.json"
+    result = run_script("--topology", "v5e-4", "--json", str(out), "data.global_batch_size=65536")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "train_step: does not fit" in result.stdout and "exceeds available HBM" in result.stdout
+    assert json.loads(out.read_text())["train_step"]["fits"] is False
+
+
+@needs_libtpu
+@pytest.mark.parametrize("experiment", planned_experiments())
+def test_experiment_compiles_for_its_slice_and_fits(experiment):
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose("train", overrides=[f"experiment={experiment}"])
+    tpu = ct.parse_slice(cfg.tpu.topology)
+    ct.libtpu_env(tpu)   # before libtpu's first use in this process
+    plan = ct.compile_plan(cfg, tpu)
+    print("\n" + ct.report(plan))
+    for step in ("train_step", "eval_step"):
+        r = plan[step]
+        assert r["fits"], f"{experiment}: {step} does not fit on {tpu.name}: {r}"
+        assert r["hbm_fraction"] <= MAX_HBM_FRACTION, (
+            f"{experiment}: {step} needs {r['total_gib']:.2f} GiB per chip, {r['hbm_fraction']:.0%} of the "
+            f"{tpu.generation.usable_gib} GiB usable on {tpu.name} (limit {MAX_HBM_FRACTION:.0%})")
