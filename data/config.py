@@ -3,15 +3,19 @@ from __future__ import annotations
 
 import dataclasses
 
+import os
+
+from data import records
 from data.sources import expand_paths, missing_paths
-from data.tokenizer import tokenizer_file
+from data.tokenizer import load_tokenizer, tokenizer_file, tokenizer_hash
 
 PACKINGS = ("concat", "first_fit")
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    paths: tuple[str, ...]          # globs; '~' expanded; relative paths as given
+    paths: tuple[str, ...]          # globs; '~' expanded; relative paths as given; or a
+                                    # directory written by scripts/prepare_data.py
     tokenizer: str                  # tokenizer.json path, a directory holding it, or a hub id
     seq_len: int
     global_batch_size: int
@@ -85,7 +89,13 @@ def validate(cfg: DataConfig, process_count: int, local_device_count: int) -> No
     if not cfg.paths:
         raise ValueError("data.paths is empty: give one or more globs of .json.gz/.jsonl/"
                          ".jsonl.zst files")
-    bad = missing_paths(cfg.paths)
+    globs = [p for p in cfg.paths if not os.path.isdir(os.path.expanduser(str(p)))]
+    for p in cfg.paths:
+        if p not in globs and not records.is_converted_dir(p):
+            raise ValueError(f"data.paths: {p!r} is a directory without {records.MANIFEST}: "
+                             "give globs of .json.gz/.jsonl/.jsonl.zst files or a directory "
+                             "written by scripts/prepare_data.py")
+    bad = missing_paths(globs)
     if bad:
         raise ValueError(f"data.paths: {bad[0]!r} matches no file")
     try:
@@ -107,8 +117,29 @@ def validate(cfg: DataConfig, process_count: int, local_device_count: int) -> No
         raise ValueError(f"data.files_per_stream={cfg.files_per_stream}: must be >= 1")
     if cfg.prefetch < 1:
         raise ValueError(f"data.prefetch={cfg.prefetch}: must be >= 1")
-    check_shards(cfg, process_count, len(expand_paths(cfg.paths)))
+    files = list_files(cfg)
+    info = records.describe(files)
+    if info is None:
+        check_shards(cfg, process_count, len(files))
+        return
+    # A converted directory: its files are those its manifest describes, and it was written
+    # with this run's tokenizer (one stat per file and a tokenizer load, no read).
+    info.check(tokenizer_hash(load_tokenizer(cfg.tokenizer)), cfg.tokenizer)
+    check_shards(cfg, process_count, None)
+    if cfg.num_shards > info.documents:
+        raise ValueError(f"data.num_shards={cfg.num_shards} is larger than the "
+                         f"{info.documents} documents of {info.root}: lower data.num_shards")
 
 
 def list_files(cfg: DataConfig) -> list[str]:
-    return expand_paths(cfg.paths)
+    """The source's files: the globs' matches, and for a converted directory the ArrayRecord
+    files its manifest lists (no directory walk)."""
+    files = set()
+    globs = []
+    for p in cfg.paths:
+        if records.is_converted_dir(p):
+            files.update(records.part_files(p))
+        else:
+            globs.append(p)
+    files.update(expand_paths(globs))
+    return sorted(files)

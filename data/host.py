@@ -23,12 +23,26 @@ import json
 import grain
 import numpy as np
 
+from data.records import RecordShardStream, initial_record_state
 from data.shard import (_MARK, STATE_VERSION, ShardStream, StreamSpec, initial_shard_state,
                         progress)
 from data.tokenizer import BatchEncoder, available_cores, set_thread_env
 
 # Tokenizer threads per input process (see HostIterator._init).
 MAX_ENCODE_THREADS = 4
+
+
+def make_shard_stream(spec: StreamSpec, shard: int, encoder: BatchEncoder, state: dict | None):
+    """One virtual shard's row stream of the source kind `spec.kind` (None: from the start).
+    Every kind has next_row_into(b, out), get_state(), .shard, close(), and states
+    {"start": ..., "emitted": k, "c": counters}."""
+    if spec.kind == "records":
+        return RecordShardStream(spec, shard, encoder, state)
+    return ShardStream(spec, shard, encoder, state or initial_shard_state())
+
+
+def initial_stream_state(spec: StreamSpec) -> dict:
+    return initial_record_state() if spec.kind == "records" else initial_shard_state()
 
 
 class HostIterDataset(grain.IterDataset):
@@ -56,7 +70,7 @@ class HostIterator(grain.DatasetIterator):
                              "lower data.num_workers")
         self.spec = spec
         self.shard_ids = sorted(shard_ids)
-        self._states = {str(v): shard_states.get(str(v)) or initial_shard_state()
+        self._states = {str(v): shard_states.get(str(v)) or initial_stream_state(spec)
                         for v in shard_ids}
         self.streams = None   # built lazily: get_state in the main process must stay cheap
         self._elements = 0    # elements emitted (sets the group size of the next one)
@@ -69,7 +83,7 @@ class HostIterator(grain.DatasetIterator):
         threads = min(MAX_ENCODE_THREADS,
                       max(1, available_cores() // max(self.spec.num_workers, 1)))
         self.enc = enc = BatchEncoder(self.spec.tokenizer_json, threads)
-        self.streams = [ShardStream(self.spec, v, enc, self._states[str(v)])
+        self.streams = [make_shard_stream(self.spec, v, enc, self._states[str(v)])
                         for v in self.shard_ids]
         self._states = None
 
@@ -141,7 +155,7 @@ class HostIterator(grain.DatasetIterator):
     def close(self) -> None:
         if self.streams:
             for s in self.streams:
-                s.reader.close()
+                s.close()
             self.enc.close()
 
 

@@ -9,12 +9,13 @@ import time
 import grain
 from absl import flags
 
+from data import records
 from data.config import DataConfig, check_shards, list_files
 from data.state import normalize_shard_states, sum_counters
 from data.host import HostIterDataset, find_shard_states
 from data.shard import COUNTER_KEYS, StreamSpec
 from data.workers import WorkerMergeIterDataset, slab_to_batch
-from data.tokenizer import load_tokenizer, special_ids
+from data.tokenizer import load_tokenizer, special_ids, tokenizer_hash
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 
@@ -31,7 +32,8 @@ def make_host_dataset(cfg: DataConfig, process_index: int, process_count: int,
     files = list_files(cfg) if files is None else list(files)
     if not files:
         raise ValueError(f"data.paths={list(cfg.paths)} matches no file")
-    check_shards(cfg, process_count, len(files))
+    info = records.describe(files)
+    check_shards(cfg, process_count, len(files) if info is None else None)
     if cfg.global_batch_size % process_count:
         raise ValueError(f"data.global_batch_size={cfg.global_batch_size} is not divisible by "
                          f"the process count {process_count}")
@@ -40,6 +42,11 @@ def make_host_dataset(cfg: DataConfig, process_index: int, process_count: int,
     if cfg.add_bos and bos is None:
         raise ValueError(f"data.add_bos=true but tokenizer.path={cfg.tokenizer!r} has no BOS "
                          "token (<s>, <|begin_of_text|>, <bos>)")
+    kind = {}
+    if info is not None:
+        info.check(tokenizer_hash(tok), cfg.tokenizer)
+        kind = dict(kind="records", records_docs=tuple(info.docs), records_tokens=info.tokens,
+                    records_dtype=info.dtype)
     spec = StreamSpec(
         files=tuple(files), num_shards=cfg.num_shards, tokenizer_json=tok.to_str(),
         seq_len=cfg.seq_len, text_key=cfg.text_key, strict=cfg.strict, packing=cfg.packing,
@@ -47,7 +54,7 @@ def make_host_dataset(cfg: DataConfig, process_index: int, process_count: int,
         add_bos=cfg.add_bos, seed=cfg.seed,
         rows_per_shard=cfg.global_batch_size // cfg.num_shards, num_workers=cfg.num_workers,
         debug=debug, process_index=process_index, process_count=process_count,
-        group=worker_group(cfg, process_count))
+        group=worker_group(cfg, process_count), **kind)
     states = normalize_shard_states(shard_states, cfg.num_shards)
     shards = host_shards(cfg.num_shards, process_index, process_count)
     if cfg.num_workers == 0:

@@ -78,6 +78,13 @@ class StreamSpec:
     process_index: int = 0
     process_count: int = 1
     group: int = 1                  # host batches per element (per worker IPC message)
+    # "text": files are JSON lines; "records": files are the ArrayRecord parts of a converted
+    # directory (data/records.py), with their documents per file, total tokens and dtype
+    # from its manifest.
+    kind: str = "text"
+    records_docs: tuple[int, ...] = ()
+    records_tokens: int = 0
+    records_dtype: str = ""
 
 
 def zero_counters() -> dict:
@@ -237,6 +244,9 @@ class ShardStream:
         c["docs"] += self.m_docs[i]
         c["segs"] += self.m_segs[i]
         return i
+
+    def close(self) -> None:
+        self.reader.close()
 
     def next_row_into(self, b: int, out: dict) -> None:
         if self.emitted >= len(self.perm):

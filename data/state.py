@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import os
 
+from data import records
 from data.config import DataConfig, list_files
 from data.host import find_shard_states
 from data.shard import COUNTER_KEYS
@@ -72,11 +73,17 @@ def files_hash(files: list[str]) -> str:
 def fingerprint(cfg: DataConfig, tokenizer=None, files: list[str] | None = None) -> dict:
     files = list_files(cfg) if files is None else files
     tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.tokenizer)
-    return {"tokenizer": tokenizer_hash(tok), "files": files_hash(files),
-            "num_files": len(files), "seq_len": cfg.seq_len, "seed": cfg.seed,
-            "packing": cfg.packing, "num_shards": cfg.num_shards, "text_key": cfg.text_key,
-            "add_bos": cfg.add_bos, "shuffle_window": cfg.shuffle_window,
-            "files_per_stream": cfg.files_per_stream}
+    fp = {"tokenizer": tokenizer_hash(tok), "files": files_hash(files),
+          "num_files": len(files), "seq_len": cfg.seq_len, "seed": cfg.seed,
+          "packing": cfg.packing, "num_shards": cfg.num_shards, "text_key": cfg.text_key,
+          "add_bos": cfg.add_bos, "shuffle_window": cfg.shuffle_window,
+          "files_per_stream": cfg.files_per_stream}
+    info = records.describe(files)
+    if info is not None:
+        # The manifest holds documents and tokens per file: its hash identifies the corpus
+        # without reading (or walking) the files.
+        fp["manifest"] = info.hash
+    return fp
 
 
 def sum_counters(shard_states: dict) -> dict:
