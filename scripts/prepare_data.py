@@ -52,8 +52,14 @@ def part_name(i: int) -> str:
     return f"part-{i:06d}{records.PART_SUFFIX}"
 
 
-def _atomic_write(path: str, text: str) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
+def tmp_name(path: str, owner: int) -> str:
+    """Where `path` is written before its rename: one name per host, so a restarted host
+    overwrites what its killed run left."""
+    return f"{path}.tmp-h{owner}"
+
+
+def _atomic_write(path: str, text: str, owner: int) -> None:
+    tmp = tmp_name(path, owner)
     with open(tmp, "w") as f:
         f.write(text)
         f.flush()
@@ -149,18 +155,23 @@ class Converter:
                 raise SystemExit(f"prepare_data: --out {self.out} holds a conversion with other "
                                  f"{', '.join(diff)} ({job_path}); use another --out")
         else:
-            _atomic_write(job_path, json.dumps(self.job, indent=1, sort_keys=True))
+            _atomic_write(job_path, json.dumps(self.job, indent=1, sort_keys=True),
+                          self.args.process_index)
 
     def pending(self, mine: list[int]) -> list[int]:
-        """My parts not yet complete; their leftover temporary files removed (a killed run's)."""
+        """My parts not yet complete; the temporary files a killed run left for them (under
+        any host's name: the share may have been another host's) removed."""
         todo = []
+        leftovers = ([os.path.join(self.out, n) for n in os.listdir(self.out)]
+                     + [os.path.join(self.out, "done", n)
+                        for n in os.listdir(os.path.join(self.out, "done"))])
         for i in mine:
             final = os.path.join(self.out, part_name(i))
             if os.path.exists(self.done_path(i)) and os.path.exists(final):
                 continue
-            for name in os.listdir(self.out):
-                if name.startswith(part_name(i) + ".tmp"):
-                    os.remove(os.path.join(self.out, name))
+            for path in leftovers:
+                if path.startswith((final + ".tmp-", self.done_path(i) + ".tmp-")):
+                    os.remove(path)
             todo.append(i)
         return todo
 
@@ -212,7 +223,7 @@ class Converter:
             ch = ahead.popleft()
             i = ch.part
             final = os.path.join(self.out, part_name(i))
-            tmp = f"{final}.tmp-{os.getpid()}"
+            tmp = tmp_name(final, self.args.process_index)
             if writer is None:
                 writer = ArrayRecordWriter(tmp, WRITER_OPTIONS)
                 docs = tokens = 0
@@ -240,7 +251,7 @@ class Converter:
                     "file": part_name(i), "source": self.job["sources"][i],
                     "documents": docs, "tokens": tokens, "bytes": os.path.getsize(final),
                     "bad_records": dict(sorted(bad.counts.items())),
-                    "bad_examples": bad.examples}, sort_keys=True))
+                    "bad_examples": bad.examples}, sort_keys=True), self.args.process_index)
                 stats["parts"] += 1
         stats["seconds"] = time.perf_counter() - t0
         return stats
@@ -308,7 +319,8 @@ def main(argv=None) -> int:
     conv.enc.close()
     m = conv.manifest()
     if m is not None:
-        _atomic_write(os.path.join(args.out, records.MANIFEST), json.dumps(m, indent=1))
+        _atomic_write(os.path.join(args.out, records.MANIFEST), json.dumps(m, indent=1),
+                      args.process_index)
     _summary(args, files, mine, todo, stats, m)
     return 0
 
