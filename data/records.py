@@ -37,7 +37,7 @@ FORMAT = "jaxpt-records-1"
 PART_SUFFIX = ".array_record"
 # A block holds about this many rows' worth of documents (from the manifest's mean length):
 # the unit of a read-ahead read and of what a restore re-reads.
-BLOCK_ROWS = 32
+BLOCK_ROWS = 64
 MAX_BLOCK_DOCS = 4096
 
 
