@@ -38,7 +38,7 @@ def make_host_dataset(cfg: DataConfig, process_index: int, process_count: int,
         raise ValueError(f"data.global_batch_size={cfg.global_batch_size} is not divisible by "
                          f"the process count {process_count}")
     tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.tokenizer)
-    _, bos = special_ids(tok)   # raises when the tokenizer has no EOS
+    eos, bos = special_ids(tok)   # raises when the tokenizer has no EOS
     if cfg.add_bos and bos is None:
         raise ValueError(f"data.add_bos=true but tokenizer.path={cfg.tokenizer!r} has no BOS "
                          "token (<s>, <|begin_of_text|>, <bos>)")
@@ -54,7 +54,8 @@ def make_host_dataset(cfg: DataConfig, process_index: int, process_count: int,
         add_bos=cfg.add_bos, seed=cfg.seed,
         rows_per_shard=cfg.global_batch_size // cfg.num_shards, num_workers=cfg.num_workers,
         debug=debug, process_index=process_index, process_count=process_count,
-        group=worker_group(cfg, process_count), **kind)
+        group=worker_group(cfg, process_count), eos_id=eos, bos_id=-1 if bos is None else bos,
+        **kind)
     states = normalize_shard_states(shard_states, cfg.num_shards)
     shards = host_shards(cfg.num_shards, process_index, process_count)
     if cfg.num_workers == 0:

@@ -237,11 +237,12 @@ class RecordShardStream:
     AHEAD_BLOCKS = 4
 
     def __init__(self, spec, shard: int, encoder, state: dict | None):
+        del encoder   # token ids are stored: EOS/BOS ids come with the spec
         self.spec = spec
         self.shard = shard
         self.V = spec.num_shards
-        self.eos = encoder.eos
-        self.bos = encoder.bos if spec.add_bos else None
+        self.eos = spec.eos_id
+        self.bos = spec.bos_id if spec.add_bos else None
         self.dtype = np.dtype(spec.records_dtype)
         docs = np.asarray(spec.records_docs, np.int64)
         self.cum = np.concatenate([[0], np.cumsum(docs)])

@@ -82,6 +82,8 @@ class StreamSpec:
     # directory (data/records.py), with their documents per file, total tokens and dtype
     # from its manifest.
     kind: str = "text"
+    eos_id: int = -1                # the tokenizer's EOS and BOS (-1: none) ids
+    bos_id: int = -1
     records_docs: tuple[int, ...] = ()
     records_tokens: int = 0
     records_dtype: str = ""
