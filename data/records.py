@@ -327,10 +327,10 @@ class RecordShardStream:
         self.emitted = 0
 
     def _snapshot(self) -> dict:
-        """The next window's start: the first read-ahead block's position."""
-        nxt = self._ahead[0] if self._ahead else None
-        epoch, pos = (nxt.epoch, nxt.pos) if nxt is not None else self._next
-        return {"epoch": epoch, "pos": pos, "carry": self.packer.carry_state(),
+        """The next window's start: the first read-ahead block's position (the read-ahead
+        is never empty after a window is built)."""
+        nxt = self._ahead[0]
+        return {"epoch": nxt.epoch, "pos": nxt.pos, "carry": self.packer.carry_state(),
                 "c": {**self.c, "bad": {}, "badex": []}}
 
     def _take(self) -> int:
