@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-
 import os
 
 from data import records

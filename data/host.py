@@ -32,7 +32,8 @@ from data.tokenizer import BatchEncoder, available_cores, set_thread_env
 MAX_ENCODE_THREADS = 4
 
 
-def make_shard_stream(spec: StreamSpec, shard: int, encoder: BatchEncoder, state: dict | None):
+def make_shard_stream(spec: StreamSpec, shard: int, encoder: BatchEncoder | None,
+                      state: dict | None):
     """One virtual shard's row stream of the source kind `spec.kind` (state None: from the
     start; encoder None for "records", which needs no tokenizer).
     Every kind has next_row_into(b, out), get_state(), .shard, close(), and states
