@@ -1,8 +1,9 @@
 """Input pipeline: sharded JSON-lines text -> tokens -> packed rows -> global jax.Arrays.
 
-See data/shard.py (one virtual shard's stream and state), data/host.py (the fixed batch
-layout, a host's iterator), data/workers.py (input worker processes) and data/mixture.py
-(weighted mixtures of sources).
+See data/shard.py (one virtual shard's stream and state), data/records.py (the same from a
+directory converted by scripts/prepare_data.py), data/mixture.py (weighted mixtures of
+sources), data/host.py (the fixed batch layout, a host's iterator) and data/workers.py (input
+worker processes).
 """
 from data.config import (DataConfig, SourceConfig, all_files, check_files, check_shards, list_files,
                          validate, validate_settings)

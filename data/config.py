@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 from data.listing import list_paths
-from data.tokenizer import tokenizer_file
+from data.tokenizer import load_tokenizer, tokenizer_file, tokenizer_hash
 
 PACKINGS = ("concat", "first_fit")
 
@@ -42,7 +42,8 @@ class SourceConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    paths: tuple[str, ...]          # globs, plain paths, @file-lists (data/listing.py); () with sources
+    paths: tuple[str, ...]          # globs, plain paths, @file-lists (data/listing.py), or a directory
+                                    # written by scripts/prepare_data.py; () with sources
     tokenizer: str                  # tokenizer.json path, a directory holding it, or a hub id
     seq_len: int
     global_batch_size: int
@@ -176,26 +177,32 @@ def validate(cfg: DataConfig, process_count: int, local_device_count: int) -> No
     check_files(cfg, process_count, list_files(cfg))
 
 
-def check_files(cfg: DataConfig, process_count: int, files) -> None:
-    """The shard checks that need the listing (list_files' result)."""
-    if isinstance(files, dict):
-        check_shards(cfg, process_count, None)
-        for src in cfg.sources:
-            check_source_shards(cfg, src.name, len(files[src.name]))
-    else:
-        check_shards(cfg, process_count, len(files))
+def check_files(cfg: DataConfig, process_count: int, files, tokenizer=None) -> None:
+    """The checks that need the listing (list_files' result): every source has files, and a
+    converted directory is what its manifest describes, written with the run's tokenizer (one
+    stat per file and the tokenizer's hash, no read), with at least one document per shard."""
+    from data import records
 
-
-def check_source_shards(cfg: DataConfig, name: str, n_files: int) -> None:
-    """Each source splits its own files over the V virtual shards (every shard mixes all
-    sources); with fewer files than V, its files are split into parts (data/shard.py)."""
-    if n_files == 0:
-        raise ValueError(f"data.sources[{name}] matches no file")
+    check_shards(cfg, process_count, None)
+    named = ([(f"data.sources[{s.name}]", files[s.name]) for s in cfg.sources]
+             if isinstance(files, dict) else [("data.paths", files)])
+    for where, fs in named:
+        if not fs:
+            raise ValueError(f"{where} matches no file")
+        info = records.describe(fs)
+        if info is None:
+            continue
+        tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.tokenizer)
+        info.check(tokenizer_hash(tok), cfg.tokenizer)
+        if cfg.num_shards > info.documents:
+            raise ValueError(f"data.num_shards={cfg.num_shards} is larger than the "
+                             f"{info.documents} documents of {info.root}: lower data.num_shards")
 
 
 def list_files(cfg: DataConfig) -> list[str] | dict[str, list[str]]:
     """The files of `cfg.paths`; for a mixture, {source name: its files} (ValueError naming
-    an entry that matches no file)."""
+    an entry that matches no file). A converted directory stands for the ArrayRecord files its
+    manifest lists (no directory walk)."""
     if cfg.sources:
         return {s.name: list_paths(s.paths, f"data.sources[{s.name}].paths").files
                 for s in cfg.sources}

@@ -48,10 +48,24 @@ def list_paths(patterns, setting: str = "data.paths") -> Listing:
             files.update(walker.list_file(p[1:], setting))
             continue
         found = walker.expand(os.path.expanduser(p))
+        if not found and not glob.has_magic(p) and os.path.isdir(os.path.expanduser(p)):
+            found = _converted_dir(p, setting)
         if not found:
             raise ValueError(f"{setting}: {p!r} matches no file")
         files.update(found)
     return Listing(sorted(files), walker.dirs_read, walker.stats)
+
+
+def _converted_dir(path: str, setting: str) -> list[str]:
+    """A directory written by scripts/prepare_data.py stands for the ArrayRecord files its
+    manifest lists (read from the manifest: no walk, no stat)."""
+    from data import records   # array_record is imported only for converted corpora
+
+    if not records.is_converted_dir(path):
+        raise ValueError(f"{setting}: {path!r} is a directory without {records.MANIFEST}: give globs "
+                         "of .json.gz/.jsonl/.jsonl.zst files or a directory written by "
+                         "scripts/prepare_data.py")
+    return records.part_files(path)
 
 
 class _Walker:

@@ -1,6 +1,7 @@
 """The per-host Grain pipeline and the device prefetcher."""
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
@@ -8,7 +9,8 @@ import time
 import grain
 from absl import flags
 
-from data.config import DataConfig, check_shards, check_source_shards, list_files
+from data import records
+from data.config import DataConfig, check_files, list_files
 from data.mixture import mixture_spec, source_counters
 from data.state import normalize_shard_states, sum_counters
 from data.host import HostIterDataset, find_shard_states
@@ -30,25 +32,17 @@ def make_host_dataset(cfg: DataConfig, process_index: int, process_count: int,
                       shard_states: dict | None = None, *, debug: bool = False,
                       files: list[str] | dict[str, list[str]] | None = None, tokenizer=None):
     files = list_files(cfg) if files is None else files
-    if cfg.sources:
-        check_shards(cfg, process_count, None)
-        for src in cfg.sources:
-            if not files.get(src.name):
-                raise ValueError(f"data.sources[{src.name}].paths={list(src.paths)} matches no file")
-            check_source_shards(cfg, src.name, len(files[src.name]))
-    else:
+    if not cfg.sources:
         files = list(files)
-        if not files:
-            raise ValueError(f"data.paths={list(cfg.paths)} matches no file")
-        check_shards(cfg, process_count, len(files))
     if cfg.global_batch_size % process_count:
         raise ValueError(f"data.global_batch_size={cfg.global_batch_size} is not divisible by "
                          f"the process count {process_count}")
     tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.tokenizer)
-    _, bos = special_ids(tok)   # raises when the tokenizer has no EOS
+    eos, bos = special_ids(tok)   # raises when the tokenizer has no EOS
     if cfg.add_bos and bos is None:
         raise ValueError(f"data.add_bos=true but tokenizer.path={cfg.tokenizer!r} has no BOS "
                          "token (<s>, <|begin_of_text|>, <bos>)")
+    check_files(cfg, process_count, files, tokenizer=tok)
     spec = StreamSpec(
         files=() if cfg.sources else tuple(files), num_shards=cfg.num_shards, tokenizer_json=tok.to_str(),
         seq_len=cfg.seq_len, text_key=cfg.text_key, strict=cfg.strict, packing=cfg.packing,
@@ -56,9 +50,11 @@ def make_host_dataset(cfg: DataConfig, process_index: int, process_count: int,
         add_bos=cfg.add_bos, seed=cfg.seed,
         rows_per_shard=cfg.global_batch_size // cfg.num_shards, num_workers=cfg.num_workers,
         debug=debug, process_index=process_index, process_count=process_count,
-        group=worker_group(cfg, process_count))
+        group=worker_group(cfg, process_count), eos_id=eos, bos_id=-1 if bos is None else bos)
     if cfg.sources:
         spec = mixture_spec(spec, cfg, files)
+    else:
+        spec = dataclasses.replace(spec, **records.stream_fields(files))
     states = normalize_shard_states(shard_states, cfg.num_shards)
     shards = host_shards(cfg.num_shards, process_index, process_count)
     if cfg.num_workers == 0:

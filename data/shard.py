@@ -85,6 +85,15 @@ class StreamSpec:
     # A weighted mixture (data/mixture.py): ((name, weight, StreamSpec of that source), ...);
     # then `files` is empty and each source's spec holds its own files and text_key.
     mixture: tuple = ()
+    # "text": files are JSON lines; "records": files are the ArrayRecord parts of a converted
+    # directory (data/records.py), with their documents per file, total tokens and dtype
+    # from its manifest.
+    kind: str = "text"
+    eos_id: int = -1                # the tokenizer's EOS and BOS (-1: none) ids
+    bos_id: int = -1
+    records_docs: tuple[int, ...] = ()
+    records_tokens: int = 0
+    records_dtype: str = ""
 
 
 def zero_counters() -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import os
 
+from data import records
 from data.config import DataConfig, all_files, list_files
 from data.host import find_shard_states
 from data.shard import COUNTER_KEYS, file_split
@@ -97,6 +98,17 @@ def fingerprint(cfg: DataConfig, tokenizer=None,
             split = file_split(len(files[src.name]), cfg.num_shards)
             if split > 1:
                 fp[f"source.{src.name}.file_split"] = split
+    # A converted directory: the manifest holds documents and tokens per file, so its hash
+    # identifies the corpus without reading (or walking) the files.
+    if cfg.sources:
+        for src in cfg.sources:
+            info = records.describe(files[src.name])
+            if info is not None:
+                fp[f"source.{src.name}.manifest"] = info.hash
+    else:
+        info = records.describe(flat)
+        if info is not None:
+            fp["manifest"] = info.hash
     return fp
 
 

@@ -1,0 +1,351 @@
+"""Tokenize a corpus once into ArrayRecord files of documents, for `data.paths=DIR`.
+
+  python scripts/prepare_data.py --paths '/mnt/rp/*/en_head.json.gz' \
+      --tokenizer data/sample/tokenizer.json --out /mnt/rp_tok
+
+Reads what the streaming path reads (.json.gz, .jsonl, .jsonl.zst; the text under
+--text-key) with its bad-record policy: a bad record is skipped, counted by kind and named
+(file:line) in the summary; with --strict the first one stops the run, naming file:line.
+Documents are tokenized on all cores (a thread per core, the tokenizer releases the GIL) and
+stored as bare token ids (uint16 for vocabularies under 65,536, else uint32; no EOS/BOS: the
+training source adds them as the text path does), so seq_len and packing stay free.
+
+Output, one ArrayRecord file per input file (input i of the sorted list -> part-NNNNNN):
+  DIR/job.json                      inputs, tokenizer hash, text key, dtype (checked on restart)
+  DIR/part-000000.array_record      documents of input 0, in file order
+  DIR/done/part-000000.json         written once part-000000 is complete (its counts)
+  DIR/manifest.json                 written when every part is done: what training reads
+A part is written under a temporary name and renamed when complete, so a conversion killed
+at any moment (SIGKILL included) continues when started again with the same arguments and
+ends byte-identical to an uninterrupted one; the same inputs always give the same bytes.
+
+On a pod every host converts its own share of the input files (input i goes to host
+i % process_count) into the same DIR on a shared bucket mount; the last host to finish writes
+the manifest (run it on all workers, each with its --process-index; see README).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from data import records  # noqa: E402
+from data.sources import (BAD_KINDS, MAX_BAD_EXAMPLES, BadRecords, expand_paths,  # noqa: E402
+                          open_lines, parse_line, split_pieces)
+from data.state import files_hash  # noqa: E402
+from data.tokenizer import (BatchEncoder, available_cores, load_tokenizer,  # noqa: E402
+                            set_thread_env, tokenizer_hash)
+
+# Characters of text per tokenizer call (~64 web documents): large enough that a call's fixed
+# cost vanishes, small enough that every core gets calls near the end of a file.
+CHUNK_CHARS = 1 << 18
+# Records per ArrayRecord chunk = 1: each document is read alone by random access.
+WRITER_OPTIONS = "group_size:1"
+
+
+def part_name(i: int) -> str:
+    return f"part-{i:06d}{records.PART_SUFFIX}"
+
+
+def tmp_name(path: str, owner: int) -> str:
+    """Where `path` is written before its rename: one name per host, so a restarted host
+    overwrites what its killed run left."""
+    return f"{path}.tmp-h{owner}"
+
+
+def _atomic_write(path: str, text: str, owner: int) -> None:
+    tmp = tmp_name(path, owner)
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class BadRecordStop(SystemExit):
+    """--strict: the first bad record ends the run with one line naming file:line."""
+
+
+def documents(path: str, text_key: str, bad: BadRecords, strict: bool, progress):
+    """(text pieces) per valid document of one file, in file order; bad records counted (or,
+    strict, raised) by the streaming path's rules (data/sources.py)."""
+    def report(line_no, kind, detail=""):
+        if strict:
+            raise BadRecordStop(f"prepare_data: bad record at {path}:{line_no}: {kind}"
+                                + (f" ({detail})" if detail else "")
+                                + " (--strict; drop it to skip and count bad records)")
+        bad.add(path, line_no, kind, detail)
+
+    try:
+        fh = open_lines(path)
+    except OSError as e:
+        report(0, "unreadable_file", type(e).__name__)
+        return
+    raw_file = getattr(fh, "fileobj", None) or fh   # compressed bytes read: the bar's unit
+    with fh:
+        line_no = 0
+        while True:
+            try:
+                raw = fh.readline()
+            except (EOFError, OSError, ValueError) as e:
+                report(line_no + 1, "truncated_file", type(e).__name__)
+                return
+            if not raw:
+                if line_no == 0:
+                    report(0, "empty_file")
+                return
+            line_no += 1
+            if line_no % 256 == 0:
+                try:
+                    progress(raw_file.tell())
+                except (OSError, ValueError):
+                    pass
+            if not raw.strip():
+                continue
+            text, kind = parse_line(raw, text_key)
+            if kind is not None:
+                report(line_no, kind)
+                continue
+            yield split_pieces(text)
+
+
+class _Chunk:
+    __slots__ = ("part", "pieces_per_doc", "future", "last")
+
+    def __init__(self, part, pieces_per_doc, future, last):
+        self.part, self.pieces_per_doc, self.future, self.last = part, pieces_per_doc, future, last
+
+
+class Converter:
+    def __init__(self, args, files: list[str], tok):
+        self.args = args
+        self.files = files
+        self.out = args.out
+        self.dtype = "uint16" if tok.get_vocab_size() < 1 << 16 else "uint32"
+        self.tok_hash = tokenizer_hash(tok)
+        self.threads = available_cores()
+        set_thread_env(1)
+        self.enc = BatchEncoder(tok.to_str(), self.threads)
+        self.job = {"format": records.FORMAT, "tokenizer": self.tok_hash, "dtype": self.dtype,
+                    "text_key": args.text_key, "sources": self._rel_sources(),
+                    "sources_hash": files_hash(files)}
+
+    def _rel_sources(self) -> list[str]:
+        root = os.path.commonpath([os.path.abspath(f) for f in self.files])
+        if len(self.files) == 1:
+            root = os.path.dirname(root)
+        return [os.path.relpath(os.path.abspath(f), root) for f in self.files]
+
+    def done_path(self, i: int) -> str:
+        return os.path.join(self.out, "done", part_name(i)[:-len(records.PART_SUFFIX)] + ".json")
+
+    def start(self) -> None:
+        os.makedirs(os.path.join(self.out, "done"), exist_ok=True)
+        job_path = os.path.join(self.out, "job.json")
+        if os.path.exists(job_path):
+            with open(job_path) as f:
+                old = json.load(f)
+            if old != self.job:
+                diff = sorted(k for k in self.job if old.get(k) != self.job[k])
+                raise SystemExit(f"prepare_data: --out {self.out} holds a conversion with other "
+                                 f"{', '.join(diff)} ({job_path}); use another --out")
+        else:
+            _atomic_write(job_path, json.dumps(self.job, indent=1, sort_keys=True),
+                          self.args.process_index)
+
+    def pending(self, mine: list[int]) -> list[int]:
+        """My parts not yet complete; the temporary files a killed run left for them (under
+        any host's name: the share may have been another host's) removed."""
+        todo = []
+        leftovers = ([os.path.join(self.out, n) for n in os.listdir(self.out)]
+                     + [os.path.join(self.out, "done", n)
+                        for n in os.listdir(os.path.join(self.out, "done"))])
+        for i in mine:
+            final = os.path.join(self.out, part_name(i))
+            if os.path.exists(self.done_path(i)) and os.path.exists(final):
+                continue
+            for path in leftovers:
+                if path.startswith((final + ".tmp-", self.done_path(i) + ".tmp-")):
+                    os.remove(path)
+            todo.append(i)
+        return todo
+
+    def _chunks(self, todo: list[int], bads: dict, bar):
+        """Chunks of documents handed to the tokenizer pool in order; a chunk never spans
+        two files."""
+        done_bytes = 0
+        for i in todo:
+            path = self.files[i]
+            bad = bads[i] = BadRecords(False)
+            base = done_bytes
+
+            def progress(pos, base=base):
+                bar.update(base + pos - bar.n)
+
+            texts, per_doc, chars = [], [], 0
+            for pieces in documents(path, self.args.text_key, bad, self.args.strict, progress):
+                texts.extend(pieces)
+                per_doc.append(len(pieces))
+                chars += sum(map(len, pieces))
+                if chars >= CHUNK_CHARS:
+                    yield _Chunk(i, per_doc, self.enc.submit(texts), False)
+                    texts, per_doc, chars = [], [], 0
+            yield _Chunk(i, per_doc, self.enc.submit(texts), True)
+            done_bytes += os.path.getsize(path)
+            bar.update(done_bytes - bar.n)
+
+    def run(self, todo: list[int], bar) -> dict:
+        from array_record.python.array_record_module import ArrayRecordWriter
+        dt = self.dtype
+        bads: dict = {}
+        stats = collections.Counter()
+        t0 = time.perf_counter()
+        writer = None
+        docs = tokens = 0
+        ahead: collections.deque = collections.deque()
+        chunks = self._chunks(todo, bads, bar)
+        # `threads` calls in flight keep every core busy while this thread reads, parses,
+        # and writes the previous chunks' records.
+        exhausted = False
+        while True:
+            while not exhausted and len(ahead) < 2 * self.threads:
+                try:
+                    ahead.append(next(chunks))
+                except StopIteration:
+                    exhausted = True
+            if not ahead:
+                break
+            ch = ahead.popleft()
+            i = ch.part
+            final = os.path.join(self.out, part_name(i))
+            tmp = tmp_name(final, self.args.process_index)
+            if writer is None:
+                writer = ArrayRecordWriter(tmp, WRITER_OPTIONS)
+                docs = tokens = 0
+            flat, lens = ch.future.result()
+            ends = lens.cumsum()
+            starts = ends - lens
+            p = 0
+            for n in ch.pieces_per_doc:   # a document = all its pieces' tokens
+                a, b = int(starts[p]), int(ends[p + n - 1])
+                writer.write(flat[a:b].astype(dt).tobytes())
+                p += n
+            docs += len(ch.pieces_per_doc)
+            tokens += int(lens.sum())
+            stats["docs"] += len(ch.pieces_per_doc)
+            stats["tokens"] += int(lens.sum())
+            el = max(time.perf_counter() - t0, 1e-9)
+            bar.set_postfix_str(f"{stats['docs'] / el:,.0f} docs/s, {stats['tokens'] / el:,.0f} "
+                                f"tok/s", refresh=False)
+            if ch.last:
+                writer.close()
+                writer = None
+                os.replace(tmp, final)
+                bad = bads.pop(i)
+                _atomic_write(self.done_path(i), json.dumps({
+                    "file": part_name(i), "source": self.job["sources"][i],
+                    "documents": docs, "tokens": tokens, "bytes": os.path.getsize(final),
+                    "bad_records": dict(sorted(bad.counts.items())),
+                    "bad_examples": bad.examples}, sort_keys=True), self.args.process_index)
+                stats["parts"] += 1
+        stats["seconds"] = time.perf_counter() - t0
+        return stats
+
+    def manifest(self) -> dict | None:
+        """The manifest once every part is done (any host may finish last), else None."""
+        parts = []
+        for i in range(len(self.files)):
+            try:
+                with open(self.done_path(i)) as f:
+                    parts.append(json.load(f))
+            except FileNotFoundError:
+                return None
+        bad: collections.Counter = collections.Counter()
+        examples = []
+        for p in parts:
+            bad.update(p["bad_records"])
+            examples.extend(p["bad_examples"][:MAX_BAD_EXAMPLES - len(examples)])
+        return {"format": records.FORMAT, "tokenizer": self.tok_hash, "dtype": self.dtype,
+                "text_key": self.args.text_key, "documents": sum(p["documents"] for p in parts),
+                "tokens": sum(p["tokens"] for p in parts),
+                "bad_records": {k: bad[k] for k in BAD_KINDS if bad[k]},
+                "bad_examples": examples,
+                "files": [{k: p[k] for k in ("file", "source", "documents", "tokens", "bytes")}
+                          for p in parts]}
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--paths", nargs="+", required=True,
+                    help="globs of .json.gz/.jsonl/.jsonl.zst files")
+    ap.add_argument("--tokenizer", required=True, help="tokenizer.json, a directory or a hub id")
+    ap.add_argument("--out", required=True, help="output directory (data.paths=DIR)")
+    ap.add_argument("--text-key", default="raw_content")
+    ap.add_argument("--strict", action="store_true", help="stop at the first bad record")
+    ap.add_argument("--process-index", type=int, default=0, help="this host's index (pods)")
+    ap.add_argument("--process-count", type=int, default=1, help="hosts converting (pods)")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    if not 0 <= args.process_index < args.process_count:
+        ap.error(f"--process-index={args.process_index} must be in [0, --process-count="
+                 f"{args.process_count})")
+    return args
+
+
+def main(argv=None) -> int:
+    from tqdm import tqdm
+    args = parse_args(argv)
+    files = expand_paths(args.paths)
+    if not files:
+        raise SystemExit(f"prepare_data: --paths {' '.join(args.paths)} matches no file")
+    try:
+        tok = load_tokenizer(args.tokenizer)
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"prepare_data: {e}") from None
+    conv = Converter(args, files, tok)
+    conv.start()
+    mine = list(range(args.process_index, len(files), args.process_count))
+    todo = conv.pending(mine)
+    total = sum(os.path.getsize(files[i]) for i in todo)
+    with tqdm(total=total, unit="B", unit_scale=True, disable=args.no_progress,
+              desc=f"host {args.process_index}: {len(todo)} of {len(mine)} files") as bar:
+        stats = conv.run(todo, bar)
+    conv.enc.close()
+    m = conv.manifest()
+    if m is not None:
+        _atomic_write(os.path.join(args.out, records.MANIFEST), json.dumps(m, indent=1),
+                      args.process_index)
+    _summary(args, files, mine, todo, stats, m)
+    return 0
+
+
+def _summary(args, files, mine, todo, stats, m) -> None:
+    s = max(stats["seconds"], 1e-9)
+    text = (f"Host {args.process_index} of {args.process_count} converted {stats['parts']} of its "
+            f"{len(mine)} files ({len(mine) - len(todo)} were already done) in {s:.1f} s: "
+            f"{stats['docs']:,} documents, {stats['tokens']:,} tokens "
+            f"({stats['docs'] / s:,.0f} docs/s, {stats['tokens'] / s:,.0f} tokens/s) into "
+            f"{args.out}. ")
+    if m is None:
+        text += ("Other hosts' parts are not all done yet: the last host to finish writes "
+                 f"{records.MANIFEST}.")
+    else:
+        bytes_ = sum(p["bytes"] for p in m["files"])
+        bad = sum(m["bad_records"].values())
+        text += (f"All {len(files)} files are done: {m['documents']:,} documents, "
+                 f"{m['tokens']:,} {m['dtype']} tokens, {bytes_ / max(m['tokens'], 1):.2f} bytes "
+                 f"per token on disk; {bad} bad records skipped"
+                 + (f" ({', '.join(f'{k}: {v}' for k, v in m['bad_records'].items())}; e.g. "
+                    f"{m['bad_examples'][0]})" if bad else "")
+                 + f". Train on it with data.paths={args.out}")
+    print(text, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
