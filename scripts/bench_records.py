@@ -127,7 +127,7 @@ def main():
     import shutil
 
     from data import records
-    from data.sources import expand_paths
+    from data.listing import list_paths
     from data.tokenizer import tokenizer_hash, load_tokenizer
     from data.records import RecordStore
     out = os.path.join(args.work, "small")
@@ -138,7 +138,7 @@ def main():
     # drifts by tens of % within a minute); each conversion is paired with the mean of the
     # runs just before and after it. Tokens per CPU-second (the whole process, all threads)
     # is the load-independent view of the same ratio.
-    files = expand_paths(args.paths)
+    files = list_paths(args.paths).files
     texts = bench_input.load_texts(files, "raw_content", 1e12)
     (before, _, tok_cpu), method, _ = bench_input.best_tokenizer_alone(texts, args.tokenizer)
     tok_runs, conv_runs, ratios, cpu_ratios = [before], [], [], []

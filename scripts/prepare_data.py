@@ -35,8 +35,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from data import records  # noqa: E402
-from data.sources import (BAD_KINDS, MAX_BAD_EXAMPLES, BadRecords, expand_paths,  # noqa: E402
-                          open_lines, parse_line, split_pieces)
+from data.listing import list_paths  # noqa: E402
+from data.sources import (BAD_KINDS, MAX_BAD_EXAMPLES, BadRecords, open_lines,  # noqa: E402
+                          parse_line, split_pieces)
 from data.state import files_hash  # noqa: E402
 from data.tokenizer import (BatchEncoder, available_cores, load_tokenizer,  # noqa: E402
                             set_thread_env, tokenizer_hash)
@@ -301,9 +302,10 @@ def parse_args(argv):
 def main(argv=None) -> int:
     from tqdm import tqdm
     args = parse_args(argv)
-    files = expand_paths(args.paths)
-    if not files:
-        raise SystemExit(f"prepare_data: --paths {' '.join(args.paths)} matches no file")
+    try:   # globs, plain paths or @file-lists, as data.paths takes them
+        files = list_paths(args.paths, "--paths").files
+    except ValueError as e:
+        raise SystemExit(f"prepare_data: {e}") from None
     try:
         tok = load_tokenizer(args.tokenizer)
     except (FileNotFoundError, ValueError) as e:

@@ -287,5 +287,6 @@ def test_tokenizer_mismatch_fails_in_one_line(corpus, tmp_path):
     tok.add_special_tokens(["<extra>"])
     other = tmp_path / "other_tokenizer.json"
     tok.save(str(other))
-    res = run_cli(tmp_path, f"data.paths=[{out}]", f"tokenizer.path={other}")
+    # a model large enough for either tokenizer: only the conversion's tokenizer is wrong
+    res = run_cli(tmp_path, f"data.paths=[{out}]", f"tokenizer.path={other}", "model.vocab_size=4224")
     _fails_before_compile(tmp_path, res, "converted with another tokenizer")
