@@ -290,3 +290,33 @@ def test_tokenizer_mismatch_fails_in_one_line(corpus, tmp_path):
     # a model large enough for either tokenizer: only the conversion's tokenizer is wrong
     res = run_cli(tmp_path, f"data.paths=[{out}]", f"tokenizer.path={other}", "model.vocab_size=4224")
     _fails_before_compile(tmp_path, res, "converted with another tokenizer")
+
+
+# ---------------------------------------------------------------- a converted source in a mixture
+@pytest.mark.parametrize("workers", [0, 1])
+def test_converted_directory_mixes_with_text_and_resumes_exactly(corpus, tmp_path, workers):
+    from data.mixture import source_of_doc_id
+    root, out, _ = corpus
+    mix = data.DataConfig(paths=(), tokenizer=TOKENIZER, seq_len=16, global_batch_size=8,
+                          num_workers=workers, num_shards=4, seed=0, shuffle_window=4,
+                          sources=[{"name": "web", "weight": 1.0,
+                                    "paths": [os.path.join(str(root), "*", "en_head.json.gz")]},
+                                   {"name": "conv", "weight": 3.0, "paths": [str(out)]}])
+    files = data.list_files(mix)
+    assert files["conv"] == sorted(records.part_files(str(out)))   # listed from the manifest
+    fp = data.fingerprint(mix, files=files)
+    assert fp["source.conv.manifest"] == records.manifest_hash(records.load_manifest(str(out)))
+    it = data.make_host_iterator(mix, 0, 1, debug=True)
+    first = take(it, 12)
+    state = jround(it.get_state())
+    rest = take(it, 12)
+    if hasattr(it, "close"):
+        it.close()
+    rows = np.concatenate([source_of_doc_id(b["doc_ids"][:, 0]) for b in first + rest])
+    assert set(rows.tolist()) == {0, 1}
+    assert abs((rows == 1).mean() - 0.75) < 0.05          # conv's weight is 3 of 4
+    again = data.restore_host_iterator(mix, 0, 1, [state], debug=True)
+    for i, (a, b) in enumerate(zip(rest, take(again, 12), strict=True)):
+        assert_batches_equal(a, b, f"batch {i} after restore")
+    if hasattr(again, "close"):
+        again.close()
