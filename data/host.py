@@ -19,6 +19,8 @@ group], "skip": n}.
 from __future__ import annotations
 
 import json
+import multiprocessing
+import signal
 
 import grain
 import numpy as np
@@ -54,6 +56,16 @@ def initial_stream_state(spec: StreamSpec) -> dict:
     return initial_record_state() if spec.kind == "records" else initial_shard_state()
 
 
+def _leave_signals_to_the_trainer() -> None:
+    """In an input worker process: ignore SIGTERM and SIGINT. A preempted VM signals every
+    process, and Ctrl-C signals the whole foreground group; a worker that died of it mid-message
+    left the trainer's own shutdown (Grain's close drains the worker's queue) hanging until a
+    SIGKILL, with the checkpoint already saved but the exit never reached. The trainer decides:
+    it saves, then stops its workers through Grain (an event, then SIGKILL), never by SIGTERM."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 class HostIterDataset(grain.IterDataset):
     """k rows of each of the given virtual shards per element, in shard order (a host's
     shards in-process, or one input worker's share of them)."""
@@ -87,6 +99,8 @@ class HostIterator(grain.DatasetIterator):
         self.times = zero_times(reader_threads=1, in_host=spec.num_workers == 0)
 
     def _init(self) -> None:
+        if multiprocessing.parent_process() is not None:
+            _leave_signals_to_the_trainer()
         # Each tokenizer call is serial; this process's share of the cores runs that many calls
         # at once (capped: one shard's read-ahead feeds the pool, and deeper read-ahead costs
         # memory on hosts with many shards; use more workers on large machines).

@@ -212,6 +212,22 @@ def test_sigterm_saves_exits_zero_and_resumes(straight, tmp_path):
     assert_same_run(run_dir, straight)
 
 
+def test_sigterm_to_every_process_with_input_workers_saves_and_exits_zero(straight, tmp_path):
+    """A preempted VM signals every process, the input workers too: the trainer still saves,
+    stops its workers and exits 0 (a worker killed by the SIGTERM used to leave the trainer's
+    shutdown hanging until a SIGKILL), and the next start resumes exactly."""
+    run_dir = tmp_path / "run"
+    metrics = run_dir / "metrics.jsonl"
+    rc = run_until(run_dir, lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3,
+                   signal.SIGTERM, "data.num_workers=1", "checkpoint.every=0", group=True)
+    assert rc == 0, logs(run_dir)
+    saved = complete_steps(run_dir / "checkpoints")
+    assert len(saved) == 1 and 3 <= saved[0] < N, (saved, logs(run_dir))
+    run(run_dir, "data.num_workers=1", "checkpoint.every=0")
+    assert resumed_at(run_dir) == saved[0]
+    assert_same_run(run_dir, straight)
+
+
 # ---------------------------------------------------------------- SIGKILL during an async save
 def test_kill_during_async_save_uses_last_complete_checkpoint(straight, tmp_path):
     run_dir = tmp_path / "run"
