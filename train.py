@@ -91,7 +91,7 @@ def train(cfg: DictConfig) -> dict:
         resume = find_resume(cfg.checkpoint)
         meta, saved_data_states = restore_meta_and_data(resume) if resume is not None else ({}, None)
         saved_listing = None if cfg.checkpoint.allow_data_change else meta.get("files")
-        listing = _run_listing(data_lib, data_cfg, eval_paths, saved_listing, is_main)
+        listing = _run_listing(data_lib, data_cfg, eval_paths, saved_listing)
         data_cfg, eval_cfg, train_files, eval_files = _split_eval(data_cfg, listing, holdout)
         data_lib.check_files(data_cfg, process_count, train_files)
     except ValueError as e:
@@ -301,7 +301,7 @@ def _eval_settings(eval_map: dict) -> tuple[list, int]:
     return eval_paths, holdout
 
 
-def _run_listing(data_lib, data_cfg, eval_paths: list, saved: dict | None, is_main: bool) -> dict:
+def _run_listing(data_lib, data_cfg, eval_paths: list, saved: dict | None) -> dict:
     """The run's files, {"paths", "eval_paths": the patterns; "train", "eval": their files}
     ("paths" and "train" keyed by source name for a mixture).
 
@@ -316,13 +316,12 @@ def _run_listing(data_lib, data_cfg, eval_paths: list, saved: dict | None, is_ma
     else:
         paths = list(data_cfg.paths)
     patterns = {"paths": paths, "eval_paths": list(eval_paths)}
-    if saved and all(saved.get(k) == v for k, v in patterns.items()):
-        if is_main:
-            n = len(data_lib.all_files(saved["train"])) + len(saved["eval"])
-            print(f"data: {n} files from the checkpoint's list (no new listing)", flush=True)
-        return saved
 
     def walk() -> dict:
+        if saved and all(saved.get(k) == v for k, v in patterns.items()):
+            n = len(data_lib.all_files(saved["train"])) + len(saved["eval"])
+            print(f"data: {n} files from the checkpoint's list (no new listing)", flush=True)
+            return saved
         t0 = time.perf_counter()
         if data_cfg.sources:
             parts = {name: data_lib.list_paths(p, f"data.sources[{name}].paths") for name, p in paths.items()}
@@ -336,6 +335,9 @@ def _run_listing(data_lib, data_cfg, eval_paths: list, saved: dict | None, is_ma
               + f" in {time.perf_counter() - t0:.1f} s", flush=True)
         return {**patterns, "train": train, "eval": held_out.files if held_out else []}
 
+    # Process 0 decides for all (reuse or walk): hosts whose resolved patterns differ (another
+    # install directory behind ${project_root:}) must still take the same branch, or the
+    # others would wait in the broadcast for a process 0 that never enters it.
     return _from_process_0(walk)
 
 
