@@ -31,9 +31,9 @@ import train  # noqa: E402
 
 cfg = data_lib.DataConfig(paths=(f"{corpus}/*/en_head.json.gz",), tokenizer="unused", seq_len=8,
                           global_batch_size=4)
-listing = train._run_listing(data_lib, cfg, [], None, process_id == 0)
+listing = train._run_listing(data_lib, cfg, [], None)
 try:
-    train._run_listing(data_lib, cfg, [f"{corpus}/nothing/*.json.gz"], None, process_id == 0)
+    train._run_listing(data_lib, cfg, [f"{corpus}/nothing/*.json.gz"], None)
     error = None
 except ValueError as e:
     error = str(e)
