@@ -100,7 +100,8 @@ def test_stage_times_cross_from_input_workers_and_stay_out_of_the_state(tmp_path
     summary = timing.summarize(t, wall_s=1.0)
     assert set(summary["busy"]) == set(THREADS) and summary["bound"] in STAGES
     table = timing.format_table(summary, batches=30)
-    assert table.splitlines()[-1].startswith("bound: ") and "tokenize" in table
+    # (a note may follow the bound line when no thread was busy over that wall time: timing-dependent)
+    assert any(line.startswith("bound: ") for line in table.splitlines()) and "tokenize" in table
     text = json.dumps(state)
     assert all(f'"{k}"' not in text for k in STAGES + timing.WAITS)
 
