@@ -30,7 +30,7 @@ import numpy as np
 
 from data import packing
 from data.permutation import FeistelPermutation
-from data.shard import COUNTER_KEYS, zero_counters
+from data.shard import COUNTER_KEYS, WindowRows, zero_counters
 
 MANIFEST = "manifest.json"
 FORMAT = "jaxpt-records-1"
@@ -241,7 +241,7 @@ def initial_record_state() -> dict:
             "emitted": 0, "c": zero_counters()}
 
 
-class RecordShardStream:
+class RecordShardStream(WindowRows):
     """One virtual shard's rows from a converted directory (the ShardStream interface)."""
 
     AHEAD_BLOCKS = 4
@@ -292,12 +292,7 @@ class RecordShardStream:
         self.c = {k: int(s["c"][k]) for k in COUNTER_KEYS}
         self._start = s
         self._build_window()
-        k = int(st["emitted"])
-        if k > len(self.tok):
-            raise ValueError(f"virtual shard {self.shard}: state has {k} rows emitted from a "
-                             f"window of {len(self.tok)}: data or settings changed")
-        for _ in range(k):
-            self._take()
+        self._skip_emitted(int(st["emitted"]), len(self.tok))
 
     # ---- rows ----
     def _fill_ahead(self) -> None:
@@ -346,13 +341,7 @@ class RecordShardStream:
     def _take(self) -> int:
         i = self.emitted
         self.emitted += 1
-        c = self.c
-        c["rows"] += 1
-        c["tokens"] += self.m_tok[i]
-        c["pad"] += self.tok.shape[1] - self.m_tok[i]
-        c["docs"] += self.m_docs[i]
-        c["segs"] += self.m_segs[i]
-        return i
+        return self._count(i)
 
     def next_row_into(self, b: int, out: dict) -> None:
         if self.emitted >= len(self.tok):

@@ -124,7 +124,30 @@ def shard_files(spec_files, num_shards: int, shard: int):
             [p % split for p in parts], split)
 
 
-class ShardStream:
+class WindowRows:
+    """A built window's rows handed out one by one and counted: the part of a virtual shard's
+    stream that the text (ShardStream) and records (data/records.py) kinds share. Needs: tok
+    [rows, R], m_tok / m_docs / m_segs (per row), c (counters), emitted, shard, _take()."""
+
+    def _count(self, i: int) -> int:
+        c = self.c
+        c["rows"] += 1
+        c["tokens"] += self.m_tok[i]
+        c["pad"] += self.tok.shape[1] - self.m_tok[i]
+        c["docs"] += self.m_docs[i]
+        c["segs"] += self.m_segs[i]
+        return i
+
+    def _skip_emitted(self, k: int, window_rows: int) -> None:
+        """After a restore rebuilt the window: hand out again the k rows already emitted."""
+        if k > window_rows:
+            raise ValueError(f"virtual shard {self.shard}: state has {k} rows emitted from a "
+                             f"window of {window_rows}: data or settings changed")
+        for _ in range(k):
+            self._take()
+
+
+class ShardStream(WindowRows):
     def __init__(self, spec: StreamSpec, shard: int, encoder: BatchEncoder, state: dict,
                  times: dict | None = None):
         self.spec = spec
@@ -165,12 +188,7 @@ class ShardStream:
         self.bad.examples = list(c["badex"])
         self._start = s
         self._build_window()
-        k = int(st["emitted"])
-        if k > len(self.perm):
-            raise ValueError(f"virtual shard {self.shard}: state has {k} rows emitted from a "
-                             f"window of {len(self.perm)}: data or settings changed")
-        for _ in range(k):
-            self._take()
+        self._skip_emitted(int(st["emitted"]), len(self.perm))
 
     def _snapshot(self) -> dict:
         """The next window's start: where its first (read-ahead) chunk began reading."""
@@ -267,13 +285,7 @@ class ShardStream:
     def _take(self) -> int:
         i = self.perm[self.emitted]
         self.emitted += 1
-        c = self.c
-        c["rows"] += 1
-        c["tokens"] += self.m_tok[i]
-        c["pad"] += self.tok.shape[1] - self.m_tok[i]
-        c["docs"] += self.m_docs[i]
-        c["segs"] += self.m_segs[i]
-        return i
+        return self._count(i)
 
     def close(self) -> None:
         self.reader.close()
