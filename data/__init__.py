@@ -15,6 +15,7 @@ from data.state import carry_parked_sources, fingerprint, merge_host_states, mix
 from data.tokenizer import load_tokenizer
 
 __all__ = ["DataConfig", "SourceConfig", "all_files", "check_files", "check_shards", "DevicePrefetcher",
-           "BadDataError", "NoValidDocumentError", "carry_parked_sources", "fingerprint", "list_files", "list_paths", "Listing",
+           "BadDataError", "NoValidDocumentError", "carry_parked_sources", "fingerprint", "list_files",
+           "list_paths", "Listing",
            "load_tokenizer", "make_host_dataset", "make_host_iterator", "merge_host_states",
            "mixture_changes", "no_document_reason", "restore_host_iterator", "validate", "validate_settings"]

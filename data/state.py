@@ -157,6 +157,8 @@ def mixture_changes(saved: dict, current: dict) -> tuple[set, list[str]]:
     position (its files or text key, the tokenizer, seq_len, packing, shards, seed, ...)
     raises ValueError in one line naming the key. `current` has gone through
     carry_parked_sources."""
+    if not saved:     # a checkpoint without a data fingerprint: the plain check reports it
+        return set(), []
     was_mix, is_mix = "sources" in saved, "sources" in current
     if was_mix != is_mix:
         # A single stream shuffles with data.seed, a mixture's source with its own seed
