@@ -122,8 +122,23 @@ def train(cfg: DictConfig) -> dict:
         data_changes = []
         try:
             if resume is not None:
-                data_changes = check_fingerprint(meta.get("fingerprint", {}), fingerprint,
-                                                 allow_data_change=cfg.checkpoint.allow_data_change)
+                saved_fp = meta.get("fingerprint", {})
+                mixture_keys, mixture_notes, data_hint = set(), [], None
+                if not cfg.checkpoint.allow_data_change:
+                    # The positions of parked sources travel on in the data state: so does what
+                    # they were read from (data/state.py carry_parked_sources).
+                    saved_data = saved_fp.get("data", {})
+                    fingerprint["data"] = data_lib.carry_parked_sources(saved_data, fingerprint["data"])
+                    if data_cfg.mixture_change == "continue":
+                        mixture_keys, mixture_notes = data_lib.mixture_changes(saved_data, fingerprint["data"])
+                    elif _could_continue(data_lib, saved_data, fingerprint["data"]):
+                        data_hint = ("set data.mixture_change=continue to continue every source from its "
+                                     "saved position, or checkpoint.allow_data_change=true to read the data afresh")
+                data_changes = check_fingerprint(saved_fp, fingerprint,
+                                                 allow_data_change=cfg.checkpoint.allow_data_change,
+                                                 accepted={f"data.{k}" for k in mixture_keys}, data_hint=data_hint)
+                if mixture_notes and is_main:
+                    print("data.mixture_change=continue: " + "; ".join(mixture_notes), flush=True)
         except ValueError as e:
             raise ConfigError(str(e)) from e
         if resume is not None:
@@ -310,7 +325,12 @@ def _run_listing(data_lib, data_cfg, eval_paths: list, saved: dict | None) -> di
     skipped and counted; data.strict=true stops), and files added since are not trained on.
     New patterns (a moved mount, another glob) or checkpoint.allow_data_change=true list
     afresh, and the fingerprint compares the lists. Otherwise process 0 lists and every host
-    receives its listing (errors included), so the bucket is walked once per run."""
+    receives its listing (errors included), so the bucket is walked once per run.
+
+    A mixture reuses the saved listing source by source: a changed mixture
+    (data.mixture_change=continue) lists only its added sources (or those with new patterns),
+    and "parked" keeps the patterns and files of sources no longer listed, so that listing one
+    again reads the very files its parked position refers to."""
     if data_cfg.sources:
         paths = {s.name: list(s.paths) for s in data_cfg.sources}
     else:
@@ -323,22 +343,51 @@ def _run_listing(data_lib, data_cfg, eval_paths: list, saved: dict | None) -> di
             print(f"data: {n} files from the checkpoint's list (no new listing)", flush=True)
             return saved
         t0 = time.perf_counter()
+        out = dict(patterns)
         if data_cfg.sources:
-            parts = {name: data_lib.list_paths(p, f"data.sources[{name}].paths") for name, p in paths.items()}
-            train = {name: part.files for name, part in parts.items()}
-            what = "; ".join(f"{name}: {part.describe()}" for name, part in parts.items())
+            known = _saved_source_listings(saved)
+            train, listed, reused = {}, [], []
+            for name, p in paths.items():
+                if name in known and known[name]["paths"] == p:
+                    train[name] = known[name]["files"]
+                    reused.append(name)
+                    continue
+                part = data_lib.list_paths(p, f"data.sources[{name}].paths")
+                train[name] = part.files
+                listed.append(f"{name}: {part.describe()}")
+            what = "; ".join(listed + ([f"the checkpoint's list for {', '.join(reused)}"] if reused else []))
+            parked = {name: v for name, v in known.items() if name not in paths}
+            if parked:
+                out["parked"] = parked
         else:
             part = data_lib.list_paths(paths, "data.paths")
             train, what = part.files, part.describe()
         held_out = data_lib.list_paths(eval_paths, "data.eval.paths") if eval_paths else None
         print(f"data: listed {what}" + (f" + held-out {held_out.describe()}" if held_out else "")
               + f" in {time.perf_counter() - t0:.1f} s", flush=True)
-        return {**patterns, "train": train, "eval": held_out.files if held_out else []}
+        return {**out, "train": train, "eval": held_out.files if held_out else []}
 
     # Process 0 decides for all (reuse or walk): hosts whose resolved patterns differ (another
     # install directory behind ${project_root:}) must still take the same branch, or the
     # others would wait in the broadcast for a process 0 that never enters it.
     return _from_process_0(walk)
+
+
+def _could_continue(data_lib, saved: dict, current: dict) -> bool:
+    """Whether data.mixture_change=continue would accept this data change (for the hint)."""
+    try:
+        return bool(data_lib.mixture_changes(saved, current)[0])
+    except ValueError:
+        return False
+
+
+def _saved_source_listings(saved: dict | None) -> dict:
+    """{source name: {"paths", "files"}} of a saved mixture listing, listed and parked sources."""
+    if not saved or not isinstance(saved.get("paths"), dict):
+        return {}
+    known = dict(saved.get("parked", {}))
+    known.update({name: {"paths": p, "files": saved["train"][name]} for name, p in saved["paths"].items()})
+    return known
 
 
 def _split_eval(data_cfg, listing: dict, holdout: int):

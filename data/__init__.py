@@ -11,10 +11,11 @@ from data.listing import Listing, list_paths
 from data.pipeline import (DevicePrefetcher, make_host_dataset, make_host_iterator,
                            restore_host_iterator)
 from data.sources import BadDataError, NoValidDocumentError, no_document_reason
-from data.state import fingerprint, merge_host_states
+from data.state import carry_parked_sources, fingerprint, merge_host_states, mixture_changes
 from data.tokenizer import load_tokenizer
 
 __all__ = ["DataConfig", "SourceConfig", "all_files", "check_files", "check_shards", "DevicePrefetcher",
-           "BadDataError", "NoValidDocumentError", "fingerprint", "list_files", "list_paths", "Listing",
+           "BadDataError", "NoValidDocumentError", "carry_parked_sources", "fingerprint", "list_files",
+           "list_paths", "Listing",
            "load_tokenizer", "make_host_dataset", "make_host_iterator", "merge_host_states",
-           "no_document_reason", "restore_host_iterator", "validate", "validate_settings"]
+           "mixture_changes", "no_document_reason", "restore_host_iterator", "validate", "validate_settings"]

@@ -7,6 +7,8 @@ from data.listing import list_paths
 from data.tokenizer import load_tokenizer, tokenizer_file, tokenizer_hash
 
 PACKINGS = ("concat", "first_fit")
+# data.mixture_change: what a resumed run does when data.sources differ from the checkpoint's.
+MIXTURE_CHANGES = ("refuse", "continue")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +61,10 @@ class DataConfig:
     prefetch: int = 2               # device batches prefetched ahead
     # A weighted mixture (data/mixture.py) instead of `paths`: SourceConfig each.
     sources: tuple[SourceConfig, ...] = ()
+    # On resume, "continue": the sources' shares and list may differ from the checkpoint's,
+    # every source continuing from its own saved position (data/state.py mixture_changes);
+    # "refuse": any data change is refused.
+    mixture_change: str = "refuse"
 
     def __post_init__(self):
         p = self.paths
@@ -166,6 +172,8 @@ def validate_settings(cfg: DataConfig, process_count: int) -> None:
         raise ValueError(f"data.files_per_stream={cfg.files_per_stream}: must be >= 1")
     if cfg.prefetch < 1:
         raise ValueError(f"data.prefetch={cfg.prefetch}: must be >= 1")
+    if cfg.mixture_change not in MIXTURE_CHANGES:
+        raise ValueError(f"data.mixture_change={cfg.mixture_change!r}: must be one of {MIXTURE_CHANGES}")
     check_shards(cfg, process_count, None)
 
 

@@ -18,9 +18,15 @@ Shares are shares of rows: with `concat` packing every row is full, so row share
 with `first_fit` a source's padding counts toward its rows (metrics report both).
 
 State (JSON): {"sched": {"row": n}, "sources": {name: that source's shard state},
-"c": counters summed over the sources}; the row schedule is apart from the sources'
-positions, and the sub-states are keyed by name, so a source can later be added (starts from
-its initial state) or dropped (its sub-state is ignored) while the others continue exactly.
+"parked": {name: shard state}, "c": counters summed over the sources, parked ones included};
+the row schedule is apart from the sources' positions, and the sub-states are keyed by name,
+so a resumed run (data.mixture_change=continue) can re-weight, add or drop sources while every
+kept source continues exactly from its own position, packer carry-over included. An added
+source starts from its initial state; a dropped one's state is "parked": carried verbatim
+through every later save (and host or worker count change: it travels inside its shard's
+state), so listing the source again continues it where it stopped. "c" counts what the shard
+emitted over the whole run, so it includes parked sources (totals never go back when a source
+is dropped, and progress() stays the row count); per-source metrics report listed sources only.
 
 Memory: every sub-stream keeps its own shuffle window (W rows of tokens, segment ids,
 positions and doc ids: ~20 * W * (seq_len + 1) bytes) and `encoder.threads` tokenizer chunks
@@ -87,7 +93,13 @@ def initial_mixture_state(spec: StreamSpec) -> dict:
     from data.host import initial_stream_state  # data.host builds mixtures: import here
     return {"sched": {"row": 0},
             "sources": {name: initial_stream_state(sub) for name, _, sub in spec.mixture},
-            "c": zero_counters()}
+            "parked": {}, "c": zero_counters()}
+
+
+def saved_sub_states(state: dict) -> dict:
+    """{source name: saved sub-state}, listed and parked sources alike (a name is in one of the
+    two; states written before parking existed have no "parked")."""
+    return {**state.get("parked", {}), **state["sources"]}
 
 
 class MixtureShardStream:
@@ -104,24 +116,31 @@ class MixtureShardStream:
         self.k = spec.rows_per_shard
         self.batch_rows = spec.rows_per_shard * spec.num_shards   # B: rows of a global batch
         state = state or initial_mixture_state(spec)
-        subs = state["sources"]
+        saved = saved_sub_states(state)
         # A source without a saved sub-state starts from its beginning (a source added to a
-        # mixture); saved sub-states of sources no longer listed are not read.
+        # mixture); a listed source that was parked continues where it stopped.
         self.subs = [make_shard_stream(sub, shard, encoder,
-                                       subs.get(name) or initial_stream_state(sub), times)
+                                       saved.get(name) or initial_stream_state(sub), times)
                      for name, _, sub in spec.mixture]
+        self.parked = self._park(saved)
         self.row = int(state["sched"]["row"])
+
+    def _park(self, saved: dict) -> dict:
+        """Saved sub-states of sources no longer listed, kept verbatim (never read here)."""
+        return {name: st for name, st in sorted(saved.items()) if name not in self.names}
 
     # ---- state ----
     def get_state(self) -> dict:
         sub_states = {name: s.get_state() for name, s in zip(self.names, self.subs, strict=True)}
-        return {"sched": {"row": self.row}, "sources": sub_states,
-                "c": add_counters(sub_states.values())}
+        return {"sched": {"row": self.row}, "sources": sub_states, "parked": dict(self.parked),
+                "c": add_counters([*sub_states.values(), *self.parked.values()])}
 
     def _restore(self, st: dict) -> None:
-        subs = st["sources"]
-        for name, s in zip(self.names, self.subs, strict=True):
-            s._restore(subs[name])
+        from data.host import initial_stream_state
+        saved = saved_sub_states(st)
+        for (name, _, sub), s in zip(self.spec.mixture, self.subs, strict=True):
+            s._restore(saved.get(name) or initial_stream_state(sub))
+        self.parked = self._park(saved)
         self.row = int(st["sched"]["row"])
 
     def close(self) -> None:
@@ -153,13 +172,18 @@ def add_counters(states) -> dict:
     return tot
 
 
-def source_counters(shard_states: dict) -> dict:
+def source_counters(shard_states: dict, parked: bool = False) -> dict:
     """{source name: counters summed over the given mixture shard states, plus "epoch": the
-    highest epoch any of those shards is reading in that source}; {} for a single source."""
+    highest epoch any of those shards is reading in that source}; {} for a single source.
+    Listed sources only, unless `parked` (the base of a delta: a source listed again after it
+    was parked counts from where it stopped)."""
     per: dict = {}
     epochs: dict = {}
     for st in shard_states.values():
-        for name, sub in st.get("sources", {}).items():
+        if "sources" not in st:
+            continue
+        subs = saved_sub_states(st) if parked else st["sources"]
+        for name, sub in subs.items():
             per.setdefault(name, []).append(sub)
             epochs[name] = max(epochs.get(name, 0), _reading_epoch(sub))
     return {name: {**add_counters(subs), "epoch": epochs[name]} for name, subs in per.items()}

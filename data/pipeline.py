@@ -308,7 +308,8 @@ class DevicePrefetcher:
         now = source_counters(find_shard_states(self._state))
         if not now:
             return {}
-        base = source_counters(find_shard_states(self._base_state))
+        # parked=True: a source listed again on resume counts from its parked position
+        base = source_counters(find_shard_states(self._base_state), parked=True)
         delta = {name: {key: c[key] - base.get(name, {}).get(key, 0) for key in COUNTER_KEYS}
                  for name, c in now.items()}
         tokens = max(1, sum(d["tokens"] for d in delta.values()))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 
 from data import records
@@ -110,6 +111,96 @@ def fingerprint(cfg: DataConfig, tokenizer=None,
         if info is not None:
             fp["manifest"] = info.hash
     return fp
+
+
+# ---------------------------------------------------------------- changing a mixture on resume
+# Global keys a mixture may change under data.mixture_change=continue: the list of sources and
+# the aggregates over all sources' files (each kept source's own "source.NAME.*" keys guard its
+# files), and data.text_key, only a default (each source's effective key is its own entry).
+_MIXTURE_FREE_KEYS = ("sources", "files", "num_files", "text_key")
+
+
+def _source_key(key: str) -> tuple[str, str] | None:
+    """"source.NAME.FIELD" -> (NAME, FIELD); NAME may hold dots, FIELD never does."""
+    if not key.startswith("source."):
+        return None
+    name, _, field = key[len("source."):].rpartition(".")
+    return name, field
+
+
+def _known_sources(fp: dict) -> set:
+    """Names of the sources a fingerprint describes: listed ones and parked ones."""
+    return {sk[0] for sk in map(_source_key, fp) if sk is not None}
+
+
+def carry_parked_sources(saved: dict, current: dict) -> dict:
+    """The run's data fingerprint plus, for every source of the saved one that is not listed
+    now (dropped now, or parked earlier), its entries but the share: what a parked source was,
+    so that listing it again is checked against it, and a later resume with the same config
+    finds the same fingerprint. Only between two mixtures (a parked state lives in a mixture's
+    shard states)."""
+    if "sources" not in saved or "sources" not in current:
+        return dict(current)
+    listed = set(current["sources"])
+    out = dict(current)
+    for key, value in saved.items():
+        sk = _source_key(key)
+        if sk is not None and sk[0] not in listed and sk[1] != "share":
+            out[key] = value
+    return out
+
+
+def mixture_changes(saved: dict, current: dict) -> tuple[set, list[str]]:
+    """data.mixture_change=continue: (the data fingerprint keys whose change is accepted, one
+    line per accepted change for the log). Shares may change and sources may be added, dropped
+    or listed again; any change that would break the exact continuation of a source's saved
+    position (its files or text key, the tokenizer, seq_len, packing, shards, seed, ...)
+    raises ValueError in one line naming the key. `current` has gone through
+    carry_parked_sources."""
+    if not saved:     # a checkpoint without a data fingerprint: the plain check reports it
+        return set(), []
+    was_mix, is_mix = "sources" in saved, "sources" in current
+    if was_mix != is_mix:
+        # A single stream shuffles with data.seed, a mixture's source with its own seed
+        # (data/mixture.py source_seed): the saved position means nothing to the other form.
+        was = "a mixture (data.sources)" if was_mix else "one source (data.paths)"
+        raise ValueError(f"data.mixture_change=continue: the checkpoint read {was}, this run does "
+                         "not; a position cannot carry over between the two forms (set "
+                         "checkpoint.allow_data_change=true to read the data afresh)")
+    if not is_mix:
+        return set(), []
+    known = _known_sources(saved)
+    accepted, changed = set(), []
+    for key in sorted(set(saved) | set(current)):
+        a, b = saved.get(key, "<absent>"), current.get(key, "<absent>")
+        if _same(a, b):
+            continue
+        sk = _source_key(key)
+        if key in _MIXTURE_FREE_KEYS or (sk is not None and (sk[1] == "share" or sk[0] not in known)):
+            accepted.add(key)
+            continue
+        raise ValueError(
+            f"data.mixture_change=continue cannot continue the saved positions exactly: data.{key} "
+            f"changed (checkpoint={a!r} now={b!r}); only shares and the list of data.sources may "
+            "change (a source read differently needs a new name), or set "
+            "checkpoint.allow_data_change=true to read all data afresh")
+    before, now = saved["sources"], current["sources"]
+    parked = known - set(before)
+    for name in now:
+        if name in parked:
+            changed.append(f"source {name} listed again: continues where it stopped")
+        elif name not in known:
+            changed.append(f"source {name} added: starts from its beginning")
+    changed += [f"source {name} dropped: its position is kept" for name in before if name not in now]
+    changed += [f"source {name} share {saved[f'source.{name}.share']:.4g} -> "
+                f"{current[f'source.{name}.share']:.4g}"
+                for name in now if f"source.{name}.share" in accepted and name in before]
+    return accepted, changed
+
+
+def _same(a, b) -> bool:
+    """Equal once JSON round tripped (a saved tuple comes back as a list)."""
+    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
 
 
 def sum_counters(shard_states: dict) -> dict:

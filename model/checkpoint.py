@@ -189,31 +189,35 @@ def _resolve(setting: str, path: str, source: str) -> ResumePoint:
 
 
 # ---------------------------------------------------------------- fingerprint
-def fingerprint_diffs(saved: Mapping, current: Mapping) -> list[str]:
-    """'section.key: checkpoint=... now=...' for every difference (runtime-only model keys skipped)."""
+def fingerprint_diffs(saved: Mapping, current: Mapping, accepted=frozenset()) -> list[str]:
+    """'section.key: checkpoint=... now=...' for every difference (runtime-only model keys and
+    the `accepted` "section.key"s skipped)."""
     diffs = []
     for section in sorted(set(saved) | set(current)):
         a, b = saved.get(section) or {}, current.get(section) or {}
         for key in sorted(set(a) | set(b)):
-            if section == "model" and key in MODEL_RUNTIME_KEYS:
+            if (section == "model" and key in MODEL_RUNTIME_KEYS) or f"{section}.{key}" in accepted:
                 continue
             if _canon(a.get(key, "<absent>")) != _canon(b.get(key, "<absent>")):
                 diffs.append(f"{section}.{key}: checkpoint={a.get(key, '<absent>')!r} now={b.get(key, '<absent>')!r}")
     return diffs
 
 
-def check_fingerprint(saved: Mapping, current: Mapping, *, allow_data_change: bool) -> list[str]:
+def check_fingerprint(saved: Mapping, current: Mapping, *, allow_data_change: bool,
+                      accepted=frozenset(), data_hint: str | None = None) -> list[str]:
     """A resumed run must read the same data the same way into the same model.
 
     Raises ValueError listing every difference. With allow_data_change, differences confined
     to the `data` section (tokenizer, files, sequence length, packing, shards, seed) are
     accepted and returned: the caller must then start the data stream afresh, because the
-    saved positions describe another data set."""
-    diffs = fingerprint_diffs(saved, current)
+    saved positions describe another data set. `accepted` ("data.KEY"s): differences the
+    saved positions survive (a changed mixture, data/state.py mixture_changes), never listed.
+    `data_hint`: what to tell of a data-only change instead of allow_data_change."""
+    diffs = fingerprint_diffs(saved, current, accepted)
     data_only = all(d.startswith("data.") for d in diffs)
     if diffs and not (allow_data_change and data_only):
         if data_only:
-            hint = "set checkpoint.allow_data_change=true to continue on the changed data on purpose"
+            hint = data_hint or "set checkpoint.allow_data_change=true to continue on the changed data on purpose"
         elif allow_data_change:
             hint = "checkpoint.allow_data_change accepts data changes only; the model must match"
         else:

@@ -337,6 +337,7 @@ def test_bad_records_are_counted_per_source(tmp_path):
     ("data.sources.1.name=web", "the name 'web' appears twice"),
     ("data.sources.1.paths=[]", "data.sources[code].paths is empty"),
     ("data.paths=[x.json.gz]", "set data.paths (one source) or data.sources (a mixture), not both"),
+    ("data.mixture_change=yes", "data.mixture_change='yes': must be one of ('refuse', 'continue')"),
     ("data.eval.holdout_files=1 data.eval.paths=[]", "data.eval.holdout_files works with data.paths only"),
     ("data.eval.paths=[${project_root:}/data/sample_code/0001/code.jsonl.gz]", "data.eval.paths overlaps the training files"),
 ])
