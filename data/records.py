@@ -222,13 +222,14 @@ class _Block:
                               strict=True) if len(fs)]
 
     def tokens(self, dtype) -> tuple[np.ndarray, np.ndarray]:
-        """-> (flat int32 tokens of the documents in position order, tokens per document)."""
+        """-> (flat tokens of the documents in position order, in the stored dtype: assemble
+        widens them to int32 as it places them; tokens per document)."""
         recs = [r for fut in self.futures for r in fut.result()]
         ordered = [None] * self.count
         for k, i in enumerate(self.order.tolist()):
             ordered[i] = recs[k]
         lens = np.fromiter((len(r) for r in ordered), np.int64, self.count) // dtype.itemsize
-        flat = np.frombuffer(b"".join(ordered), dtype).astype(np.int32)
+        flat = np.frombuffer(b"".join(ordered), dtype)
         return flat, lens
 
     def cancel(self) -> None:
@@ -321,9 +322,10 @@ class RecordShardStream(WindowRows):
                 rows = self.packer.add(tok, did, first)
             parts.append(rows)
             n += len(rows[0])
-        tok = np.concatenate([p[0] for p in parts])
-        did = np.concatenate([p[1] for p in parts])
-        first = np.concatenate([p[2] for p in parts])
+        if len(parts) == 1:
+            tok, did, first = parts[0]
+        else:
+            tok, did, first = (np.concatenate([p[i] for p in parts]) for i in range(3))
         self.seg, self.pos = packing.segments_positions(did)
         self.tok, self.did = tok, did
         self.m_tok = (did >= 0).sum(1).tolist()
