@@ -288,3 +288,45 @@ def test_assemble_and_segments_match_a_per_token_reference():
                 else:
                     p += 1
                 assert (seg[r, t], pos[r, t]) == (s, p), (trial, r, t)
+
+
+def test_prefetch_handoff_keeps_order_and_stops_when_full():
+    """The prefetcher's lock-free buffer: every item once and in order through producer and
+    consumer racing at either side's pace (both sides wait in turn), never more than its size
+    ahead, and a producer blocked on a full buffer returns when stopped."""
+    import random
+    import threading
+    import time
+
+    from data.pipeline import _Handoff
+    for size, producer_naps, consumer_naps in [(1, True, False), (2, False, True), (3, True, True)]:
+        h, stop, n = _Handoff(size), threading.Event(), 3000
+        rnd = random.Random(size)
+        peak = []
+
+        def produce():
+            for i in range(n):
+                if producer_naps and rnd.random() < 0.01:
+                    time.sleep(0.001)
+                assert h.put(i, stop)
+                peak.append(len(h._items))   # right after its own put
+
+        t = threading.Thread(target=produce)
+        t.start()
+        got = []
+        for _ in range(n):
+            if consumer_naps and rnd.random() < 0.01:
+                time.sleep(0.001)
+            got.append(h.get())
+        t.join(timeout=10)
+        assert got == list(range(n)) and max(peak) <= size
+    h, stop = _Handoff(1), threading.Event()
+    assert h.put("a", stop)
+    done = []
+    t = threading.Thread(target=lambda: done.append(h.put("b", stop)))
+    t.start()
+    time.sleep(0.2)
+    assert not done, "a full buffer must block the producer"
+    stop.set()
+    t.join(timeout=5)
+    assert done == [False]
