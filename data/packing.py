@@ -20,43 +20,57 @@ PAD_ID = 0
 def assemble(flat: np.ndarray, lens: np.ndarray, dids, firsts, lasts, eos: int,
              bos: int | None):
     """Token pieces -> (tokens, doc_ids, first) with BOS (if bos is not None) before the
-    first piece of a document and EOS after the last piece. Vectorized per block."""
-    n = len(lens)
+    first piece of a document and EOS after the last piece. `flat` may be any integer dtype
+    (a converted corpus stores uint16). Vectorized per block: the pieces' tokens land on
+    every slot that is not a BOS or EOS slot, in one masked assignment (index arithmetic per
+    token cost ~10x more on a converted corpus, where this is most of the read path)."""
     firsts = np.asarray(firsts, bool)
     lasts = np.asarray(lasts, bool)
-    pre = (firsts & (bos is not None)).astype(np.int64)
-    post = lasts.astype(np.int64)
-    new_lens = lens + pre + post
-    total = int(new_lens.sum())
-    starts = np.cumsum(new_lens) - new_lens
+    pre = firsts if bos is not None else np.zeros(len(lens), bool)
+    new_lens = lens + pre + lasts
+    ends = np.cumsum(new_lens)
+    total = int(ends[-1]) if len(ends) else 0
+    starts = ends - new_lens
     tok = np.empty(total, np.int32)
-    if len(flat):
-        body_starts = np.cumsum(lens) - lens
-        piece_of = np.repeat(np.arange(n), lens)
-        within = np.arange(len(flat)) - body_starts[piece_of]
-        tok[(starts + pre)[piece_of] + within] = flat
+    bos_at, eos_at = starts[pre], ends[lasts] - 1
+    body = np.ones(total, bool)
+    body[bos_at] = False
+    body[eos_at] = False
+    tok[body] = flat
     if bos is not None:
-        tok[starts[pre == 1]] = bos
-    tok[(starts + new_lens - 1)[post == 1]] = eos
+        tok[bos_at] = bos
+    tok[eos_at] = eos
     did = np.repeat(np.asarray(dids, np.int64), new_lens)
     first = np.zeros(total, bool)
-    m = firsts & (new_lens > 0)
-    first[starts[m]] = True
+    first[starts[firsts & (new_lens > 0)]] = True
     return tok, did, first
 
 
 def segments_positions(did: np.ndarray):
-    """did [n, R] -> (segment_ids, positions) int32, 0 where did < 0 (padding)."""
+    """did [n, R] -> (segment_ids, positions) int32, 0 where did < 0 (padding).
+
+    Per segment, not per token: a segment starts at each row's column 0 and wherever the doc
+    id changes; its id in the row and its start are spread over its tokens with one
+    np.repeat each (a cumsum of the bool start mask into int32 costs ~20x a repeat)."""
     n, r = did.shape
-    real = did >= 0
-    start = np.ones((n, r), bool)
-    start[:, 1:] = did[:, 1:] != did[:, :-1]
-    seg = np.cumsum(start, axis=1, dtype=np.int32)
-    col = np.broadcast_to(np.arange(r, dtype=np.int32), (n, r))
-    seg_start = np.maximum.accumulate(np.where(start, col, 0), axis=1)
-    pos = (col - seg_start).astype(np.int32)
-    seg = np.where(real, seg, 0).astype(np.int32)
-    pos = np.where(real, pos, 0).astype(np.int32)
+    flat = did.reshape(-1)
+    start = np.empty(n * r, bool)
+    if n * r:
+        start[0] = True
+        np.not_equal(flat[1:], flat[:-1], out=start[1:])
+        start.reshape(n, r)[:, 0] = True
+    at = np.flatnonzero(start)                   # flat index of every segment start
+    length = np.diff(at, append=n * r)
+    number = np.arange(len(at))
+    row_first = np.maximum.accumulate(np.where(at % r == 0, number, 0))
+    seg = np.repeat((number - row_first + 1).astype(np.int32), length).reshape(n, r)
+    pos = np.arange(n * r, dtype=np.int32)
+    pos -= np.repeat(at.astype(np.int32), length)
+    pos = pos.reshape(n, r)
+    if flat.size and flat.min() < 0:
+        pad = did < 0
+        seg[pad] = 0
+        pos[pad] = 0
     return seg, pos
 
 

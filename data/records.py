@@ -222,18 +222,34 @@ class _Block:
                               strict=True) if len(fs)]
 
     def tokens(self, dtype) -> tuple[np.ndarray, np.ndarray]:
-        """-> (flat int32 tokens of the documents in position order, tokens per document)."""
+        """-> (flat tokens of the documents in position order, in the stored dtype: assemble
+        widens them to int32 as it places them; tokens per document)."""
         recs = [r for fut in self.futures for r in fut.result()]
         ordered = [None] * self.count
         for k, i in enumerate(self.order.tolist()):
             ordered[i] = recs[k]
         lens = np.fromiter((len(r) for r in ordered), np.int64, self.count) // dtype.itemsize
-        flat = np.frombuffer(b"".join(ordered), dtype).astype(np.int32)
+        flat = np.frombuffer(b"".join(ordered), dtype)
         return flat, lens
 
     def cancel(self) -> None:
         for fut in self.futures:
             fut.cancel()
+
+
+_PACKER: list = []
+_PACKER_LOCK = threading.Lock()
+
+
+def _packing_thread() -> concurrent.futures.ThreadPoolExecutor:
+    """This process's one thread that packs records windows ahead (RecordShardStream._install):
+    one, not one per shard, because the work holds the GIL anyway; apart from the read pool,
+    whose reads a packing task waits on."""
+    with _PACKER_LOCK:
+        if not _PACKER:
+            _PACKER.append(concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="records-pack"))
+        return _PACKER[0]
 
 
 def initial_record_state() -> dict:
@@ -284,6 +300,7 @@ class RecordShardStream(WindowRows):
 
     def _restore(self, st: dict) -> None:
         s = st["start"]
+        self._settle()
         for b in self._ahead:
             b.cancel()
         self._ahead.clear()
@@ -291,7 +308,7 @@ class RecordShardStream(WindowRows):
         self.packer.set_carry(s["carry"])
         self.c = {k: int(s["c"][k]) for k in COUNTER_KEYS}
         self._start = s
-        self._build_window()
+        self._install(self._pack_window())
         self._skip_emitted(int(st["emitted"]), len(self.tok))
 
     # ---- rows ----
@@ -302,8 +319,11 @@ class RecordShardStream(WindowRows):
             self._ahead.append(_Block(self, epoch, pos, count))
             self._next = (epoch + 1, 0) if pos + count >= self.n_pos else (epoch, pos + count)
 
-    def _build_window(self) -> None:
-        """Whole blocks until at least one row: their documents with EOS (BOS), packed."""
+    def _pack_window(self) -> tuple:
+        """Whole blocks until at least one row: their documents with EOS (BOS), packed ->
+        (tok, did, seg, pos, m_tok, m_docs, m_segs). Advances the read-ahead and the packer:
+        run by one thread at a time (the caller's, or the packing thread for the next window
+        while the caller hands out the current one's rows)."""
         parts, n = [], 0
         while n == 0:
             self._fill_ahead()
@@ -321,15 +341,36 @@ class RecordShardStream(WindowRows):
                 rows = self.packer.add(tok, did, first)
             parts.append(rows)
             n += len(rows[0])
-        tok = np.concatenate([p[0] for p in parts])
-        did = np.concatenate([p[1] for p in parts])
-        first = np.concatenate([p[2] for p in parts])
-        self.seg, self.pos = packing.segments_positions(did)
-        self.tok, self.did = tok, did
-        self.m_tok = (did >= 0).sum(1).tolist()
-        self.m_docs = first.sum(1).tolist()
-        self.m_segs = self.seg.max(1).tolist()
+        if len(parts) == 1:
+            tok, did, first = parts[0]
+        else:
+            tok, did, first = (np.concatenate([p[i] for p in parts]) for i in range(3))
+        seg, pos = packing.segments_positions(did)
+        return (tok, did, seg, pos, (did >= 0).sum(1).tolist(), first.sum(1).tolist(),
+                seg.max(1).tolist())
+
+    def _install(self, window: tuple) -> None:
+        """Makes `window` the current one and starts packing the next on the packing thread.
+        Packing a window costs ~1 ms of Python; every shard of a host reaches its window's end
+        within a few batches of the others (same block size), and packing them all in the
+        batch that needs them made that batch ~10x slower than the median (bursts the
+        prefetch of a fast training step could not absorb). Packed ahead, the work is spread
+        over the batches in between; the next window's start is taken before its packing
+        moves the read-ahead and the packer."""
+        (self.tok, self.did, self.seg, self.pos, self.m_tok, self.m_docs,
+         self.m_segs) = window
         self.emitted = 0
+        self._next_start = self._snapshot()
+        self._next_window = _packing_thread().submit(self._pack_window)
+
+    def _settle(self) -> None:
+        """Waits for the window being packed ahead (it moves the read-ahead and the packer)."""
+        fut, self._next_window = getattr(self, "_next_window", None), None
+        if fut is not None:
+            try:
+                fut.result()
+            except Exception:   # noqa: BLE001 - a restore or close discards that window
+                pass
 
     def _snapshot(self) -> dict:
         """The next window's start: the first read-ahead block's position (the read-ahead
@@ -345,8 +386,10 @@ class RecordShardStream(WindowRows):
 
     def next_row_into(self, b: int, out: dict) -> None:
         if self.emitted >= len(self.tok):
-            self._start = self._snapshot()
-            self._build_window()
+            # counters of the rows handed out so far: the snapshot was taken before them
+            self._start = {**self._next_start, "c": {**self.c, "bad": {}, "badex": []}}
+            window, self._next_window = self._next_window.result(), None
+            self._install(window)
         i = self._take()
         out["tok"][b] = self.tok[i]
         out["seg"][b] = self.seg[i]
@@ -355,6 +398,7 @@ class RecordShardStream(WindowRows):
             out["did"][b] = self.did[i]
 
     def close(self) -> None:
+        self._settle()
         for b in self._ahead:
             b.cancel()
         self._ahead.clear()

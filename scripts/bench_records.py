@@ -15,7 +15,9 @@ Figures:
   first_batch_s     iterator creation -> first batch (converted corpus).
   restore_start_s / restore_end_s  restore_host_iterator from a state saved one batch into
                     the first epoch / one batch before a shard's epoch ends -> next batch.
-  sim_wait_frac     bench_input's simulated training loop on the converted corpus.
+  sim_wait_frac     bench_input's simulated training loop on the converted corpus (step = 80%
+                    of what the prefetcher delivers), in-process and (_1_worker) with one
+                    input worker process.
   latency_tok_s     records_tok_s with --latency-ms added to every record read call (a
                     stand-in for a bucket).
   peak_rss_mb       peak RSS of a process reading --rss-batches batches of the converted
@@ -190,15 +192,19 @@ def main():
     print(f"restore -> next batch: {restore_start:.3f} s at the start, {restore_end:.3f} s at "
           f"the end of an epoch; state {len(json.dumps(st_end))} bytes", flush=True)
 
-    # ---- simulated training loop
-    wait_frac, step_s, _ = bench_input.simulate_training(rec_cfg, args.sim_steps, r["tok_s"])
-    print(f"simulated loop: step {step_s * 1e3:.2f} ms, wait fraction {wait_frac:.5f}", flush=True)
-    # The same loop with a fixed step: at 80% of ~15 M tokens/s the step above is ~1 ms, and
-    # what it measures is how soon the loop's thread gets the GIL and a core back after each
-    # step (the host is shared), not whether the pipeline keeps up.
-    fixed_frac = args.batch_size * args.seq_len / (r["tok_s"] * args.sim_step_ms / 1e3)
-    wait_fixed, _, _ = bench_input.simulate_training(
-        rec_cfg, max(50, int(args.sim_steps * 1.0 / args.sim_step_ms)), r["tok_s"], fixed_frac)
+    # ---- simulated training loop: in-process, and with one input worker, which takes the
+    # reading and packing (~0.5 ms of Python a batch) off the training process's GIL
+    sim = {}
+    for n in (0, 1):
+        c = cfg_for([out], args, num_workers=n)
+        sim[n] = bench_input.simulate_training(c, args.sim_steps, r["tok_s"])[:2]
+        print(f"simulated loop, {n} workers: step {sim[n][1] * 1e3:.2f} ms (80% of what the "
+              f"prefetcher delivers), wait fraction {sim[n][0]:.5f}", flush=True)
+    wait_frac, step_s = sim[0]
+    # The same loop with a fixed step, still far shorter than any real step over this batch
+    wait_fixed = bench_input.simulate_training(
+        rec_cfg, max(50, int(args.sim_steps * 1.0 / args.sim_step_ms)), r["tok_s"],
+        step_s=args.sim_step_ms / 1e3)[0]
     print(f"simulated loop, step {args.sim_step_ms:.0f} ms: wait fraction {wait_fixed:.5f}",
           flush=True)
 
@@ -236,6 +242,7 @@ def main():
         "first_batch_s": round(r["first_batch_s"], 3),
         "restore_start_s": round(restore_start, 3), "restore_end_s": round(restore_end, 3),
         "sim_wait_frac": round(wait_frac, 5), "sim_step_ms": round(step_s * 1e3, 3),
+        "sim_wait_frac_1_worker": round(sim[1][0], 5), "sim_step_ms_1_worker": round(sim[1][1] * 1e3, 3),
         "sim_wait_frac_fixed_step": round(wait_fixed, 5), "sim_fixed_step_ms": args.sim_step_ms,
         "latency_ms": args.latency_ms, "latency_tok_s": round(lat["tok_s"]),
         "peak_rss_mb": round(rss_small, 1),

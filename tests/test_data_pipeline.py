@@ -245,3 +245,88 @@ def test_input_workers_start_together(tmp_path):
     gap = max(workers) - min(workers)
     assert gap < 0.25 * first_batch_s, (
         f"workers created {gap:.2f} s apart; first batch after {first_batch_s:.2f} s")
+
+
+def test_assemble_and_segments_match_a_per_token_reference():
+    """The vectorized packing helpers against a plain loop, on random pieces: BOS only before a
+    document's first piece, EOS only after its last, any input dtype (uint16 records), empty
+    pieces, and rows with padding at the end."""
+    from data import packing
+    rng = np.random.default_rng(7)
+    for trial in range(300):
+        n = int(rng.integers(0, 12))
+        lens = rng.integers(0, 9, n)
+        flat = rng.integers(3, 60000, int(lens.sum())).astype(np.uint16 if trial % 2 else np.int32)
+        dids = rng.integers(0, 1 << 40, n)
+        firsts, lasts = rng.random(n) < 0.7, rng.random(n) < 0.7
+        bos = 1 if trial % 3 else None
+        tok, did, first = packing.assemble(flat, lens, dids, firsts, lasts, 2, bos)
+        exp_tok, exp_did, exp_first, off = [], [], [], 0
+        for i in range(n):
+            piece = ([bos] if bos is not None and firsts[i] else []) + \
+                [int(t) for t in flat[off:off + lens[i]]] + ([2] if lasts[i] else [])
+            off += lens[i]
+            exp_tok += piece
+            exp_did += [int(dids[i])] * len(piece)
+            exp_first += [bool(firsts[i]) and j == 0 for j in range(len(piece))]
+        assert tok.dtype == np.int32 and tok.tolist() == exp_tok
+        assert did.tolist() == exp_did and first.tolist() == exp_first
+        R = int(rng.integers(1, 7))
+        rows = len(did) // R
+        d = did[:rows * R].reshape(rows, R).copy()
+        if rows and trial % 4 == 0:
+            d[:, R - int(rng.integers(1, R + 1)):] = -1      # padding at the end of every row
+        seg, pos = packing.segments_positions(d)
+        for r in range(rows):
+            s = p = 0
+            for t in range(R):
+                if d[r, t] < 0:
+                    assert seg[r, t] == 0 and pos[r, t] == 0
+                    continue
+                if t == 0 or d[r, t] != d[r, t - 1]:
+                    s, p = s + 1, 0
+                else:
+                    p += 1
+                assert (seg[r, t], pos[r, t]) == (s, p), (trial, r, t)
+
+
+def test_prefetch_handoff_keeps_order_and_stops_when_full():
+    """The prefetcher's lock-free buffer: every item once and in order through producer and
+    consumer racing at either side's pace (both sides wait in turn), never more than its size
+    ahead, and a producer blocked on a full buffer returns when stopped."""
+    import random
+    import threading
+    import time
+
+    from data.pipeline import _Handoff
+    for size, producer_naps, consumer_naps in [(1, True, False), (2, False, True), (3, True, True)]:
+        h, stop, n = _Handoff(size), threading.Event(), 3000
+        rnd = random.Random(size)
+        peak = []
+
+        def produce():
+            for i in range(n):
+                if producer_naps and rnd.random() < 0.01:
+                    time.sleep(0.001)
+                assert h.put(i, stop)
+                peak.append(len(h._items))   # right after its own put
+
+        t = threading.Thread(target=produce)
+        t.start()
+        got = []
+        for _ in range(n):
+            if consumer_naps and rnd.random() < 0.01:
+                time.sleep(0.001)
+            got.append(h.get())
+        t.join(timeout=10)
+        assert got == list(range(n)) and max(peak) <= size
+    h, stop = _Handoff(1), threading.Event()
+    assert h.put("a", stop)
+    done = []
+    t = threading.Thread(target=lambda: done.append(h.put("b", stop)))
+    t.start()
+    time.sleep(0.2)
+    assert not done, "a full buffer must block the producer"
+    stop.set()
+    t.join(timeout=5)
+    assert done == [False]
