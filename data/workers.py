@@ -110,6 +110,10 @@ class WorkerMergeIterator(grain.DatasetIterator):
                 add_times(total, t)
         return total
 
+    def worker_stage_times(self) -> list[dict]:
+        """Each worker's own cumulative timers (and rows made), as of its last slab."""
+        return [dict(t) for t in self._worker_times if t is not None]
+
     def get_state(self):
         sp = self.spec
         if self._group_start is None:
