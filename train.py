@@ -236,7 +236,7 @@ def train(cfg: DictConfig) -> dict:
                     host_iter = data_lib.make_host_iterator(
                         data_cfg, process_index, process_count, debug=debug_batches, files=train_files,
                         tokenizer=tokenizer, shard_states=data_lib.find_shard_states(batches.consumed_state()))
-                    batches.close()
+                    batches.close(background=True)     # the old workers go while the new ones start
                     batches = data_lib.DevicePrefetcher(host_iter, batch_sharding, prefetch=data_cfg.prefetch,
                                                         follows=batches)
                     cleanup.callback(batches.close)

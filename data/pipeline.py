@@ -230,6 +230,7 @@ class DevicePrefetcher:
         self._batches = follows._batches if follows is not None else 0
         self._done = False
         self._closed = False
+        self._closer = None                  # the thread of close(background=True)
         self._thread = threading.Thread(target=self._run, name="data-prefetch", daemon=True)
         self._thread.start()
 
@@ -351,8 +352,13 @@ class DevicePrefetcher:
     def host_iterator(self):
         return self._it
 
-    def close(self) -> None:
+    def close(self, *, background: bool = False) -> None:
+        """Stops the prefetch thread and the host iterator (its workers). background=True: the
+        iterator's close runs on a thread (a later close() waits for it): a switch of the worker
+        count lets the old workers exit (~0.3-0.7 s each on 2 cores) while the new ones start."""
         if self._closed:
+            if self._closer is not None:
+                self._closer.join()
             return
         self._closed = True
         self._stop.set()
@@ -363,5 +369,10 @@ class DevicePrefetcher:
             pass
         self._thread.join(timeout=10)
         close = getattr(self._it, "close", None)
-        if close is not None:
+        if close is None:
+            return
+        if background:
+            self._closer = threading.Thread(target=close, name="data-close", daemon=True)
+            self._closer.start()
+        else:
             close()
