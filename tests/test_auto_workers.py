@@ -9,6 +9,8 @@ worker (the choice is then 0 workers whatever the measured rates), so no asserti
 how fast this machine is.
 """
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ import pytest
 import data as data_lib
 from data import autoworkers as aw
 from model.checkpoint import find_resume, restore_meta_and_data
+from tests.test_resume import straight  # noqa: F401 - the one-process reference run (a fixture)
 from tests.test_train import make_cfg, read_metrics
 
 import train as train_mod
@@ -153,3 +156,30 @@ def test_auto_resume_chooses_again_and_stays_exact(fixed_run, tmp_path, capsys):
     assert chosen.startswith(f"data.num_workers=auto: {n} worker")
     assert ("kept the provisional 2" in chosen) == (n == 2)
     assert batch_hashes(tmp_path) == fixed_run
+
+
+# ---------------------------------------------------------------- several hosts
+def test_hosts_agree_on_the_most_any_needs(straight, tmp_path):
+    # Two processes with different budgets: process 0's holds no worker (alone it would go
+    # in-process), process 1's holds plenty (one worker: text never goes in-process on its own
+    # and the tiny model needs far less than one worker's rate). Both run the larger count.
+    from tests.test_resume import COMMON, TRAIN, assert_every_shard_continues_exactly, env_for, finish, free_port
+
+    port, procs = free_port(), []
+    for i, budget in enumerate(["0.001", "null"]):
+        log = open(tmp_path / f"log_p{i}.txt", "w")
+        procs.append(subprocess.Popen(
+            [sys.executable, str(TRAIN), f"hydra.run.dir={tmp_path}", *COMMON, "data.num_workers=auto",
+             "data.auto_measure_steps=2", f"data.ram_budget_gb={budget}",
+             f"distributed.coordinator_address=localhost:{port}", "distributed.num_processes=2",
+             f"distributed.process_id={i}", "distributed.local_device_count=2"],
+            cwd=tmp_path, env=env_for(2), stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+    finish(procs, tmp_path)
+    [chosen] = auto_lines((tmp_path / "log_p0.txt").read_text())[1:]
+    assert chosen.startswith("data.num_workers=auto: 1 worker (") and "capped by RAM at 0" in chosen
+    assert "this host alone needs 0, every host runs the most any needs" in chosen
+    assert "kept the provisional 1" in chosen
+    [row] = [r for r in read_metrics(tmp_path) if "data/auto_num_workers" in r]
+    assert row["data/auto_num_workers"] == 1
+    # every virtual shard delivered exactly the rows of the one-process run
+    assert_every_shard_continues_exactly([(tmp_path, range(1, 11))], straight)
