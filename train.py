@@ -233,9 +233,10 @@ def train(cfg: DictConfig) -> dict:
                     # Same batches with any worker count (data/host.py): the new pipeline starts
                     # each shard where the consumed batches left it.
                     data_cfg = auto_workers.switch_cfg(n)
-                    host_iter = data_lib.make_host_iterator(
-                        data_cfg, process_index, process_count, debug=debug_batches, files=train_files,
-                        tokenizer=tokenizer, shard_states=data_lib.find_shard_states(batches.consumed_state()))
+                    consumed = data_lib.find_shard_states(batches.consumed_state())
+                    host_iter = data_lib.make_host_iterator(data_cfg, process_index, process_count, consumed,
+                                                            debug=debug_batches, files=train_files,
+                                                            tokenizer=tokenizer)
                     batches.close(background=True)     # the old workers go while the new ones start
                     batches = data_lib.DevicePrefetcher(host_iter, batch_sharding, prefetch=data_cfg.prefetch,
                                                         follows=batches)

@@ -208,7 +208,8 @@ class DevicePrefetcher:
     # 5 ms, 0.003 at 0.1-0.2 ms.
     GIL_SWITCH_INTERVAL_S = 0.0002
 
-    def __init__(self, host_iterator, sharding, prefetch: int = 2, *, follows: "DevicePrefetcher | None" = None):
+    def __init__(self, host_iterator, sharding, prefetch: int = 2, *,
+                 follows: "DevicePrefetcher | None" = None):
         """follows: a closed prefetcher whose consumed state `host_iterator` starts from (a
         switch of the worker count, data/autoworkers.py): stats() go on counting from its
         start, as if one pipeline had run throughout."""

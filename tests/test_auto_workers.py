@@ -88,8 +88,9 @@ def test_worker_rate_uses_the_busiest_lane():
 ])
 def test_bad_values_fail_in_one_line(setting, needle):
     sample = str(Path(train_mod.PROJECT_ROOT) / "data/sample/*/en_head.json.gz")
-    cfg = data_lib.DataConfig(paths=sample, tokenizer=str(train_mod.PROJECT_ROOT / "data/sample/tokenizer.json"),
-                              seq_len=64, global_batch_size=16, num_shards=4, **setting)
+    tokenizer = str(train_mod.PROJECT_ROOT / "data/sample/tokenizer.json")
+    cfg = data_lib.DataConfig(paths=sample, tokenizer=tokenizer, seq_len=64, global_batch_size=16,
+                              num_shards=4, **setting)
     with pytest.raises(ValueError) as e:
         data_lib.validate_settings(cfg, 1)
     assert needle in str(e.value) and "\n" not in str(e.value)
@@ -97,9 +98,9 @@ def test_bad_values_fail_in_one_line(setting, needle):
 
 # ---------------------------------------------------------------- real runs
 N = 8           # steps of every run
-RUN = ["train.steps=8", "train.log_every=4", "checkpoint.every=4", "logger.wandb.mode=disabled", "train.eval_every=0",
-       "optimizer.warmup_steps=2", "data.seq_len=64", "data.num_shards=4", "train.debug_batches=true",
-       "data.auto_measure_steps=2"]
+RUN = ["train.steps=8", "train.log_every=4", "checkpoint.every=4", "logger.wandb.mode=disabled",
+       "train.eval_every=0", "optimizer.warmup_steps=2", "data.seq_len=64", "data.num_shards=4",
+       "train.debug_batches=true", "data.auto_measure_steps=2"]
 
 
 def batch_hashes(run_dir):
@@ -121,12 +122,13 @@ def auto_lines(out: str) -> list[str]:
     return [line for line in out.splitlines() if line.startswith("data.num_workers=auto: ")]
 
 
-def test_auto_under_a_small_ram_budget_switches_to_in_process_with_the_same_batches(fixed_run, tmp_path, capsys):
+def test_auto_under_a_small_ram_budget_switches_to_in_process_same_batches(fixed_run, tmp_path, capsys):
     train_mod.train(make_cfg(tmp_path, *RUN, "data.num_workers=auto", "data.ram_budget_gb=0.001"))
     start, chosen = auto_lines(capsys.readouterr().out)
     assert "starting with 1 worker(s)" in start
     # chosen after step 1 (compile) + 2 measured steps
-    assert chosen.startswith("data.num_workers=auto: 0 workers (one worker ") and "M tok/s, step needs" in chosen
+    assert chosen.startswith("data.num_workers=auto: 0 workers (one worker ")
+    assert "M tok/s, step needs" in chosen
     assert "capped by RAM at 0" in chosen and "switched from 1 after step 3" in chosen
     [row] = [r for r in read_metrics(tmp_path) if "data/auto_num_workers" in r]
     assert row["step"] == 4 and row["data/auto_num_workers"] == 0 and row["data/auto_reason"] == "RAM"
@@ -159,11 +161,12 @@ def test_auto_resume_chooses_again_and_stays_exact(fixed_run, tmp_path, capsys):
 
 
 # ---------------------------------------------------------------- several hosts
-def test_hosts_agree_on_the_most_any_needs(straight, tmp_path):
+def test_hosts_agree_on_the_most_any_needs(straight, tmp_path):  # noqa: F811 - the fixture
     # Two processes with different budgets: process 0's holds no worker (alone it would go
     # in-process), process 1's holds plenty (one worker: text never goes in-process on its own
     # and the tiny model needs far less than one worker's rate). Both run the larger count.
-    from tests.test_resume import COMMON, TRAIN, assert_every_shard_continues_exactly, env_for, finish, free_port
+    from tests.test_resume import (COMMON, TRAIN, assert_every_shard_continues_exactly, env_for, finish,
+                                   free_port)
 
     port, procs = free_port(), []
     for i, budget in enumerate(["0.001", "null"]):
