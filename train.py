@@ -482,7 +482,7 @@ class _AutoWorkers:
         fig = autoworkers.measure_pipeline(batches.host_iterator(), self.cfg.seq_len,
                                            self.steps * self.host_tokens_per_step, compute)
         choice = autoworkers.choose_workers(
-            fig.worker_tok_s, fig.need_tok_s, shards_per_host=self.shards_per_host, cores=self.cores,
+            fig.rates, fig.need_tok_s, shards_per_host=self.shards_per_host, cores=self.cores,
             worker_rss_bytes=fig.worker_rss_bytes, main_rss_bytes=fig.main_rss_bytes,
             budget_bytes=self.budget, in_process_ok=self.in_process_ok)
         n = choice.num_workers
@@ -494,13 +494,13 @@ class _AutoWorkers:
 
             n = int(np.max(multihost_utils.process_allgather(np.int32(n))))
         agreed = dataclasses.replace(choice, num_workers=n)
-        line = autoworkers.describe(agreed, fig, self.budget, provisional=self.provisional, step=step)
+        line = autoworkers.describe(agreed, fig, self.budget, provisional=self.provisional, step=step,
+                                    cores=self.cores)
         if n != choice.num_workers:
             line += f"; this host alone needs {choice.num_workers}, every host runs the most any needs"
         if announce:
             print(line, flush=True)
-        row = autoworkers.metrics(choice, fig, self.budget, self.provisional)
-        row["data/auto_num_workers"] = n
+        row = autoworkers.metrics(agreed, fig, self.budget, self.provisional, self.cores)
         return n, row
 
 

@@ -23,6 +23,7 @@ import dataclasses
 import math
 import os
 
+from data.host import encode_threads
 from data.timing import THREADS
 
 AUTO = "auto"
@@ -87,48 +88,54 @@ class WorkerChoice:
     max_workers: int     # what shards, cores and RAM allow
 
 
-def choose_workers(worker_tok_s: float, need_tok_s: float, *, shards_per_host: int, cores: int,
+@dataclasses.dataclass(frozen=True)
+class WorkerRates:
+    """What one input process delivers, by lane (tokens/s): its reader thread (read, parse,
+    pack) and one tokenizer thread. A worker's rate depends on how many tokenizer threads it
+    gets, which depends on how many workers share the cores (data/host.py encode_threads)."""
+    reader_tok_s: float
+    tokenizer_tok_s: float          # per thread; inf for a converted corpus (no tokenizer)
+
+    def at(self, num_workers: int, cores: int) -> float:
+        """One worker's tokens/s when num_workers share the cores (0: the in-process reader)."""
+        return min(self.reader_tok_s, self.tokenizer_tok_s * encode_threads(cores, num_workers))
+
+
+def choose_workers(rates: WorkerRates | float, need_tok_s: float, *, shards_per_host: int, cores: int,
                    worker_rss_bytes: int, main_rss_bytes: int, budget_bytes: int,
                    in_process_ok: bool, headroom: float = HEADROOM) -> WorkerChoice:
-    """The fewest workers n with n * worker_tok_s >= headroom * need_tok_s, within the caps.
+    """The fewest workers n with n x (one worker's rate among n) >= headroom x need_tok_s, within
+    the caps. rates: by lane (WorkerRates), or one figure for any n.
 
-    in_process_ok: 0 workers is a candidate (a converted corpus), taken when one worker's rate
-    covers the need. When the budget holds no worker at all the run goes in-process (slower,
-    but it runs) rather than over budget."""
+    in_process_ok: 0 workers is a candidate (a converted corpus), taken when the in-process
+    reader's rate covers the need. When the budget holds no worker at all the run goes
+    in-process (slower, but it runs) rather than over budget."""
+    rate = rates.at if isinstance(rates, WorkerRates) else (lambda n, cores: rates)
     by_ram = (budget_bytes - main_rss_bytes) // max(worker_rss_bytes, 1)
     caps = {"shards": shards_per_host, "cores": max(cores, 1), "RAM": max(0, by_ram)}
     cap_name = min(caps, key=caps.get)
     n_max = int(caps[cap_name])
-    if worker_tok_s <= 0:            # nothing measured: keep what the caps allow, at most one
-        need_n = 1
-    else:
-        need_n = max(1, math.ceil(headroom * need_tok_s / worker_tok_s))
-    if in_process_ok and worker_tok_s >= headroom * need_tok_s:
+    if in_process_ok and rate(0, cores) >= headroom * need_tok_s:
         return WorkerChoice(0, "in-process", n_max)
-    if need_n > n_max:
-        return WorkerChoice(n_max, cap_name, n_max)
-    return WorkerChoice(need_n, "rate", n_max)
+    for n in range(1, n_max + 1):
+        if n * rate(n, cores) >= headroom * need_tok_s:
+            return WorkerChoice(n, "rate", n_max)
+    return WorkerChoice(n_max, cap_name, n_max)
 
 
 # ---------------------------------------------------------------- live figures
-def bound_seconds(times: dict) -> float:
-    """The seconds of an input process's busiest thread lane (data/timing.py stages): what
-    limits its rate, waits excluded."""
-    lanes = {"reader": max(1, times.get("reader_threads", 1)),
-             "tokenizer": max(1, times.get("tokenizer_threads", 1)), "host": 1}
-    secs = {name: sum(times.get(k, 0.0) for k in stages) for name, stages in THREADS.items()}
-    if times.get("in_host"):
-        secs["reader"] += secs.pop("host")
-    return max(s / lanes[name] for name, s in secs.items())
-
-
-def worker_rate(per_worker_times: list[dict], seq_len: int) -> float:
-    """Tokens/s one worker can deliver: the tokens the workers produced over their busiest
-    lanes' seconds (cumulative since they started, so their first windows count: a cautious
-    figure). Each worker's timers travel with its slabs (data/timing.py), with "rows_out"."""
-    rows = sum(t.get("rows_out", 0) for t in per_worker_times)
-    busy = sum(bound_seconds(t) for t in per_worker_times)
-    return rows * seq_len / busy if busy > 0 else 0.0
+def worker_rates(per_worker_times: list[dict], seq_len: int) -> WorkerRates:
+    """By lane, the tokens the workers produced over the lane's seconds: the reader thread's
+    (read, parse, pack; in-process also the host stages) and the tokenizer's thread-seconds.
+    Cumulative since the workers started, so their first windows count: a cautious figure.
+    Each worker's timers travel with its slabs (data/timing.py), with "rows_out"."""
+    tokens = sum(t.get("rows_out", 0) for t in per_worker_times) * seq_len
+    reader = sum(sum(t.get(k, 0.0) for k in THREADS["reader"])
+                 + (sum(t.get(k, 0.0) for k in THREADS["host"]) if t.get("in_host") else 0.0)
+                 for t in per_worker_times)
+    tokenize = sum(t.get("tokenize", 0.0) for t in per_worker_times)
+    return WorkerRates(reader_tok_s=tokens / reader if reader > 0 else 0.0,
+                       tokenizer_tok_s=tokens / tokenize if tokenize > 0 else math.inf)
 
 
 def rss_bytes(pid: int | str = "self") -> int:
@@ -167,9 +174,9 @@ def worker_pids() -> list[int]:
 
 @dataclasses.dataclass(frozen=True)
 class PipelineFigures:
-    """What this host measured: one worker's tokens/s, the step's need in tokens/s, resident
-    memory of one worker (the largest) and of the training process."""
-    worker_tok_s: float
+    """What this host measured: one worker's rates by lane, the step's need in tokens/s,
+    resident memory of one worker (the largest) and of the training process."""
+    rates: WorkerRates
     need_tok_s: float
     worker_rss_bytes: int
     main_rss_bytes: int
@@ -182,31 +189,35 @@ def measure_pipeline(host_iterator, seq_len: int, host_tokens: int, compute_s: f
     per_worker = host_iterator.worker_stage_times()
     rss = [rss_bytes(p) for p in worker_pids()]
     return PipelineFigures(
-        worker_tok_s=worker_rate(per_worker, seq_len),
+        rates=worker_rates(per_worker, seq_len),
         need_tok_s=host_tokens / compute_s if compute_s > 0 else math.inf,
         worker_rss_bytes=max(rss, default=ASSUMED_WORKER_BYTES),
         main_rss_bytes=rss_bytes())
 
 
 def describe(choice: WorkerChoice, fig: PipelineFigures, budget_bytes: int, *,
-             provisional: int, step: int) -> str:
-    """The one log line."""
+             provisional: int, step: int, cores: int) -> str:
+    """The one log line (one worker's rate as it runs among the chosen count)."""
     why = {"rate": "", "in-process": ", in-process: no tokenizer, one worker's rate covers it"}
     cap = why.get(choice.reason, f", capped by {choice.reason} at {choice.max_workers}")
     switch = (f"kept the provisional {provisional}" if choice.num_workers == provisional
               else f"switched from {provisional} after step {step}")
     workers = f"{choice.num_workers} worker" + ("" if choice.num_workers == 1 else "s")
     return (f"data.num_workers=auto: {workers} (one worker "
-            f"{fig.worker_tok_s / 1e6:.3g} M tok/s, step needs {fig.need_tok_s / 1e6:.3g} M tok/s "
+            f"{fig.rates.at(choice.num_workers, cores) / 1e6:.3g} M tok/s, step needs {fig.need_tok_s / 1e6:.3g} M tok/s "
             f"x {HEADROOM}, RSS {fig.worker_rss_bytes / 2**20:.0f} MB/worker + "
             f"{fig.main_rss_bytes / 2**20:.0f} MB trainer, budget {budget_bytes / 2**30:.3g} GB"
             f"{cap}; {switch})")
 
 
-def metrics(choice: WorkerChoice, fig: PipelineFigures, budget_bytes: int, provisional: int) -> dict:
+def metrics(choice: WorkerChoice, fig: PipelineFigures, budget_bytes: int, provisional: int,
+            cores: int) -> dict:
     """The choice and its figures for metrics.jsonl / wandb."""
     return {"data/auto_num_workers": choice.num_workers, "data/auto_provisional_workers": provisional,
-            "data/auto_worker_tok_s": fig.worker_tok_s, "data/auto_need_tok_s": fig.need_tok_s,
+            "data/auto_worker_tok_s": fig.rates.at(choice.num_workers, cores),
+            "data/auto_reader_tok_s": fig.rates.reader_tok_s,
+            "data/auto_tokenizer_thread_tok_s": fig.rates.tokenizer_tok_s,
+            "data/auto_need_tok_s": fig.need_tok_s,
             "data/auto_headroom": HEADROOM, "data/auto_worker_rss_mb": fig.worker_rss_bytes / 2**20,
             "data/auto_main_rss_mb": fig.main_rss_bytes / 2**20,
             "data/auto_ram_budget_gb": budget_bytes / 2**30, "data/auto_reason": choice.reason,

@@ -36,6 +36,11 @@ from data.tokenizer import BatchEncoder, available_cores, set_thread_env
 MAX_ENCODE_THREADS = 4
 
 
+def encode_threads(cores: int, num_workers: int) -> int:
+    """Tokenizer threads of each input process: its share of the cores, at most MAX_ENCODE_THREADS."""
+    return min(MAX_ENCODE_THREADS, max(1, cores // max(num_workers, 1)))
+
+
 def make_shard_stream(spec: StreamSpec, shard: int, encoder: BatchEncoder | None,
                       state: dict | None, times: dict | None = None):
     """One virtual shard's row stream, of the kind the spec describes (state None: from the
@@ -105,8 +110,7 @@ class HostIterator(grain.DatasetIterator):
         # at once (capped: one shard's read-ahead feeds the pool, and deeper read-ahead costs
         # memory on hosts with many shards; use more workers on large machines).
         set_thread_env(1)
-        threads = min(MAX_ENCODE_THREADS,
-                      max(1, available_cores() // max(self.spec.num_workers, 1)))
+        threads = encode_threads(available_cores(), self.spec.num_workers)
         # Converted records hold token ids already: no tokenizer to build (~0.2 s of a
         # 32k-piece tokenizer.json parsed, on the way to the first batch).
         self.enc = enc = (None if self.spec.kind == "records"

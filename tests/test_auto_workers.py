@@ -70,12 +70,31 @@ def test_provisional_workers():
     assert aw.provisional_workers(shards_per_host=4, cores=16, budget_bytes=400 * GB, saved=6) == 4
 
 
-def test_worker_rate_uses_the_busiest_lane():
-    # 2 workers, each 1000 rows of 256 tokens; the reader lane (read+parse+pack) is the bound in
-    # the first (2 s), the tokenizer's 6 s over 2 threads (3 s) in the second
+def test_rates_by_lane_follow_the_tokenizer_threads():
+    # 16 cores: up to 4 workers get 4 tokenizer threads each (data/host.py encode_threads), then fewer.
+    # A thread tokenizes 0.5 M tok/s, the reader 3 M tok/s: 2 M tok/s per worker up to 4 workers.
+    rates = aw.WorkerRates(reader_tok_s=3e6, tokenizer_tok_s=0.5e6)
+    assert [rates.at(n, 16) for n in (1, 4, 5, 16)] == [2e6, 2e6, 1.5e6, 0.5e6]
+    got = choose(rates, 5e6, cores=16, shards=64)           # 1.3 x 5 = 6.5: 3 x 2 = 6 < 6.5 <= 8
+    assert (got.num_workers, got.reason) == (4, "rate")
+    # 4 cores and the tokenizer the bound: more workers share the same 4 threads, never more than
+    # 4 M tok/s in all, so 4.55 M tok/s is out of reach: as many as the cores allow
+    got = choose(aw.WorkerRates(reader_tok_s=10e6, tokenizer_tok_s=1e6), 3.5e6, cores=4, shards=64)
+    assert (got.num_workers, got.reason) == (4, "cores")
+    # a converted corpus has no tokenizer lane: the reader's rate, whatever the count
+    assert aw.WorkerRates(reader_tok_s=7e6, tokenizer_tok_s=float("inf")).at(3, 16) == 7e6
+
+
+def test_worker_rates_from_the_timers():
+    # 2 workers, each 1000 rows of 256 tokens; reader lane seconds 2 + 1.5, tokenizer 2 + 6
     w1 = {"read": 1.0, "parse": 0.5, "pack": 0.5, "tokenize": 2.0, "tokenizer_threads": 2, "rows_out": 1000}
     w2 = {"read": 0.5, "parse": 0.5, "pack": 0.5, "tokenize": 6.0, "tokenizer_threads": 2, "rows_out": 1000}
-    assert aw.worker_rate([w1, w2], 256) == pytest.approx(2000 * 256 / 5.0)
+    rates = aw.worker_rates([w1, w2], 256)
+    assert rates.reader_tok_s == pytest.approx(2000 * 256 / 3.5)
+    assert rates.tokenizer_tok_s == pytest.approx(2000 * 256 / 8.0)
+    # in-process, the reader thread also feeds the device (the host stages count on its lane)
+    solo = {"read": 1.0, "h2d": 1.0, "tokenize": 1.0, "in_host": 1, "rows_out": 100}
+    assert aw.worker_rates([solo], 10).reader_tok_s == pytest.approx(500)
 
 
 @pytest.mark.parametrize("setting, needle", [
