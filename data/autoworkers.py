@@ -126,11 +126,12 @@ def choose_workers(rates: WorkerRates | float, need_tok_s: float, *, shards_per_
 # ---------------------------------------------------------------- live figures
 def worker_rates(per_worker_times: list[dict], seq_len: int) -> WorkerRates:
     """By lane, the tokens the workers produced over the lane's seconds: the reader thread's
-    (read, parse, pack; in-process also the host stages) and the tokenizer's thread-seconds.
-    Cumulative since the workers started, so their first windows count: a cautious figure.
-    Each worker's timers travel with its slabs (data/timing.py), with "rows_out"."""
+    (its seconds making slabs, "make_s", less its waits for the tokenizer; in-process also the
+    host stages) and the tokenizer's thread-seconds. Cumulative since the workers started, so
+    their first windows count: a cautious figure. Each worker's timers travel with its slabs
+    (data/timing.py), with "rows_out" and "make_s" (data/host.py)."""
     tokens = sum(t.get("rows_out", 0) for t in per_worker_times) * seq_len
-    reader = sum(sum(t.get(k, 0.0) for k in THREADS["reader"])
+    reader = sum(t.get("make_s", 0.0) - t.get("tokenize_wait", 0.0)
                  + (sum(t.get(k, 0.0) for k in THREADS["host"]) if t.get("in_host") else 0.0)
                  for t in per_worker_times)
     tokenize = sum(t.get("tokenize", 0.0) for t in per_worker_times)
@@ -216,7 +217,9 @@ def metrics(choice: WorkerChoice, fig: PipelineFigures, budget_bytes: int, provi
     return {"data/auto_num_workers": choice.num_workers, "data/auto_provisional_workers": provisional,
             "data/auto_worker_tok_s": fig.rates.at(choice.num_workers, cores),
             "data/auto_reader_tok_s": fig.rates.reader_tok_s,
-            "data/auto_tokenizer_thread_tok_s": fig.rates.tokenizer_tok_s,
+            # null without a tokenizer (converted corpus): metrics.jsonl stays strict JSON
+            "data/auto_tokenizer_thread_tok_s": (fig.rates.tokenizer_tok_s
+                                                 if math.isfinite(fig.rates.tokenizer_tok_s) else None),
             "data/auto_need_tok_s": fig.need_tok_s,
             "data/auto_headroom": HEADROOM, "data/auto_worker_rss_mb": fig.worker_rss_bytes / 2**20,
             "data/auto_main_rss_mb": fig.main_rss_bytes / 2**20,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import signal
+import time
 
 import grain
 import numpy as np
@@ -130,6 +131,7 @@ class HostIterator(grain.DatasetIterator):
         layout (inputs, targets, masks) is derived on the host side by `slab_to_batch`."""
         if self.streams is None:
             self._init()
+        t0 = time.perf_counter()
         sp = self.spec
         # The first elements are small (1, 2, 4, ... batches up to G): a fresh or restored
         # worker sends its first batch as soon as its windows are built.
@@ -149,8 +151,10 @@ class HostIterator(grain.DatasetIterator):
                     stream.next_row_into(b, out)
             if sp.num_workers > 0:
                 states.append({str(s.shard): s.get_state() for s in self.streams})
-        # rows made, beside the timers: data/autoworkers.py rates a worker by rows per busy second
+        # Rows made and the seconds spent making them (untimed stages included: a converted
+        # corpus times none), beside the timers: data/autoworkers.py rates a worker by them.
         self.times["rows_out"] = self.times.get("rows_out", 0) + G * B
+        self.times["make_s"] = self.times.get("make_s", 0.0) + time.perf_counter() - t0
         slab = {"rows": rows, "row_shard": np.repeat(np.asarray(self.shard_ids, np.int32), k)}
         if dids is not None:
             slab["doc_ids"] = dids

@@ -86,15 +86,18 @@ def test_rates_by_lane_follow_the_tokenizer_threads():
 
 
 def test_worker_rates_from_the_timers():
-    # 2 workers, each 1000 rows of 256 tokens; reader lane seconds 2 + 1.5, tokenizer 2 + 6
-    w1 = {"read": 1.0, "parse": 0.5, "pack": 0.5, "tokenize": 2.0, "tokenizer_threads": 2, "rows_out": 1000}
-    w2 = {"read": 0.5, "parse": 0.5, "pack": 0.5, "tokenize": 6.0, "tokenizer_threads": 2, "rows_out": 1000}
+    # 2 workers, each 1000 rows of 256 tokens; the reader lane: seconds making slabs less the
+    # waits for the tokenizer, 2 + 1.5; the tokenizer's thread-seconds 2 + 6
+    w1 = {"make_s": 2.5, "tokenize_wait": 0.5, "tokenize": 2.0, "tokenizer_threads": 2, "rows_out": 1000}
+    w2 = {"make_s": 4.0, "tokenize_wait": 2.5, "tokenize": 6.0, "tokenizer_threads": 2, "rows_out": 1000}
     rates = aw.worker_rates([w1, w2], 256)
     assert rates.reader_tok_s == pytest.approx(2000 * 256 / 3.5)
     assert rates.tokenizer_tok_s == pytest.approx(2000 * 256 / 8.0)
-    # in-process, the reader thread also feeds the device (the host stages count on its lane)
-    solo = {"read": 1.0, "h2d": 1.0, "tokenize": 1.0, "in_host": 1, "rows_out": 100}
+    # in-process, the reader thread also feeds the device (the host stages count on its lane);
+    # a converted corpus has no tokenizer lane
+    solo = {"make_s": 1.0, "h2d": 1.0, "in_host": 1, "rows_out": 100}
     assert aw.worker_rates([solo], 10).reader_tok_s == pytest.approx(500)
+    assert aw.worker_rates([solo], 10).tokenizer_tok_s == float("inf")
 
 
 @pytest.mark.parametrize("setting, needle", [
@@ -205,3 +208,22 @@ def test_hosts_agree_on_the_most_any_needs(straight, tmp_path):  # noqa: F811 - 
     assert row["data/auto_num_workers"] == 1
     # every virtual shard delivered exactly the rows of the one-process run
     assert_every_shard_continues_exactly([(tmp_path, range(1, 11))], straight)
+
+
+def test_a_converted_corpus_goes_in_process_with_the_same_batches(tmp_path, capsys):
+    # Nothing to tokenize and the tiny model's need far below one reader's rate: 0 workers,
+    # switched to from the provisional 1, with the batches of a run that had none throughout.
+    from tests.test_data_records import convert
+
+    converted = tmp_path / "tok"
+    assert convert(str(train_mod.PROJECT_ROOT / "data/sample/000[0-1]/en_head.json.gz"), converted) == 0
+    on_records = [*RUN, f"data.paths={converted}", "data.eval.holdout_files=0"]
+    train_mod.train(make_cfg(tmp_path / "fixed", *on_records, "data.num_workers=0"))
+    capsys.readouterr()
+    train_mod.train(make_cfg(tmp_path / "auto", *on_records, "data.num_workers=auto"))
+    [chosen] = auto_lines(capsys.readouterr().out)[1:]
+    assert chosen.startswith("data.num_workers=auto: 0 workers (")
+    assert "in-process: no tokenizer" in chosen and "switched from 1 after step 3" in chosen
+    [row] = [r for r in read_metrics(tmp_path / "auto") if "data/auto_num_workers" in r]
+    assert row["data/auto_reason"] == "in-process" and row["data/auto_tokenizer_thread_tok_s"] is None
+    assert batch_hashes(tmp_path / "auto") == batch_hashes(tmp_path / "fixed")
