@@ -17,6 +17,7 @@ from data.state import fingerprint, merge_host_states
 from data.tokenizer import load_tokenizer
 
 __all__ = ["DataConfig", "SourceConfig", "all_files", "check_files", "check_shards", "DevicePrefetcher",
-           "BadDataError", "NoValidDocumentError", "find_shard_states", "fingerprint", "is_auto", "list_files", "list_paths", "Listing",
+           "BadDataError", "NoValidDocumentError", "find_shard_states", "fingerprint", "is_auto",
+           "list_files", "list_paths", "Listing",
            "load_tokenizer", "make_host_dataset", "make_host_iterator", "merge_host_states",
            "no_document_reason", "restore_host_iterator", "validate", "validate_settings"]
