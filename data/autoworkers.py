@@ -207,7 +207,9 @@ def describe(choice: WorkerChoice, fig: PipelineFigures, budget_bytes: int, *,
     return (f"data.num_workers=auto: {workers} (one worker "
             f"{fig.rates.at(choice.num_workers, cores) / 1e6:.3g} M tok/s, "
             f"step needs {fig.need_tok_s / 1e6:.3g} M tok/s x {HEADROOM}, "
-            f"RSS {fig.worker_rss_bytes / 2**20:.0f} MB/worker + {fig.main_rss_bytes / 2**20:.0f} MB trainer, budget {budget_bytes / 2**30:.3g} GB"
+            f"RSS {fig.worker_rss_bytes / 2**20:.0f} MB/worker + "
+            f"{fig.main_rss_bytes / 2**20:.0f} MB trainer, "
+            f"budget {budget_bytes / 2**30:.3g} GB"
             f"{cap}; {switch})")
 
 
