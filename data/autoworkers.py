@@ -131,7 +131,8 @@ def worker_rates(per_worker_times: list[dict], seq_len: int) -> WorkerRates:
     their first windows count: a cautious figure. Each worker's timers travel with its slabs
     (data/timing.py), with "rows_out" and "make_s" (data/host.py)."""
     tokens = sum(t.get("rows_out", 0) for t in per_worker_times) * seq_len
-    reader = sum(t.get("make_s", 0.0) - t.get("tokenize_wait", 0.0)
+    reader = sum(max(t.get("make_s", 0.0) - t.get("tokenize_wait", 0.0),      # never below its
+                     sum(t.get(k, 0.0) for k in THREADS["reader"]))           # timed stages
                  + (sum(t.get(k, 0.0) for k in THREADS["host"]) if t.get("in_host") else 0.0)
                  for t in per_worker_times)
     tokenize = sum(t.get("tokenize", 0.0) for t in per_worker_times)

@@ -129,9 +129,9 @@ class HostIterator(grain.DatasetIterator):
         Few, large messages: every element a worker sends costs a fixed amount of IPC work in
         both processes, so a worker sends up to `spec.group` batches at a time and the batch
         layout (inputs, targets, masks) is derived on the host side by `slab_to_batch`."""
+        t0 = time.perf_counter()        # the start-up counts: its first windows wait on the tokenizer
         if self.streams is None:
             self._init()
-        t0 = time.perf_counter()
         sp = self.spec
         # The first elements are small (1, 2, 4, ... batches up to G): a fresh or restored
         # worker sends its first batch as soon as its windows are built.
