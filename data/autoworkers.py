@@ -4,10 +4,12 @@ The run starts with a provisional worker count (quick to spawn, safe for memory)
 its first `data.auto_measure_steps` steps after the compile what one worker delivers and what
 the step consumes, then chooses
 
-    n = the fewest workers with n x (one worker's tokens/s) >= HEADROOM x (the step's tokens/s),
+    n = the fewest workers with n x (one worker's tokens/s among n) >= HEADROOM x (the step's),
 
-capped by the host's virtual shards (a worker owns at least one), its cores and the RAM budget
-(`data.ram_budget_gb`: the training process plus n workers' resident memory). A converted
+(a worker's rate by lane: its reader thread, and its tokenizer threads, fewer per worker as
+more workers share the cores), capped by the host's virtual shards (a worker owns at least
+one), its cores and the RAM budget (`data.ram_budget_gb`: the training process plus n workers'
+resident memory). A converted
 corpus (data/records.py, no tokenizer) may run in-process (0 workers) when one worker's rate
 covers the need: what a worker does there is cheap enough for the training process's feed
 thread. Text stays in workers: tokenizing in the training process competes with the step for
@@ -30,7 +32,8 @@ AUTO = "auto"
 # Capacity over need: the issue's "30% headroom" for data_wait_frac below 0.5%.
 HEADROOM = 1.3
 # Before anything is measured: the most workers to spawn, and the memory one is assumed to
-# take (a worker holding a 32k tokenizer and its shards' windows measured ~0.3-0.5 GB RSS).
+# take (a cautious guess: with the sample's 4k-piece tokenizer a worker measured 210-245 MB RSS
+# on cpu-2c; a 32k tokenizer and larger windows take more).
 PROVISIONAL_MAX = 8
 ASSUMED_WORKER_BYTES = 1 << 30
 # data.ram_budget_gb=null: this share of the host's memory (the training process included).

@@ -1,7 +1,7 @@
 """data.num_workers=auto: the choice rule (pure) and real train() runs that choose, switch the
 live pipeline and keep the batches bit-identical.
 
-    pytest tests/test_auto_workers.py -q        (~2 min on 2 cores)
+    pytest tests/test_auto_workers.py -q        (~2.5 min on 2 cores, shared)
 
 The runs compare `train.debug_batches` hashes (one per step: the host batch) with a run on a
 fixed worker count. The switch is forced where a test needs it by a RAM budget that holds no
