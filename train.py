@@ -156,6 +156,14 @@ def train(cfg: DictConfig) -> dict:
         # so that its start-up overlaps with restoring or initialising the model. A training shard
         # without any valid document fails its first window, so before the first step.
         debug_batches = bool(cfg.train.get("debug_batches", False))
+        auto_workers = None
+        if data_lib.is_auto(data_cfg.num_workers):
+            # data.num_workers=auto: a provisional count now, the choice after the first steps.
+            auto_workers = _AutoWorkers(data_cfg, process_count, train_files,
+                                        saved=meta.get("num_workers") if resume is not None else None)
+            data_cfg = auto_workers.cfg
+            if is_main:
+                print(auto_workers.announce(), flush=True)
         host_iter = data_lib.restore_host_iterator(data_cfg, process_index, process_count, saved_data_states,
                                                    debug=debug_batches, files=train_files, tokenizer=tokenizer)
         batches = data_lib.DevicePrefetcher(host_iter, batch_sharding, prefetch=data_cfg.prefetch)
@@ -211,7 +219,9 @@ def train(cfg: DictConfig) -> dict:
             cleanup.callback(debug_log.close)
         step = start_step
         pending = []            # device metrics of the steps since the last log, fetched lazily
-        timer = {"t": time.perf_counter(), "wait": 0.0, "steps": 0, "save_s": 0.0, "documents": 0, "stage_s": {}}
+        timer = {"t": time.perf_counter(), "wait": 0.0, "steps": 0, "save_s": 0.0, "documents": 0, "stage_s": {},
+                 "paused_s": 0.0}   # paused_s: evaluations and saves since the start, never reset
+        auto_row = {}           # data.num_workers=auto's figures, logged with the next row
         last = {}
         while step < cfg.train.steps:
             profile.maybe_start(step + 1)
@@ -227,8 +237,26 @@ def train(cfg: DictConfig) -> dict:
                 first = batches.stats()
                 timer.update(t=time.perf_counter(), wait=first["wait_s"], steps=0, documents=first["documents"],
                              stage_s=first["stage_s"])
+                if auto_workers is not None:
+                    auto_workers.start(first["wait_s"], timer["paused_s"])
             else:
                 timer["steps"] += 1
+            if auto_workers is not None and step == start_step + 1 + auto_workers.steps:
+                jax.block_until_ready(metrics)      # the measured steps have run, not just dispatched
+                n, auto_row = auto_workers.choose(batches, step, timer["paused_s"], announce=is_main)
+                if n != data_cfg.num_workers:
+                    # Same batches with any worker count (data/host.py): the new pipeline starts
+                    # each shard where the consumed batches left it.
+                    data_cfg = auto_workers.switch_cfg(n)
+                    consumed = data_lib.find_shard_states(batches.consumed_state())
+                    host_iter = data_lib.make_host_iterator(data_cfg, process_index, process_count, consumed,
+                                                            debug=debug_batches, files=train_files,
+                                                            tokenizer=tokenizer)
+                    batches.close(background=True)     # the old workers go while the new ones start
+                    batches = data_lib.DevicePrefetcher(host_iter, batch_sharding, prefetch=data_cfg.prefetch,
+                                                        follows=batches)
+                    cleanup.callback(batches.close)
+                meta["num_workers"] = n
             profile.maybe_stop(step)
 
             log_now = step % cfg.train.log_every == 0 or step == cfg.train.steps
@@ -245,6 +273,9 @@ def train(cfg: DictConfig) -> dict:
                     row["eval_loss"] = eval_set.loss(state["params"])
                     # Evaluation time is not training time: keep it out of tokens/s and MFU.
                     timer["t"] += time.perf_counter() - t0
+                    timer["paused_s"] += time.perf_counter() - t0
+                if auto_row:
+                    row, auto_row = {**row, **auto_row}, {}
                 logger.log(row)
 
             stop = preempted.check(step)
@@ -252,6 +283,7 @@ def train(cfg: DictConfig) -> dict:
                 t0 = time.perf_counter()
                 ckpt.save(step, state, batches.consumed_state(), meta)
                 timer["save_s"] += time.perf_counter() - t0
+                timer["paused_s"] += time.perf_counter() - t0
                 if stop:
                     ckpt.wait()
                     if is_main:
@@ -445,6 +477,80 @@ def _valid_eval_files(data_lib, eval_cfg, files: list[str], *, announce: bool):
     if not bad:
         return eval_cfg, files
     return dataclasses.replace(eval_cfg, num_shards=_eval_shards(eval_cfg.global_batch_size, len(good))), good
+
+
+class _AutoWorkers:
+    """data.num_workers=auto in the run (the rule and its figures: data/autoworkers.py).
+
+    Starts the pipeline with a provisional count; `start` marks the end of the compile step;
+    after `steps` more steps `choose` measures what the step consumed (tokens over the seconds
+    not spent waiting for data, evaluations or saves) and what one worker delivers, and returns
+    the count every host agrees on (the largest any host needs) with the row for the metrics.
+    """
+
+    def __init__(self, data_cfg, process_count: int, files, *, saved: int | None):
+        import dataclasses
+
+        from data import autoworkers, records
+        from data.tokenizer import available_cores
+
+        self.budget = autoworkers.ram_budget_bytes(data_cfg.ram_budget_gb)
+        self.shards_per_host = data_cfg.num_shards // process_count
+        self.cores = available_cores()
+        self.provisional = autoworkers.provisional_workers(self.shards_per_host, self.cores, self.budget,
+                                                           saved if isinstance(saved, int) else None)
+        self.cfg = dataclasses.replace(data_cfg, num_workers=self.provisional)
+        self.steps = data_cfg.auto_measure_steps
+        # 0 workers only for a converted corpus: nothing to tokenize in the training process.
+        self.in_process_ok = not data_cfg.sources and records.describe(list(files)) is not None
+        self.host_tokens_per_step = data_cfg.global_batch_size // process_count * data_cfg.seq_len
+        self._t0 = self._wait0 = self._paused0 = None
+
+    def announce(self) -> str:
+        return (f"data.num_workers=auto: starting with {self.provisional} worker(s); choosing after "
+                f"data.auto_measure_steps={self.steps} steps past the first (compiling) step")
+
+    def start(self, wait_s: float, paused_s: float) -> None:
+        self._t0, self._wait0, self._paused0 = time.perf_counter(), wait_s, paused_s
+
+    def switch_cfg(self, n: int):
+        import dataclasses
+
+        self.cfg = dataclasses.replace(self.cfg, num_workers=n)
+        return self.cfg
+
+    def choose(self, batches, step: int, paused_s: float, *, announce: bool) -> tuple[int, dict]:
+        import dataclasses
+
+        import jax
+
+        from data import autoworkers
+
+        wall = time.perf_counter() - self._t0
+        compute = wall - (batches.stats()["wait_s"] - self._wait0) - (paused_s - self._paused0)
+        fig = autoworkers.measure_pipeline(batches.host_iterator(), self.cfg.seq_len,
+                                           self.steps * self.host_tokens_per_step, compute)
+        choice = autoworkers.choose_workers(
+            fig.rates, fig.need_tok_s, shards_per_host=self.shards_per_host, cores=self.cores,
+            worker_rss_bytes=fig.worker_rss_bytes, main_rss_bytes=fig.main_rss_bytes,
+            budget_bytes=self.budget, in_process_ok=self.in_process_ok)
+        n = choice.num_workers
+        if jax.process_count() > 1:
+            # Every host runs the same count: the largest any host needs (each host's shards and
+            # the batches do not depend on it, but one setting keeps the run simple to read).
+            import numpy as np
+            from jax.experimental import multihost_utils
+
+            n = int(np.max(multihost_utils.process_allgather(np.int32(n))))
+        agreed = dataclasses.replace(choice, num_workers=n)
+        line = autoworkers.describe(agreed, fig, self.budget, provisional=self.provisional, step=step,
+                                    cores=self.cores)
+        if n != choice.num_workers:
+            line += f"; this host alone needs {choice.num_workers}, every host runs the most any needs"
+        if announce:
+            print(line, flush=True)
+        row = autoworkers.metrics(agreed, fig, self.budget, self.provisional, self.cores)
+        return n, row
 
 
 # ====================================================================== hosts

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from data.autoworkers import check_num_workers, check_ram_budget, is_auto
 from data.listing import list_paths
 from data.tokenizer import load_tokenizer, tokenizer_file, tokenizer_hash
 
@@ -50,7 +51,10 @@ class DataConfig:
     seq_len: int
     global_batch_size: int
     text_key: str = "raw_content"
-    num_workers: int = 1            # Grain worker processes per host (0 = in-process)
+    num_workers: int | str = 1      # Grain worker processes per host (0 = in-process), or "auto"
+                                    # (data/autoworkers.py; train.py resolves it to an int)
+    ram_budget_gb: float | None = None  # auto: trainer + workers' RSS cap (None: half the RAM)
+    auto_measure_steps: int = 20    # auto: steps after the compile measured before choosing
     strict: bool = False
     num_shards: int = 8             # virtual shards V
     packing: str = "concat"         # "concat" | "first_fit"
@@ -137,11 +141,13 @@ def check_shards(cfg: DataConfig, process_count: int, n_files: int | None) -> No
         raise ValueError(
             f"data.num_shards={V} does not split evenly over {process_count} hosts: pick a "
             f"multiple of {process_count} that divides data.global_batch_size={B}")
-    need = process_count * max(cfg.num_workers, 1)
+    # auto needs one worker per host at least (it chooses within the host's shards)
+    workers = 1 if is_auto(cfg.num_workers) else max(cfg.num_workers, 1)
+    need = process_count * workers
     if V < need:
         raise ValueError(
             f"data.num_shards={V} is smaller than hosts x workers = "
-            f"{process_count} x {max(cfg.num_workers, 1)} = {need}: raise data.num_shards "
+            f"{process_count} x {workers} = {need}: raise data.num_shards "
             f"to at least {need} or lower data.num_workers")
     if n_files == 0:
         raise ValueError("data.paths matches no file")
@@ -164,8 +170,11 @@ def validate_settings(cfg: DataConfig, process_count: int) -> None:
     if cfg.global_batch_size < 1 or cfg.global_batch_size % process_count:
         raise ValueError(f"data.global_batch_size={cfg.global_batch_size} is not divisible by "
                          f"the process count {process_count}")
-    if cfg.num_workers < 0:
-        raise ValueError(f"data.num_workers={cfg.num_workers}: must be >= 0")
+    check_num_workers(cfg.num_workers)
+    check_ram_budget(cfg.ram_budget_gb)
+    if isinstance(cfg.auto_measure_steps, bool) or not isinstance(cfg.auto_measure_steps, int) \
+            or cfg.auto_measure_steps < 1:
+        raise ValueError(f"data.auto_measure_steps={cfg.auto_measure_steps!r}: must be an integer >= 1")
     if cfg.shuffle_window < 0:
         raise ValueError(f"data.shuffle_window={cfg.shuffle_window}: must be >= 0")
     if cfg.files_per_stream < 1:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import signal
+import time
 
 import grain
 import numpy as np
@@ -34,6 +35,11 @@ from data.tokenizer import BatchEncoder, available_cores, set_thread_env
 
 # Tokenizer threads per input process (see HostIterator._init).
 MAX_ENCODE_THREADS = 4
+
+
+def encode_threads(cores: int, num_workers: int) -> int:
+    """Tokenizer threads of each input process: its share of the cores, at most MAX_ENCODE_THREADS."""
+    return min(MAX_ENCODE_THREADS, max(1, cores // max(num_workers, 1)))
 
 
 def make_shard_stream(spec: StreamSpec, shard: int, encoder: BatchEncoder | None,
@@ -105,8 +111,7 @@ class HostIterator(grain.DatasetIterator):
         # at once (capped: one shard's read-ahead feeds the pool, and deeper read-ahead costs
         # memory on hosts with many shards; use more workers on large machines).
         set_thread_env(1)
-        threads = min(MAX_ENCODE_THREADS,
-                      max(1, available_cores() // max(self.spec.num_workers, 1)))
+        threads = encode_threads(available_cores(), self.spec.num_workers)
         # Converted records hold token ids already: no tokenizer to build (~0.2 s of a
         # 32k-piece tokenizer.json parsed, on the way to the first batch).
         self.enc = enc = (None if self.spec.kind == "records"
@@ -124,6 +129,7 @@ class HostIterator(grain.DatasetIterator):
         Few, large messages: every element a worker sends costs a fixed amount of IPC work in
         both processes, so a worker sends up to `spec.group` batches at a time and the batch
         layout (inputs, targets, masks) is derived on the host side by `slab_to_batch`."""
+        t0 = time.perf_counter()        # the start-up counts: its first windows wait on the tokenizer
         if self.streams is None:
             self._init()
         sp = self.spec
@@ -145,6 +151,10 @@ class HostIterator(grain.DatasetIterator):
                     stream.next_row_into(b, out)
             if sp.num_workers > 0:
                 states.append({str(s.shard): s.get_state() for s in self.streams})
+        # Rows made and the seconds spent making them (untimed stages included: a converted
+        # corpus times none), beside the timers: data/autoworkers.py rates a worker by them.
+        self.times["rows_out"] = self.times.get("rows_out", 0) + G * B
+        self.times["make_s"] = self.times.get("make_s", 0.0) + time.perf_counter() - t0
         slab = {"rows": rows, "row_shard": np.repeat(np.asarray(self.shard_ids, np.int32), k)}
         if dids is not None:
             slab["doc_ids"] = dids

@@ -15,7 +15,7 @@ from data.mixture import mixture_spec, source_counters
 from data.state import normalize_shard_states, sum_counters
 from data.host import HostIterDataset, find_shard_states
 from data.shard import COUNTER_KEYS, StreamSpec
-from data.timing import sub_times
+from data.timing import STAGES, WAITS, sub_times
 from data.workers import WorkerMergeIterDataset, slab_to_batch
 from data.tokenizer import load_tokenizer, special_ids
 
@@ -31,6 +31,9 @@ def host_shards(num_shards: int, process_index: int, process_count: int) -> list
 def make_host_dataset(cfg: DataConfig, process_index: int, process_count: int,
                       shard_states: dict | None = None, *, debug: bool = False,
                       files: list[str] | dict[str, list[str]] | None = None, tokenizer=None):
+    if isinstance(cfg.num_workers, str):
+        raise ValueError(f"data.num_workers={cfg.num_workers!r}: the pipeline takes a worker count; "
+                         "train.py resolves auto (data/autoworkers.py)")
     files = list_files(cfg) if files is None else files
     if not cfg.sources:
         files = list(files)
@@ -116,6 +119,10 @@ class _InProcessIterator(grain.DatasetIterator):
 
     def stage_times(self) -> dict:
         return self.host.stage_times()
+
+    def worker_stage_times(self) -> list[dict]:
+        """The in-process reader counts as the one "worker" (data/autoworkers.py)."""
+        return [self.host.stage_times()]
 
     def close(self) -> None:
         self.host.close()
@@ -255,21 +262,30 @@ class DevicePrefetcher:
     # 5 ms, 0.003 at 0.1-0.2 ms.
     GIL_SWITCH_INTERVAL_S = 0.0002
 
-    def __init__(self, host_iterator, sharding, prefetch: int = 2):
+    def __init__(self, host_iterator, sharding, prefetch: int = 2, *,
+                 follows: "DevicePrefetcher | None" = None):
+        """follows: a closed prefetcher whose consumed state `host_iterator` starts from (a
+        switch of the worker count, data/autoworkers.py): stats() go on counting from its
+        start, as if one pipeline had run throughout."""
         import sys
         sys.setswitchinterval(min(sys.getswitchinterval(), self.GIL_SWITCH_INTERVAL_S))
         self._it = host_iterator
         self._sharding = sharding
         self._q = _Handoff(prefetch)
         self._stop = threading.Event()
-        self._state = self._base_state = host_iterator.get_state()
-        self._base = state_counters(self._state)
+        self._state = host_iterator.get_state()
+        self._base_state = self._state if follows is None else follows._base_state
+        self._base = state_counters(self._base_state)
         self._stage_times = getattr(host_iterator, "stage_times", None)
         self._h2d = 0.0                      # seconds in _to_global (the "h2d" stage)
         self._times = self._base_times = self._times_now()
-        self._wait = 0.0
-        self._batches = 0
+        # the stage seconds of the prefetchers this one follows (a new pipeline counts from 0)
+        self._times_before = follows.stats()["stage_s"] if follows is not None else {}
+        self._wait = follows._wait if follows is not None else 0.0
+        self._batches = follows._batches if follows is not None else 0
         self._done = False
+        self._closed = False
+        self._closer = None                  # the thread of close(background=True)
         self._thread = threading.Thread(target=self._run, name="data-prefetch", daemon=True)
         self._thread.start()
 
@@ -346,8 +362,16 @@ class DevicePrefetcher:
             **self._source_stats(),
             # seconds per input stage since this prefetcher started, as produced up to the last
             # batch returned (data/timing.py); {} when the iterator keeps no timers
-            "stage_s": sub_times(self._times, self._base_times) if self._times else {},
+            "stage_s": self._stage_seconds(),
         }
+
+    def _stage_seconds(self) -> dict:
+        if not self._times:
+            return dict(self._times_before)
+        now = sub_times(self._times, self._base_times)
+        for k in STAGES + WAITS:       # lanes stay those of the pipeline running now
+            now[k] += self._times_before.get(k, 0.0)
+        return now
 
     def _source_stats(self) -> dict:
         """A mixture's per-source figures since this iterator started ("source/NAME/KEY"; the
@@ -375,10 +399,26 @@ class DevicePrefetcher:
             })
         return out
 
-    def close(self) -> None:
+    def host_iterator(self):
+        return self._it
+
+    def close(self, *, background: bool = False) -> None:
+        """Stops the prefetch thread and the host iterator (its workers). background=True: the
+        iterator's close runs on a thread (a later close() waits for it): a switch of the worker
+        count lets the old workers exit (~0.3-0.7 s each on 2 cores) while the new ones start."""
+        if self._closed:
+            if self._closer is not None:
+                self._closer.join()
+            return
+        self._closed = True
         self._stop.set()
         self._q.drain()
         self._thread.join(timeout=10)
         close = getattr(self._it, "close", None)
-        if close is not None:
+        if close is None:
+            return
+        if background:
+            self._closer = threading.Thread(target=close, name="data-close", daemon=True)
+            self._closer.start()
+        else:
             close()

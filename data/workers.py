@@ -3,6 +3,7 @@ slab -> model batch."""
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import time
 
 import grain
@@ -110,6 +111,10 @@ class WorkerMergeIterator(grain.DatasetIterator):
                 add_times(total, t)
         return total
 
+    def worker_stage_times(self) -> list[dict]:
+        """Each worker's own cumulative timers (and rows made), as of its last slab."""
+        return [dict(t) for t in self._worker_times if t is not None]
+
     def get_state(self):
         sp = self.spec
         if self._group_start is None:
@@ -139,7 +144,34 @@ class WorkerMergeIterator(grain.DatasetIterator):
 
     def close(self) -> None:
         for w in self.workers:
-            w.close()
+            _close_draining(w)
+
+
+def _close_draining(worker) -> None:
+    """Closes one worker pipeline while emptying its queue. Grain's close drains the queue once,
+    then joins the process; a worker that had more elements waiting in its queue's feeder thread
+    (the pipe holds less than one slab) cannot exit until they are read, and Grain kills it only
+    after 25 s: every switch of the worker count and many run ends waited that long on 2 cores."""
+    buffer = getattr(worker, "_buffer", None)      # Grain's multiprocessing queue (0.2.18)
+    if buffer is None:
+        worker.close()
+        return
+    done = threading.Event()
+
+    def drain():
+        while not done.is_set():
+            try:
+                buffer.get(timeout=0.05)
+            except Exception:  # noqa: BLE001 - queue.Empty, or closed under us: keep trying until done
+                pass
+
+    t = threading.Thread(target=drain, name="data-drain", daemon=True)
+    t.start()
+    try:
+        worker.close()
+    finally:
+        done.set()
+        t.join()
 
 
 def slab_to_batch(slab: dict, keep_debug: bool = False) -> dict:

@@ -125,6 +125,7 @@ def run_cli(tmp_path, *overrides):
     (["data.nonsense_key=1"], "nonsense_key"),
     (["data.eval.holdout_files=0", "data.eval.paths=[${project_root:}/data/sample/0003/en_head.json.gz]"], "overlaps"),
     (["data.num_workers=8"], "data.num_shards"),
+    (["data.num_workers=many"], "data.num_workers='many': must be an integer >= 0 or auto"),
     (["data.paths=@/nonexistent/train_files.txt"], "data.paths: cannot read the file list @/nonexistent/train_files.txt"),
     # An explicit decay shorter than the warmup is a mistake, not a smoke run.
     (["train.steps=5", "optimizer.decay_steps=20"], "optimizer.warmup_steps=30 must be below optimizer.decay_steps=20"),
