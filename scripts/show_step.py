@@ -122,6 +122,9 @@ def find_basis(run: Run, step: int) -> tuple[Basis, dict | None]:
     """(the data position the replay of `step` starts from, the meta of the run's first
     checkpoint at or after `step` or None). Step s consumes batch s; checkpoint c holds the
     position after batch c, so the basis is the nearest c < s."""
+    if run.last_step == 0:
+        raise ShowError(f"{run.run_dir} holds no trained step yet (no checkpoint in {run.ckpt_dir}, no "
+                        "metrics.jsonl row)")
     if step < 1 or step > run.last_step:
         raise ShowError(f"step {step} is outside the steps this run trained: steps 1..{run.last_step} exist "
                         f"(checkpoints {_ranges(run.steps)} in {run.ckpt_dir})")
@@ -174,7 +177,8 @@ def data_setup(config: dict, saved_fingerprint: dict | None):
     cfg = data_lib.DataConfig.from_mapping({**data_map, "tokenizer": config["tokenizer"]["path"]})
     eval_paths, holdout = train._eval_settings(eval_map)
     if cfg.sources:
-        files = {s.name: data_lib.list_paths(s.paths, f"data.sources[{s.name}].paths").files for s in cfg.sources}
+        files = {s.name: data_lib.list_paths(s.paths, f"data.sources[{s.name}].paths").files
+                 for s in cfg.sources}
     else:
         files = data_lib.list_paths(cfg.paths, "data.paths").files
     held_out = data_lib.list_paths(eval_paths, "data.eval.paths").files if eval_paths else []
@@ -251,7 +255,8 @@ def locate(spec, doc_id: int) -> dict:
         return {"source": name, "epoch": epoch, "record": index, "file": sub.files[f],
                 "index_in_file": index - int(cum[f]), "_sub": sub}
     epoch, f = divmod(doc_id >> 24, len(sub.files))
-    return {"source": name, "epoch": epoch, "file": sub.files[f], "line": (doc_id & 0xFFFFFF) + 1, "_sub": sub}
+    return {"source": name, "epoch": epoch, "file": sub.files[f], "line": (doc_id & 0xFFFFFF) + 1,
+            "_sub": sub}
 
 
 def document_texts(docs: list[dict], tokenizer, chars: int) -> None:
@@ -310,8 +315,9 @@ def show_step(run_dir, step: int, row: int | None = None, *, tokens: bool = Fals
     basis, meta_after = find_basis(run, step)
     saved = basis.meta or meta_after
     if basis.meta and meta_after and basis.meta["fingerprint"]["data"] != meta_after["fingerprint"]["data"]:
-        raise ShowError(f"the run's data changed between step {basis.step} and its checkpoint at or after step "
-                        f"{step} (checkpoint.allow_data_change): the data position of step {step} is not known")
+        raise ShowError(f"the run's data changed between step {basis.step} and its checkpoint at or after "
+                        f"step {step} (checkpoint.allow_data_change): the data position of step {step} is "
+                        "not known")
     config = (saved or {}).get("config") or run.config
     cfg, files, tokenizer = data_setup(config, saved["fingerprint"]["data"] if saved else None)
     B, V = cfg.global_batch_size, cfg.num_shards
@@ -351,7 +357,8 @@ def show_step(run_dir, step: int, row: int | None = None, *, tokens: bool = Fals
             row_docs.append(d)
         docs.extend(row_docs)
         entry = {"row": r, "shard": v, "source": source, "hash": row_hash(tok_r, did_r),
-                 "first_doc_id": int(real[0]) if real.size else -1, "last_doc_id": int(real[-1]) if real.size else -1,
+                 "first_doc_id": int(real[0]) if real.size else -1,
+                 "last_doc_id": int(real[-1]) if real.size else -1,
                  "padding": int((did_r < 0).sum()), "documents": row_docs}
         if tokens:
             entry["tokens"] = tok_r.tolist()
@@ -386,12 +393,14 @@ def format_text(res: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="Which documents were in a training step (no training, no accelerator).")
+    ap = argparse.ArgumentParser(
+        description="Which documents were in a training step (no training, no accelerator).")
     ap.add_argument("run_dir", help="the run directory (holds config.yaml, checkpoints/, metrics.jsonl)")
     ap.add_argument("--step", type=int, required=True, help="the global step (steps count from 1)")
     ap.add_argument("--row", type=int, default=None, help="only this row of the global batch")
     ap.add_argument("--tokens", action="store_true", help="also print each document's decoded tokens")
-    ap.add_argument("--json", action="store_true", help="one JSON object (rows with the debug_batches hashes)")
+    ap.add_argument("--json", action="store_true",
+                    help="one JSON object (rows with the debug_batches hashes)")
     ap.add_argument("--chars", type=int, default=60, help="characters of each document's text shown")
     args = ap.parse_args(argv)
     import absl.logging

@@ -91,8 +91,8 @@ def converted(tmp_path_factory):
     """The sample's 7 training files converted to ArrayRecord, and a text copy of 4 of them."""
     prepare = _load("prepare_data", ROOT / "scripts" / "prepare_data.py")
     out = tmp_path_factory.mktemp("conv") / "tok"
-    assert prepare.main(["--paths", str(SAMPLE / "000[0-6]" / "en_head.json.gz"), "--tokenizer", str(TOKENIZER),
-                         "--out", str(out), "--no-progress"]) == 0
+    assert prepare.main(["--paths", str(SAMPLE / "000[0-6]" / "en_head.json.gz"),
+                         "--tokenizer", str(TOKENIZER), "--out", str(out), "--no-progress"]) == 0
     web = tmp_path_factory.mktemp("web")
     for i in range(4):
         shutil.copytree(SAMPLE / f"{i:04d}", web / f"{i:04d}")
@@ -105,7 +105,8 @@ def records_runs(converted, tmp_path_factory):
     first, fork = tmp_path_factory.mktemp("records"), tmp_path_factory.mktemp("fork")
     common = [f"data.paths=[{out}]", "data.eval.holdout_files=0", "data.num_workers=0"]
     run(first, *common, "checkpoint.every=2", "train.steps=4")
-    run(fork, *common, f"checkpoint.resume_from={first / 'checkpoints'}", "checkpoint.every=3", "train.steps=7")
+    run(fork, *common, f"checkpoint.resume_from={first / 'checkpoints'}", "checkpoint.every=3",
+        "train.steps=7")
     assert complete_steps(fork / "checkpoints") == [6, 7]
     return first, fork
 
@@ -168,7 +169,9 @@ def test_documents_name_their_file_line_or_record_and_text(text_run, mix_run):
         assert piece[:30] in full, (piece[:30], d["file"], d["line"])
     for r in res["rows"]:
         spans = [d["span"] for d in r["documents"]]
-        assert spans[0][0] == 0 and spans[-1][1] == 65 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+        # the documents tile the row (concat packing: no padding)
+        assert spans[0][0] == 0 and spans[-1][1] == 65
+        assert all(a[1] == b[0] for a, b in zip(spans[:-1], spans[1:], strict=True))
         assert len(r["tokens"]) == 65
 
     conv = [d for r in show.show_step(mix_run, 4)["rows"] for d in r["documents"] if d["source"] == "conv"]
