@@ -5,9 +5,10 @@ one JSON object.
   python train.py hydra.run.dir=/tmp/ss/benchrun logger.wandb.mode=disabled \
       "data.paths=['/tmp/ss/bench/*/en_head.json.gz']" data.eval.holdout_files=0 \
       tokenizer.path=$PWD/../shared/bench/llama_style_tokenizer.json model.vocab_size=32000 \
-      model.max_seq_len=1024 data.seq_len=1024 data.global_batch_size=16 data.num_shards=8 \
+      model.max_seq_len=1024 model.d_model=32 model.n_layers=1 model.d_ff=64 model.n_heads=2 \
+      model.n_kv_heads=1 data.seq_len=1024 data.global_batch_size=16 data.num_shards=8 \
       data.num_workers=1 train.loss_chunk=256 train.steps=100 checkpoint.every=50 train.eval_every=0
-  python scripts/bench_show_step.py /tmp/ss/benchrun --steps 100,51,1 --reps 3
+  python scripts/bench_show_step.py /tmp/ss/benchrun --steps 100,51,50,1 --reps 3
 
 Each measurement is the whole command in a fresh process (imports, checkpoint reads, file
 listing and fingerprint, the replay, reading the documents' first characters): per step, the
