@@ -24,6 +24,10 @@ Where a step's data position comes from, in order:
      saved config: that step directory, or the latest step of that directory before this run's
      first checkpoint);
   3. otherwise the step is refused, naming the steps that can be shown.
+A run resumed on changed data (checkpoint.allow_data_change) read the new data from its start:
+when the checkpoint after N holds another data fingerprint than the one before N, the replay
+starts at the new data's initial position right after the checkpoint before N (the resume
+point) with the later checkpoint's settings.
 Steps after the last one the run trained (its latest checkpoint or metrics.jsonl row) are
 refused. The run's settings come from the checkpoint's saved config; the files are listed again
 from its patterns and the data fingerprint (tokenizer, file list, settings, converted
@@ -93,6 +97,7 @@ class Basis:
     where: str                    # a checkpoint step directory, or "the start of the data"
     host_states: list | None      # every host's saved data state; None = initial
     meta: dict | None             # that checkpoint's meta (config, fingerprint)
+    fresh: bool = False           # the data starts at its initial position after `step`
 
 
 def _restore(directory: str, step: int):
@@ -151,7 +156,7 @@ def find_basis(run: Run, step: int) -> tuple[Basis, dict | None]:
                             f"shown here (earlier steps: ask that run)")
         meta, states = _restore(directory, fstep)
         return Basis(fstep, f"{directory}/{fstep}", states, meta), meta_after
-    return Basis(0, "the start of the data", None, None), meta_after
+    return Basis(0, "the start of the data", None, None, fresh=True), meta_after
 
 
 def _showable(run: Run) -> str:
@@ -313,11 +318,13 @@ def show_step(run_dir, step: int, row: int | None = None, *, tokens: bool = Fals
 
     run = load_run(run_dir)
     basis, meta_after = find_basis(run, step)
-    saved = basis.meta or meta_after
     if basis.meta and meta_after and basis.meta["fingerprint"]["data"] != meta_after["fingerprint"]["data"]:
-        raise ShowError(f"the run's data changed between step {basis.step} and its checkpoint at or after "
-                        f"step {step} (checkpoint.allow_data_change): the data position of step {step} is "
-                        "not known")
+        # checkpoint.allow_data_change: a session resumed at the basis checkpoint (the latest one
+        # then; a later one would carry the new fingerprint) on changed data, which train.py reads
+        # from its start. So the new data's initial position holds right after the basis step.
+        basis = Basis(basis.step, f"the start of the data changed at step {basis.step} "
+                      "(checkpoint.allow_data_change)", None, meta_after, fresh=True)
+    saved = basis.meta or meta_after
     config = (saved or {}).get("config") or run.config
     cfg, files, tokenizer = data_setup(config, saved["fingerprint"]["data"] if saved else None)
     B, V = cfg.global_batch_size, cfg.num_shards
@@ -327,7 +334,7 @@ def show_step(run_dir, step: int, row: int | None = None, *, tokens: bool = Fals
     rows = [row] if row is not None else list(range(B))
     spec = stream_spec(cfg, 0, 1, files, tokenizer, debug=True)
     shard_states = merge_host_states(basis.host_states)["shards"] if basis.host_states else None
-    if basis.host_states is None and basis.step > 0:
+    if basis.host_states is None and not basis.fresh:
         raise ShowError(f"{basis.where} holds no data state: step {step} cannot be replayed")
     skip = (step - 1 - basis.step) * k
 

@@ -10,7 +10,9 @@ the very same rows, at every step of each run:
            (steps before a resume, after a resume and after a host-count change; the default
            keep=3 deletes checkpoint 2, so steps 1-3 replay from the start of the data);
   records  a converted (ArrayRecord) corpus, steps 1-4, then forked by another run directory
-           with checkpoint.resume_from (steps 5 and 6 replay from the first run's checkpoint);
+           with checkpoint.resume_from (steps 5 and 6 replay from the first run's checkpoint),
+           and forked once more onto changed data (checkpoint.allow_data_change: the new data
+           from its start);
   mixture  a text source (a copy of part of the sample) and the converted one, one run.
 Mistakes fail in one line: no config, a step outside the run, a step before any known data
 position, files changed since the run.
@@ -112,6 +114,18 @@ def records_runs(converted, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def changed_fork(converted, records_runs, tmp_path_factory):
+    """The records run forked at step 4 onto changed data (another data seed), on purpose."""
+    out, _ = converted
+    first, _ = records_runs
+    run_dir = tmp_path_factory.mktemp("changed")
+    run(run_dir, f"data.paths=[{out}]", "data.eval.holdout_files=0", "data.num_workers=0", "data.seed=1",
+        f"checkpoint.resume_from={first / 'checkpoints'}", "checkpoint.allow_data_change=true",
+        "checkpoint.every=0", "train.steps=6")
+    return run_dir
+
+
+@pytest.fixture(scope="module")
 def mix_run(converted, tmp_path_factory):
     out, web = converted
     run_dir = tmp_path_factory.mktemp("mix")
@@ -134,6 +148,12 @@ def test_records_steps_and_a_forked_run(records_runs):
     assert assert_replays(first, range(1, 5)) == {1: 0, 2: 0, 3: 2, 4: 2}
     # the fork's first steps come from the checkpoint it was forked from
     assert assert_replays(fork, range(5, 8)) == {5: 4, 6: 4, 7: 6}
+
+
+def test_a_run_resumed_on_changed_data_replays_the_new_data_from_its_start(changed_fork):
+    # checkpoint 4 holds the old data's position; the fork read the new data from its start
+    assert assert_replays(changed_fork, [5, 6]) == {5: 4, 6: 4}
+    assert "changed at step 4" in show.show_step(changed_fork, 6, 0)["from"]
 
 
 def test_mixture_steps(mix_run):
