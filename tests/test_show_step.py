@@ -204,7 +204,7 @@ def test_documents_name_their_file_line_or_record_and_text(text_run, mix_run):
         assert tok.decode(tok.encode(full).ids[:8]).strip()[:10] in d["text"]
 
 
-def test_cli_text_and_json(text_run):
+def test_cli_text_and_json(text_run, mix_run):
     res = cli(text_run, "--step", 7, "--row", 6, "--tokens")
     assert res.returncode == 0, res.stderr
     lines = res.stdout.splitlines()
@@ -216,6 +216,10 @@ def test_cli_text_and_json(text_run):
     assert [r["row"] for r in one["rows"]] == [6]
     assert [one["rows"][0]["shard"], one["rows"][0]["first_doc_id"], one["rows"][0]["last_doc_id"],
             one["rows"][0]["hash"]] == rows_by_step(text_run)[7][6]
+    mixed = cli(mix_run, "--step", 4).stdout.splitlines()
+    assert any(line.startswith("row ") and line.endswith("source conv") for line in mixed), mixed
+    assert any(line.startswith("  record ") and ".array_record#" in line for line in mixed), mixed
+    assert any(line.startswith("row ") and line.endswith("source web") for line in mixed), mixed
 
 
 # ---------------------------------------------------------------- mistakes, in one line
