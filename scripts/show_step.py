@@ -24,10 +24,11 @@ Where a step's data position comes from, in order:
      saved config: that step directory, or the latest step of that directory before this run's
      first checkpoint);
   3. otherwise the step is refused, naming the steps that can be shown.
-A run resumed on changed data (checkpoint.allow_data_change) read the new data from its start:
-when the checkpoint after N holds another data fingerprint than the one before N, the replay
-starts at the new data's initial position right after the checkpoint before N (the resume
-point) with the later checkpoint's settings.
+When the checkpoint after N holds another data fingerprint than the one before N, a session
+resumed at the one before N on changed data, and the replay takes the later checkpoint's
+settings: with checkpoint.allow_data_change that session read the new data from its start (the
+replay too); otherwise a mixture changed (data.mixture_change=continue: re-weighted, sources
+added or dropped) and every source went on from its saved position (the replay too).
 Steps after the last one the run trained (its latest checkpoint or metrics.jsonl row) are
 refused. The run's settings come from the checkpoint's saved config; the files are listed again
 from its patterns and the data fingerprint (tokenizer, file list, settings, converted
@@ -191,7 +192,9 @@ def data_setup(config: dict, saved_fingerprint: dict | None):
     cfg, _, files, _ = train._split_eval(cfg, {"train": files, "eval": held_out}, holdout)
     tokenizer = data_lib.load_tokenizer(cfg.tokenizer)
     if saved_fingerprint is not None:
-        now = data_lib.fingerprint(cfg, tokenizer=tokenizer, files=files)
+        # sources parked by a changed mixture stay in the saved fingerprint (train.py does the same)
+        now = data_lib.carry_parked_sources(saved_fingerprint,
+                                            data_lib.fingerprint(cfg, tokenizer=tokenizer, files=files))
         diffs = fingerprint_diffs({"data": saved_fingerprint}, {"data": now})
         if diffs:
             raise ShowError("the run's data changed since it was trained (fingerprint: " + "; ".join(diffs)
@@ -319,11 +322,17 @@ def show_step(run_dir, step: int, row: int | None = None, *, tokens: bool = Fals
     run = load_run(run_dir)
     basis, meta_after = find_basis(run, step)
     if basis.meta and meta_after and basis.meta["fingerprint"]["data"] != meta_after["fingerprint"]["data"]:
-        # checkpoint.allow_data_change: a session resumed at the basis checkpoint (the latest one
-        # then; a later one would carry the new fingerprint) on changed data, which train.py reads
-        # from its start. So the new data's initial position holds right after the basis step.
-        basis = Basis(basis.step, f"the start of the data changed at step {basis.step} "
-                      "(checkpoint.allow_data_change)", None, meta_after, fresh=True)
+        # A session resumed at the basis checkpoint (the latest one then; a later one would carry
+        # the new fingerprint) on changed data, with the later checkpoint's settings. With
+        # checkpoint.allow_data_change train.py read the new data from its start; otherwise the
+        # change was a mixture's (data.mixture_change=continue) and every source went on from its
+        # saved position.
+        if ((meta_after.get("config") or {}).get("checkpoint") or {}).get("allow_data_change"):
+            basis = Basis(basis.step, f"the start of the data changed at step {basis.step} "
+                          "(checkpoint.allow_data_change)", None, meta_after, fresh=True)
+        else:
+            basis = dataclasses.replace(basis, meta=meta_after, where=f"{basis.where}, the mixture changed "
+                                        "there (data.mixture_change)")
     saved = basis.meta or meta_after
     config = (saved or {}).get("config") or run.config
     cfg, files, tokenizer = data_setup(config, saved["fingerprint"]["data"] if saved else None)

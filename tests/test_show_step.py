@@ -13,7 +13,8 @@ the very same rows, at every step of each run:
            with checkpoint.resume_from (steps 5 and 6 replay from the first run's checkpoint),
            and forked once more onto changed data (checkpoint.allow_data_change: the new data
            from its start);
-  mixture  a text source (a copy of part of the sample) and the converted one, one run.
+  mixture  a text source (a copy of part of the sample) and the converted one, steps 1-3, then
+           resumed re-weighted (data.mixture_change=continue) to step 6.
 Mistakes fail in one line: no config, a step outside the run, a step before any known data
 position, files changed since the run.
 """
@@ -129,10 +130,15 @@ def changed_fork(converted, records_runs, tmp_path_factory):
 def mix_run(converted, tmp_path_factory):
     out, web = converted
     run_dir = tmp_path_factory.mktemp("mix")
-    sources = (f"data.sources=[{{name:web,paths:['{web}/*/en_head.json.gz'],weight:1}},"
-               f"{{name:conv,paths:['{out}'],weight:1}}]")
-    run(run_dir, "data.paths=[]", sources, "data.eval.holdout_files=0", "data.num_workers=1",
-        "checkpoint.every=3", "train.steps=6")
+
+    def sources(conv_weight):
+        return (f"data.sources=[{{name:web,paths:['{web}/*/en_head.json.gz'],weight:1}},"
+                f"{{name:conv,paths:['{out}'],weight:{conv_weight}}}]")
+
+    common = ["data.paths=[]", "data.eval.holdout_files=0", "data.num_workers=1", "checkpoint.every=3"]
+    run(run_dir, *common, sources(1), "train.steps=3")
+    # resumed re-weighted: every source continues from its position, the rows follow new shares
+    run(run_dir, *common, sources(3), "data.mixture_change=continue", "train.steps=6")
     return run_dir
 
 
@@ -156,8 +162,9 @@ def test_a_run_resumed_on_changed_data_replays_the_new_data_from_its_start(chang
     assert "changed at step 4" in show.show_step(changed_fork, 6, 0)["from"]
 
 
-def test_mixture_steps(mix_run):
+def test_mixture_steps_before_and_after_a_reweighted_resume(mix_run):
     assert assert_replays(mix_run, range(1, 7)) == {1: 0, 2: 0, 3: 0, 4: 3, 5: 3, 6: 3}
+    assert "mixture changed" in show.show_step(mix_run, 4, 0)["from"]
     res = show.show_step(mix_run, 5)
     sources = {r["source"] for r in res["rows"]}
     assert sources == {"web", "conv"}, sources
