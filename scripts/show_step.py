@@ -180,6 +180,8 @@ def data_setup(config: dict, saved_fingerprint: dict | None):
 
     data_map = dict(config["data"])
     eval_map = data_map.pop("eval", None) or {}
+    # Replayed in this process: the batches do not depend on the worker count (nor on "auto").
+    data_map["num_workers"] = 0
     cfg = data_lib.DataConfig.from_mapping({**data_map, "tokenizer": config["tokenizer"]["path"]})
     eval_paths, holdout = train._eval_settings(eval_map)
     if cfg.sources:
@@ -200,7 +202,7 @@ def data_setup(config: dict, saved_fingerprint: dict | None):
             raise ShowError("the run's data changed since it was trained (fingerprint: " + "; ".join(diffs)
                             + "): its steps cannot be replayed from these files")
     data_lib.check_files(cfg, 1, files, tokenizer=tokenizer)
-    return dataclasses.replace(cfg, num_workers=0), files, tokenizer
+    return cfg, files, tokenizer
 
 
 # ---------------------------------------------------------------- replaying shards
