@@ -28,6 +28,28 @@ def host_shards(num_shards: int, process_index: int, process_count: int) -> list
     return list(range(process_index * per_host, (process_index + 1) * per_host))
 
 
+def stream_spec(cfg: DataConfig, process_index: int, process_count: int, files, tok, *,
+                debug: bool = False) -> StreamSpec:
+    """The StreamSpec every virtual shard's stream is built from (files: list_files' result,
+    already listed; tok: the loaded tokenizer). Also what scripts/show_step.py rebuilds a
+    run's shards from, so a step can be replayed outside training."""
+    eos, bos = special_ids(tok)   # raises when the tokenizer has no EOS
+    if cfg.add_bos and bos is None:
+        raise ValueError(f"data.add_bos=true but tokenizer.path={cfg.tokenizer!r} has no BOS "
+                         "token (<s>, <|begin_of_text|>, <bos>)")
+    spec = StreamSpec(
+        files=() if cfg.sources else tuple(files), num_shards=cfg.num_shards, tokenizer_json=tok.to_str(),
+        seq_len=cfg.seq_len, text_key=cfg.text_key, strict=cfg.strict, packing=cfg.packing,
+        shuffle_window=cfg.shuffle_window, files_per_stream=cfg.files_per_stream,
+        add_bos=cfg.add_bos, seed=cfg.seed,
+        rows_per_shard=cfg.global_batch_size // cfg.num_shards, num_workers=cfg.num_workers,
+        debug=debug, process_index=process_index, process_count=process_count,
+        group=worker_group(cfg, process_count), eos_id=eos, bos_id=-1 if bos is None else bos)
+    if cfg.sources:
+        return mixture_spec(spec, cfg, files)
+    return dataclasses.replace(spec, **records.stream_fields(files))
+
+
 def make_host_dataset(cfg: DataConfig, process_index: int, process_count: int,
                       shard_states: dict | None = None, *, debug: bool = False,
                       files: list[str] | dict[str, list[str]] | None = None, tokenizer=None):
@@ -41,23 +63,8 @@ def make_host_dataset(cfg: DataConfig, process_index: int, process_count: int,
         raise ValueError(f"data.global_batch_size={cfg.global_batch_size} is not divisible by "
                          f"the process count {process_count}")
     tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.tokenizer)
-    eos, bos = special_ids(tok)   # raises when the tokenizer has no EOS
-    if cfg.add_bos and bos is None:
-        raise ValueError(f"data.add_bos=true but tokenizer.path={cfg.tokenizer!r} has no BOS "
-                         "token (<s>, <|begin_of_text|>, <bos>)")
+    spec = stream_spec(cfg, process_index, process_count, files, tok, debug=debug)
     check_files(cfg, process_count, files, tokenizer=tok)
-    spec = StreamSpec(
-        files=() if cfg.sources else tuple(files), num_shards=cfg.num_shards, tokenizer_json=tok.to_str(),
-        seq_len=cfg.seq_len, text_key=cfg.text_key, strict=cfg.strict, packing=cfg.packing,
-        shuffle_window=cfg.shuffle_window, files_per_stream=cfg.files_per_stream,
-        add_bos=cfg.add_bos, seed=cfg.seed,
-        rows_per_shard=cfg.global_batch_size // cfg.num_shards, num_workers=cfg.num_workers,
-        debug=debug, process_index=process_index, process_count=process_count,
-        group=worker_group(cfg, process_count), eos_id=eos, bos_id=-1 if bos is None else bos)
-    if cfg.sources:
-        spec = mixture_spec(spec, cfg, files)
-    else:
-        spec = dataclasses.replace(spec, **records.stream_fields(files))
     states = normalize_shard_states(shard_states, cfg.num_shards)
     shards = host_shards(cfg.num_shards, process_index, process_count)
     if cfg.num_workers == 0:

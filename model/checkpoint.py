@@ -157,6 +157,15 @@ def restore_meta_and_data(resume: ResumePoint) -> tuple[dict, list[dict] | None]
     return dict(restored["meta"] or {}), restored["data"]
 
 
+def complete_steps(directory: str) -> list[int]:
+    """The complete (visible) steps in a checkpoint directory, sorted; [] when it does not exist.
+    Read-only, like find_resume."""
+    if not epath.Path(directory).is_dir():
+        return []
+    with _read_only_manager(directory) as manager:
+        return sorted(manager.all_steps())
+
+
 def split_step_dir(path: str) -> tuple[str, int | None]:
     """`.../checkpoints` -> (it, None = latest); `.../checkpoints/1200` -> (parent, 1200)."""
     p = str(path).rstrip("/")
