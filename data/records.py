@@ -390,12 +390,7 @@ class RecordShardStream(WindowRows):
             self._start = {**self._next_start, "c": {**self.c, "bad": {}, "badex": []}}
             window, self._next_window = self._next_window.result(), None
             self._install(window)
-        i = self._take()
-        out["tok"][b] = self.tok[i]
-        out["seg"][b] = self.seg[i]
-        out["pos"][b] = self.pos[i]
-        if "did" in out:
-            out["did"][b] = self.did[i]
+        self._row_into(b, out)
 
     def close(self) -> None:
         self._settle()

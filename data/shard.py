@@ -127,7 +127,8 @@ def shard_files(spec_files, num_shards: int, shard: int):
 class WindowRows:
     """A built window's rows handed out one by one and counted: the part of a virtual shard's
     stream that the text (ShardStream) and records (data/records.py) kinds share. Needs: tok
-    [rows, R], m_tok / m_docs / m_segs (per row), c (counters), emitted, shard, _take()."""
+    [rows, R], seg, pos, did, m_tok / m_docs / m_segs (per row), c (counters), emitted, shard,
+    _take()."""
 
     def _count(self, i: int) -> int:
         c = self.c
@@ -137,6 +138,15 @@ class WindowRows:
         c["docs"] += self.m_docs[i]
         c["segs"] += self.m_segs[i]
         return i
+
+    def _row_into(self, b: int, out: dict) -> None:
+        """The next row of the window (counted) into row b of the output arrays."""
+        i = self._take()
+        out["tok"][b] = self.tok[i]
+        out["seg"][b] = self.seg[i]
+        out["pos"][b] = self.pos[i]
+        if "did" in out:
+            out["did"][b] = self.did[i]
 
     def _skip_emitted(self, k: int, window_rows: int) -> None:
         """After a restore rebuilt the window: hand out again the k rows already emitted."""
@@ -294,12 +304,7 @@ class ShardStream(WindowRows):
         if self.emitted >= len(self.perm):
             self._start = self._snapshot()
             self._build_window()
-        i = self._take()
-        out["tok"][b] = self.tok[i]
-        out["seg"][b] = self.seg[i]
-        out["pos"][b] = self.pos[i]
-        if "did" in out:
-            out["did"][b] = self.did[i]
+        self._row_into(b, out)
 
 
 def progress(shard_state: dict) -> int:
