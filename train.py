@@ -10,8 +10,8 @@ whatever devices JAX sees; `configs/` documents every setting.
 """
 from __future__ import annotations
 
-import hashlib
 import contextlib
+import hashlib
 import json
 import os
 import secrets
@@ -39,8 +39,8 @@ def train(cfg: DictConfig) -> dict:
 
     import data as data_lib
     from model import flops as flops_lib
-    from model.checkpoint import Checkpointer, check_fingerprint, find_resume, restore_meta_and_data
     from model import step as step_lib
+    from model.checkpoint import Checkpointer, check_fingerprint, find_resume, restore_meta_and_data
     from model.optimizer import resolve_warmup
 
     t_start = time.perf_counter()
@@ -814,7 +814,8 @@ def _interval_metrics(step, fetched, timer, stats, schedule, tokens_per_step, fl
     if stats.get("bad_examples"):
         # The first bad records' names (file:line: kind), so a skipped file is named where it is counted.
         row["data/bad_examples"] = "; ".join(stats["bad_examples"])
-    timer.update(t=now, wait=stats["wait_s"], steps=0, save_s=0.0, documents=documents, stage_s=stats.get("stage_s", {}))
+    timer.update(t=now, wait=stats["wait_s"], steps=0, save_s=0.0, documents=documents,
+                 stage_s=stats.get("stage_s", {}))
     return row
 
 
@@ -839,7 +840,8 @@ class MetricsLogger:
             import wandb
 
             # Chosen here (not by wandb) so the checkpoint can carry it to a resumed run.
-            self.wandb_id = wandb_id or "".join(secrets.choice("abcdefghijklmnopqrstuvwxyz0123456789") for _ in range(8))
+            alphabet = "abcdefghijklmnopqrstuvwxyz0123456789"
+            self.wandb_id = wandb_id or "".join(secrets.choice(alphabet) for _ in range(8))
             # silent: the progress bar and our summary are the console; wandb's own banner and
             # end-of-run charts would bury them.
             self._wandb = wandb.init(

@@ -6,12 +6,19 @@ sources), data/host.py (the fixed batch layout, a host's iterator) and data/work
 worker processes).
 """
 from data.autoworkers import is_auto
-from data.config import (DataConfig, SourceConfig, all_files, check_files, check_shards, list_files,
-                         validate, validate_settings)
-from data.listing import Listing, list_paths
-from data.pipeline import (DevicePrefetcher, make_host_dataset, make_host_iterator,
-                           restore_host_iterator)
+from data.config import (
+                         DataConfig,
+                         SourceConfig,
+                         all_files,
+                         check_files,
+                         check_shards,
+                         list_files,
+                         validate,
+                         validate_settings,
+)
 from data.host import find_shard_states
+from data.listing import Listing, list_paths
+from data.pipeline import DevicePrefetcher, make_host_dataset, make_host_iterator, restore_host_iterator
 from data.sources import BadDataError, NoValidDocumentError, no_document_reason
 from data.state import carry_parked_sources, fingerprint, merge_host_states, mixture_changes
 from data.tokenizer import load_tokenizer

@@ -28,8 +28,7 @@ import numpy as np
 
 from data.mixture import MixtureShardStream, initial_mixture_state
 from data.records import RecordShardStream, initial_record_state
-from data.shard import (_MARK, STATE_VERSION, ShardStream, StreamSpec, initial_shard_state,
-                        progress)
+from data.shard import _MARK, STATE_VERSION, ShardStream, StreamSpec, initial_shard_state, progress
 from data.timing import zero_times
 from data.tokenizer import BatchEncoder, available_cores, set_thread_env
 

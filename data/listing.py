@@ -59,7 +59,7 @@ def list_paths(patterns, setting: str = "data.paths") -> Listing:
 def _converted_dir(path: str, setting: str) -> list[str]:
     """A directory written by scripts/prepare_data.py stands for the ArrayRecord files its
     manifest lists (read from the manifest: no walk, no stat)."""
-    from data import records   # array_record is imported only for converted corpora
+    from data import records  # array_record is imported only for converted corpora
 
     if not records.is_converted_dir(path):
         raise ValueError(f"{setting}: {path!r} is a directory without {records.MANIFEST}: give globs "

@@ -83,7 +83,7 @@ def carry_to_state(tok, did, first) -> dict:
     if len(tok):
         cut = np.flatnonzero(np.diff(did)) + 1
         b = np.concatenate([[0], cut, [len(did)]])
-        for s, e in zip(b[:-1], b[1:]):
+        for s, e in zip(b[:-1], b[1:], strict=False):
             runs.append([int(did[s]), int(e - s), int(first[s])])
     # tokens as base64 little-endian int32: one short string pickles and serializes fast
     return {"tokens": base64.b64encode(tok.astype("<i4").tobytes()).decode("ascii"),
@@ -177,7 +177,7 @@ class FirstFitPacker:
         cut = np.flatnonzero(np.diff(did)) + 1
         b = np.concatenate([[0], cut, [len(did)]]).tolist()
         last_complete = bool(lasts_end)
-        for j, (s, e) in enumerate(zip(b[:-1], b[1:])):
+        for j, (s, e) in enumerate(zip(b[:-1], b[1:], strict=False)):
             is_last_run = j == len(b) - 2
             while e - s >= self.R:
                 out.append((tok[s:s + self.R], did[s:s + self.R], first[s:s + self.R]))

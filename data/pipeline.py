@@ -11,13 +11,13 @@ from absl import flags
 
 from data import records
 from data.config import DataConfig, check_files, list_files
-from data.mixture import mixture_spec, source_counters
-from data.state import normalize_shard_states, sum_counters
 from data.host import HostIterDataset, find_shard_states
+from data.mixture import mixture_spec, source_counters
 from data.shard import COUNTER_KEYS, StreamSpec
+from data.state import normalize_shard_states, sum_counters
 from data.timing import STAGES, WAITS, sub_times
-from data.workers import WorkerMergeIterDataset, slab_to_batch
 from data.tokenizer import load_tokenizer, special_ids
+from data.workers import WorkerMergeIterDataset, slab_to_batch
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 
@@ -212,7 +212,7 @@ class _Handoff:
     Both matter on the training loop's path. A queue.Queue's get takes its mutex (which a
     switched-out producer may hold mid-put) and notifies the producer waiting for space; that
     wake-up alone cost the loop ~14 us a step on the 2-core VM (a futex wake of a thread on an
-    idle core), 0.8% of a 1.7 ms step (scripts/bench_records.py; 0.0008 without it). So a
+    idle core), 0.8% of a 1.7 ms step (scripts/bench/bench_records.py; 0.0008 without it). So a
     producer facing a full buffer polls instead, every quarter of the consumer's mean interval
     between gets (0.5 to 20 ms): it refills within a quarter step, and a slow step costs a few
     dozen wake-ups a second. A consumer facing an empty buffer is woken by the producer (that
@@ -270,7 +270,7 @@ class DevicePrefetcher:
     # The prefetch thread does Python work (Grain's IPC, merging worker slabs, building global
     # arrays) while holding the GIL; at CPython's default 5 ms switch interval the training
     # loop's next() -- and its step dispatch -- can wait that long for the GIL although the
-    # batch is ready. Measured with scripts/bench_input.py on 2 cores: sim_wait_frac 0.009 at
+    # batch is ready. Measured with scripts/bench/bench_input.py on 2 cores: sim_wait_frac 0.009 at
     # 5 ms, 0.003 at 0.1-0.2 ms.
     GIL_SWITCH_INTERVAL_S = 0.0002
 

@@ -16,7 +16,7 @@ Waits are kept apart from work: tokenize_wait (the reader thread blocked on a to
 worker_wait (the feed thread blocked on the workers). They confirm the bound, they are not one.
 
 A timer is two perf_counter calls (~100 ns each) per document (read, parse), per chunk
-(tokenize, pack) or per batch (the rest), never per token: scripts/bench_input.py reports the
+(tokenize, pack) or per batch (the rest), never per token: scripts/bench/bench_input.py reports the
 overhead from the counts. Each input process keeps one cumulative dict of seconds; a worker's
 travels with every slab it sends. Times are statistics, not data: they are never part of the
 saved state, so batches and exact resume do not depend on them, and a restored pipeline counts

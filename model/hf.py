@@ -138,7 +138,7 @@ def to_hf_state_dict(params: Mapping, cfg: LlamaConfig) -> dict[str, np.ndarray]
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = p["lm_head_dv"].T
     for i in range(cfg.n_layers):
-        layer = jax.tree.map(lambda x: x[i], p["layers"]) if cfg.scan_layers else p["layers"][i]
+        layer = jax.tree.map(lambda x, i=i: x[i], p["layers"]) if cfg.scan_layers else p["layers"][i]
         for path, name, to_hf, _ in _layer_table(cfg):
             out[f"model.layers.{i}.{name}"] = to_hf(_get(layer, path))
     return {k: np.ascontiguousarray(v) for k, v in out.items()}

@@ -49,7 +49,8 @@ def make_optimizer(opt_cfg: Mapping, total_steps: int) -> tuple[optax.GradientTr
         raise ValueError(f"unknown optimizer setting(s): {', '.join(sorted('optimizer.' + k for k in unknown))}")
     schedule = make_schedule(opt_cfg, total_steps)
     def decay_mask(params):
-        return jax.tree_util.tree_map_with_path(lambda path, _: not str(getattr(path[-1], "key", "")).startswith("scale"),
+        return jax.tree_util.tree_map_with_path(
+            lambda path, _: not str(getattr(path[-1], "key", "")).startswith("scale"),
                                                 params)
 
     tx = optax.chain(

@@ -31,21 +31,21 @@ Rules = tuple[tuple[str, tuple[str, ...]], ...]
 def mesh_shape(mesh_cfg: Mapping[str, Any], n_devices: int) -> tuple[int, ...]:
     """Resolve one -1 axis to fill the device count; raise naming mesh.* on mismatch."""
     sizes = [int(mesh_cfg[a]) for a in MESH_AXES]
-    fill = [a for a, s in zip(MESH_AXES, sizes) if s == -1]
+    fill = [a for a, s in zip(MESH_AXES, sizes, strict=True) if s == -1]
     if len(fill) > 1:
-        raise ValueError(f"only one of mesh.data/fsdp/tensor may be -1, got {dict(zip(MESH_AXES, sizes))}")
+        raise ValueError(f"only one of mesh.data/fsdp/tensor may be -1, got {dict(zip(MESH_AXES, sizes, strict=True))}")
     if any(s == 0 or s < -1 for s in sizes):
-        raise ValueError(f"mesh sizes must be positive or -1, got {dict(zip(MESH_AXES, sizes))}")
+        raise ValueError(f"mesh sizes must be positive or -1, got {dict(zip(MESH_AXES, sizes, strict=True))}")
     known = math.prod(s for s in sizes if s != -1)
     if fill:
         if n_devices % known:
             raise ValueError(
                 f"mesh.{fill[0]}=-1 cannot fill {n_devices} devices: the other axes "
-                f"({dict(zip(MESH_AXES, sizes))}) multiply to {known}, which does not divide it")
+                f"({dict(zip(MESH_AXES, sizes, strict=True))}) multiply to {known}, which does not divide it")
         sizes[MESH_AXES.index(fill[0])] = n_devices // known
     if math.prod(sizes) != n_devices:
         raise ValueError(
-            f"mesh.data*mesh.fsdp*mesh.tensor = {math.prod(sizes)} ({dict(zip(MESH_AXES, sizes))}) "
+            f"mesh.data*mesh.fsdp*mesh.tensor = {math.prod(sizes)} ({dict(zip(MESH_AXES, sizes, strict=True))}) "
             f"but there are {n_devices} devices; set one axis to -1 to fill")
     return tuple(sizes)
 

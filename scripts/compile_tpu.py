@@ -164,7 +164,8 @@ def compile_plan(cfg, tpu: Slice) -> dict:
         "device_kind": program.mesh.devices.flat[0].device_kind, "hbm_gib_per_chip": tpu.generation.hbm_gib,
         "usable_hbm_gib_per_chip": tpu.generation.usable_gib,
         "mesh": dict(program.mesh.shape), "model": {k: cfg.model[k] for k in ("attention", "remat")},
-        "microbatches": int(cfg.train.microbatches), "loss_chunk": int(cfg.train.loss_chunk), "seq_len": int(cfg.data.seq_len),
+        "microbatches": int(cfg.train.microbatches), "loss_chunk": int(cfg.train.loss_chunk),
+        "seq_len": int(cfg.data.seq_len),
         "global_batch_size": int(cfg.data.global_batch_size),
         # executed / useful FLOPs: what rematerialisation and a chunked loss cost in compute
         "recompute_factor": recompute_factor(model_cfg, int(cfg.data.seq_len), int(cfg.train.loss_chunk)),
@@ -201,7 +202,8 @@ def report(plan: dict) -> str:
 
 def compose(overrides: list[str]):
     """The run's config as train.py would see it (Hydra compose; no run directory is created)."""
-    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
 
     import train  # registers the ${project_root:} resolver
 

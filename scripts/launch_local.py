@@ -148,7 +148,7 @@ class Launcher:
 
     # -- process control ---------------------------------------------------------------------
     def start(self) -> None:
-        for i, (cmd, log_path) in enumerate(zip(self.commands, self.log_paths)):
+        for i, (cmd, log_path) in enumerate(zip(self.commands, self.log_paths, strict=False)):
             log_path.parent.mkdir(parents=True, exist_ok=True)
             log = open(log_path, "wb")
             self.log_files.append(log)

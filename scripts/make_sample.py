@@ -63,7 +63,8 @@ def main() -> None:
                 meta = {"url": f"https://sample.invalid/{shard}/{k}", "language": "en"}
                 record = {"raw_content": text, "doc_id": f"sample/{shard:04d}/{k}", "meta": json.dumps(meta)}
                 gz.write((json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8"))
-    print(f"wrote {args.shards} shards x {args.docs_per_shard} documents, {n_chars / 1e6:.2f} M characters to {args.out}")
+    print(f"wrote {args.shards} shards x {args.docs_per_shard} documents, "
+          f"{n_chars / 1e6:.2f} M characters to {args.out}")
 
 
 if __name__ == "__main__":

@@ -153,7 +153,8 @@ def _stop_function(grace: int) -> str:
         'local alive=0; for p in $pids; do kill -0 "$p" 2>/dev/null && alive=1; done; '
         'for g in $groups; do kill -0 -- "$g" 2>/dev/null && alive=1; done; '
         "[ $alive = 0 ] && break; sleep 1; i=$((i+1)); done; "
-        f'if [ $i -ge {int(grace)} ]; then echo "$(hostname): still running after {int(grace)} s: SIGKILL to$pids$groups"; '
+        f'if [ $i -ge {int(grace)} ]; then '
+        f'echo "$(hostname): still running after {int(grace)} s: SIGKILL to$pids$groups"; '
         'kill -KILL $pids 2>/dev/null; for g in $groups; do kill -KILL -- "$g" 2>/dev/null; done; fi; '
         "rm -f logs/train.pid; return 0; }"
     )
@@ -463,7 +464,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--jax-extra", default="tpu", help="install jax[EXTRA] (default tpu; '' for none)")
     p.add_argument("--pip-arg", action="append", default=[], help="extra argument/requirement for pip install")
     p.add_argument("--mount-bucket", default=None, help="gcsfuse-mount this GCS bucket on all workers")
-    p.add_argument("--mount-point", default=None, help="where to mount it on every worker (default ~/folder-for-bucket, "
+    p.add_argument("--mount-point", default=None,
+                   help="where to mount it on every worker (default ~/folder-for-bucket, "
                         "where configs/data/redpajama_v2.yaml looks)")
     _add_sync_opts(p)
 

@@ -102,7 +102,7 @@ def doc_tokens(rows, n_files):
     per shard for the token order to be meaningful, counts are always exact."""
     docs = {}
     for _, did, tok in rows:
-        for d, t in zip(did.tolist(), tok.tolist()):
+        for d, t in zip(did.tolist(), tok.tolist(), strict=False):
             if d < 0:
                 continue
             docs.setdefault(decode_doc_id(d, n_files), []).append(t)

@@ -16,12 +16,11 @@ from pathlib import Path
 import pytest
 
 import data as data_lib
+import train as train_mod
 from data import autoworkers as aw
 from model.checkpoint import find_resume, restore_meta_and_data
 from tests.test_resume import straight  # noqa: F401 - the one-process reference run (a fixture)
 from tests.test_train import make_cfg, read_metrics
-
-import train as train_mod
 
 GB = 1 << 30
 MB = 1 << 20
@@ -187,8 +186,7 @@ def test_hosts_agree_on_the_most_any_needs(straight, tmp_path):  # noqa: F811 - 
     # Two processes with different budgets: process 0's holds no worker (alone it would go
     # in-process), process 1's holds plenty (one worker: text never goes in-process on its own
     # and the tiny model needs far less than one worker's rate). Both run the larger count.
-    from tests.test_resume import (COMMON, TRAIN, assert_every_shard_continues_exactly, env_for, finish,
-                                   free_port)
+    from tests.test_resume import COMMON, TRAIN, assert_every_shard_continues_exactly, env_for, finish, free_port
 
     port, procs = free_port(), []
     for i, budget in enumerate(["0.001", "null"]):

@@ -15,8 +15,7 @@ from omegaconf import OmegaConf
 
 from model import sharding as shd
 from model import step as step_lib
-from model.checkpoint import (Checkpointer, DataStateHandler, check_fingerprint, fingerprint_diffs,
-                              split_step_dir)
+from model.checkpoint import Checkpointer, DataStateHandler, check_fingerprint, fingerprint_diffs, split_step_dir
 from model.llama import LlamaConfig
 from model.optimizer import make_optimizer
 
@@ -50,7 +49,7 @@ def host_copy(tree):
 def assert_tree_equal(a, b):
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
     assert jax.tree.structure(a) == jax.tree.structure(b)
-    for x, y in zip(la, lb):
+    for x, y in zip(la, lb, strict=False):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
@@ -80,7 +79,7 @@ def test_roundtrip_restores_into_another_sharding(setup, tmp_path):
     restored = ckpt.restore_state(resume, abstract)
     ckpt.close()
     assert_tree_equal(restored, expected)
-    for arr, sh in zip(jax.tree.leaves(restored), jax.tree.leaves(shardings)):
+    for arr, sh in zip(jax.tree.leaves(restored), jax.tree.leaves(shardings), strict=False):
         assert arr.sharding == sh
     assert int(restored["step"]) == int(expected["step"])
 
@@ -181,7 +180,7 @@ def test_init_from_restores_parameters_only(setup, tmp_path):
     params = ckpt.restore_params(str(tmp_path / "other"), abstract["params"])
     ckpt.close()
     assert_tree_equal(params, host_copy(state["params"]))
-    for arr, sh in zip(jax.tree.leaves(params), jax.tree.leaves(shardings["params"])):
+    for arr, sh in zip(jax.tree.leaves(params), jax.tree.leaves(shardings["params"]), strict=False):
         assert arr.sharding == sh
     with pytest.raises(ValueError, match="checkpoint.init_from"):
         Checkpointer(ccfg(tmp_path / "new2")).restore_params(str(tmp_path / "missing"), abstract["params"])

@@ -100,7 +100,8 @@ def test_bad_strict_through_worker(tmp_path):
 def test_bad_counts_survive_restore_and_stats(tmp_path):
     import jax
     import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
     _corpus(tmp_path, "missing_key")
     c = cfg(tmp_path, paths=(str(tmp_path / "d" / "*.json.gz"),), num_shards=2)
     sh = NamedSharding(Mesh(np.array(jax.devices()[:4]), ("data",)), P("data"))

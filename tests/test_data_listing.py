@@ -21,14 +21,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_train import TINY_FAST, make_cfg, read_metrics
 
 import data
+import train as train_mod
 from data.listing import list_paths
 from data.pipeline import state_counters
 from tests.data_helpers import cfg, take, write_corpus
-from test_train import TINY_FAST, make_cfg, read_metrics
-
-import train as train_mod
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "data" / "sample"
@@ -136,7 +135,7 @@ def test_a_run_makes_at_most_one_metadata_call_per_file(tmp_path):
     # A whole train.py run (listing, validation, eval split, fingerprint, eval set, an input
     # worker, a checkpoint) under strace -f: every data file is stat-ed at most once.
     corpus = copy_sample(tmp_path / "corpus")
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_listing.py"), str(corpus),
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench" / "bench_listing.py"), str(corpus),
                           "--out", str(tmp_path / "bench"), "--steps", "1", "--no-resume"],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]

@@ -20,8 +20,7 @@ import pytest
 import data
 from data.host import find_shard_states
 from data.mixture import SOURCE_ID_SHIFT, source_counters, source_of_doc_id
-from tests.data_helpers import (REPO, TOKENIZER, assert_batches_equal, cfg, decode_doc_id, jround,
-                                take, write_corpus)
+from tests.data_helpers import REPO, TOKENIZER, assert_batches_equal, cfg, decode_doc_id, jround, take, write_corpus
 
 # name, weight, files, documents per file, text key
 SOURCES = [("web", 5.0, 8, 30, "raw_content"), ("books", 3.0, 4, 20, "raw_content"),
@@ -111,7 +110,8 @@ def test_shares_hold_over_every_window_of_100_batches(tmp_path, packing):
 # ---------------------------------------------------------------- epochs per source
 def test_a_source_that_runs_out_starts_its_next_epoch(tmp_path):
     import jax
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
     write_sources(tmp_path)
     c = mix_cfg(tmp_path, shuffle_window=1)
     batches, states = straight(c, 120)
@@ -311,7 +311,8 @@ def test_train_resumes_a_mixture_exactly_and_refuses_a_weight_change(tmp_path):
 
 def test_bad_records_are_counted_per_source(tmp_path):
     import jax
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from tests.data_helpers import write_lines
     write_sources(tmp_path)
@@ -339,7 +340,8 @@ def test_bad_records_are_counted_per_source(tmp_path):
     ("data.paths=[x.json.gz]", "set data.paths (one source) or data.sources (a mixture), not both"),
     ("data.mixture_change=yes", "data.mixture_change='yes': must be one of ('refuse', 'continue')"),
     ("data.eval.holdout_files=1 data.eval.paths=[]", "data.eval.holdout_files works with data.paths only"),
-    ("data.eval.paths=[${project_root:}/data/sample_code/0001/code.jsonl.gz]", "data.eval.paths overlaps the training files"),
+    ("data.eval.paths=[${project_root:}/data/sample_code/0001/code.jsonl.gz]",
+     "data.eval.paths overlaps the training files"),
 ])
 def test_config_mistakes_fail_in_one_line(tmp_path, override, needle):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}

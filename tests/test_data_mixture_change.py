@@ -177,7 +177,8 @@ def test_metrics_after_a_change_count_from_the_resume(tmp_path):
     """Per-source metrics of the resumed run start from the restored positions: a source
     listed again is not credited with what it read before it was parked."""
     import jax
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
     write_sources(tmp_path)
     _, s1 = run_phase(cfg_of(tmp_path, {"web": 1.0, "books": 1.0}), 6, None)
     _, s2 = run_phase(cfg_of(tmp_path, {"web": 1.0}), 3, s1)

@@ -6,8 +6,7 @@ import pytest
 
 import data
 from data.tokenizer import load_tokenizer
-from tests.data_helpers import (TOKENIZER, cfg, decode_doc_id, doc_tokens, rows_of, take,
-                                write_corpus)
+from tests.data_helpers import TOKENIZER, cfg, decode_doc_id, doc_tokens, rows_of, take, write_corpus
 
 TOK = load_tokenizer(TOKENIZER)
 EOS = TOK.token_to_id("</s>")
@@ -94,7 +93,7 @@ def test_segments_positions_loss_mask(tmp_path, packing):
     rows = rows_of(batches)
     per_doc = doc_tokens(rows, len(files))
     complete = 0
-    for (e, f, line), toks in per_doc.items():
+    for (_e, f, line), toks in per_doc.items():
         exp = expected_tokens(texts[(files[f], line + 1)])
         if packing == "first_fit" and len(exp) <= 49:
             assert toks == exp, "short documents stay whole in first_fit"
@@ -121,10 +120,10 @@ def test_determinism_by_seed(tmp_path):
     a = take(data.make_host_iterator(cfg(tmp_path, seed=3), 0, 1), 12)
     b = take(data.make_host_iterator(cfg(tmp_path, seed=3), 0, 1), 12)
     d = take(data.make_host_iterator(cfg(tmp_path, seed=4), 0, 1), 12)
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         for k in x:
             np.testing.assert_array_equal(x[k], y[k])
-    assert any(not np.array_equal(x["inputs"], y["inputs"]) for x, y in zip(a, d))
+    assert any(not np.array_equal(x["inputs"], y["inputs"]) for x, y in zip(a, d, strict=False))
 
 
 def test_epochs_change_file_order(tmp_path):
@@ -134,8 +133,9 @@ def test_epochs_change_file_order(tmp_path):
 
 
 def test_file_formats(tmp_path):
-    from tests.data_helpers import write_lines
     import json
+
+    from tests.data_helpers import write_lines
     os.makedirs(tmp_path / "a")
     recs = [json.dumps({"text": f"unique document {i} " + "word " * i}).encode()
             for i in range(1, 7)]
@@ -194,7 +194,7 @@ def test_first_fit_reports_padding(tmp_path):
     write_corpus(tmp_path, n_files=4, docs_per_file=10)
     it = data.make_host_iterator(cfg(tmp_path, packing="first_fit"), 0, 1)
     for _ in range(5):
-        b = next(it)
+        next(it)
     from data.pipeline import state_counters
     c = state_counters(it.get_state())
     assert c["rows"] == 20 and c["pad"] > 0
@@ -212,7 +212,7 @@ def test_files_interleaved_inside_a_shard(tmp_path):
             if not seq or seq[-1] != f:
                 seq.append(f)
     # documents alternate between the two open files
-    assert len(set(seq[:6])) == 2 and all(a != b for a, b in zip(seq, seq[1:]))
+    assert len(set(seq[:6])) == 2 and all(a != b for a, b in zip(seq, seq[1:], strict=False))
 
 
 def test_input_workers_start_together(tmp_path):
@@ -304,14 +304,14 @@ def test_prefetch_handoff_keeps_order_and_stops_when_full():
         rnd = random.Random(size)
         peak = []
 
-        def produce():
+        def produce(h, stop, n, rnd, naps, peak):
             for i in range(n):
-                if producer_naps and rnd.random() < 0.01:
+                if naps and rnd.random() < 0.01:
                     time.sleep(0.001)
                 assert h.put(i, stop)
                 peak.append(len(h._items))   # right after its own put
 
-        t = threading.Thread(target=produce)
+        t = threading.Thread(target=produce, args=(h, stop, n, rnd, producer_naps, peak))
         t.start()
         got = []
         for _ in range(n):

@@ -19,8 +19,7 @@ import pytest
 import data
 from data import records
 from data.permutation import FeistelPermutation
-from tests.data_helpers import (REPO, TOKENIZER, assert_batches_equal, jround, take,
-                                write_corpus, write_lines)
+from tests.data_helpers import REPO, TOKENIZER, assert_batches_equal, jround, take, write_corpus, write_lines
 
 SCRIPT = os.path.join(REPO, "scripts", "prepare_data.py")
 

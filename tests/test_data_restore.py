@@ -138,7 +138,8 @@ def test_same_topology_state_rejects_other_topology(tmp_path):
 
 def test_device_prefetcher(tmp_path):
     import jax
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
     write_corpus(tmp_path, n_files=4, docs_per_file=6)
     c = cfg(tmp_path, num_shards=4, global_batch_size=8)
     ref, states = reference(c, 6)
@@ -170,7 +171,7 @@ def test_restore_host_iterator_picks_the_path(tmp_path):
     # same topology: exact continuation on every host
     for h in range(2):
         it = data.restore_host_iterator(c2, h, 2, saved, debug=True)
-        for a, b in zip(take(it, 4), ref[h]):
+        for a, b in zip(take(it, 4), ref[h], strict=False):
             assert_batches_equal(a, b)
     # other topology (1 host): the shards continue where they were, none lost or repeated
     it = data.restore_host_iterator(c2, 0, 1, saved, debug=True)
@@ -220,6 +221,6 @@ def test_encoder_threads_do_not_change_the_data(tmp_path, monkeypatch):
         assert host.enc.threads == threads
         assert all(len(s._ahead) == threads for s in host.streams)
         runs.append((batches, jround(it.get_state())))
-    for a, b in zip(runs[0][0], runs[1][0]):
+    for a, b in zip(runs[0][0], runs[1][0], strict=False):
         assert_batches_equal(a, b)
     assert runs[0][1] == runs[1][1]

@@ -14,8 +14,7 @@ import pytest
 
 import data
 from data import gzseek
-from tests.data_helpers import (assert_batches_equal, cfg, decode_doc_id, jround, rows_of, take,
-                                write_corpus)
+from tests.data_helpers import assert_batches_equal, cfg, decode_doc_id, jround, rows_of, take, write_corpus
 
 SMALL_SPACING = 64 << 10
 MAX_BLOCK = 256 << 10   # text in one deflate block, generously
@@ -36,7 +35,9 @@ def _words(rng, n):
 
 
 def _jsonl(rng, n_docs, tag, min_words=20, max_words=400):
-    return b"".join(json.dumps({"raw_content": f"doc {tag}-{i}: " + _words(rng, rng.randint(min_words, max_words))}).encode() + b"\n"
+    return b"".join(
+        json.dumps({"raw_content": f"doc {tag}-{i}: " + _words(rng, rng.randint(min_words, max_words))}).encode()
+        + b"\n"
                     for i in range(n_docs))
 
 

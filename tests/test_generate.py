@@ -38,7 +38,7 @@ def random_params(cfg: LlamaConfig, seed=0, std=0.3):
     leaves, treedef = jax.tree.flatten_with_path(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
     keys = jax.random.split(jax.random.key(seed), len(leaves))
     out = []
-    for (path, a), key in zip(leaves, keys):
+    for (path, a), key in zip(leaves, keys, strict=False):
         noise = jax.random.normal(key, a.shape, a.dtype)
         out.append(1.0 + 0.1 * noise if "scale_d" in jax.tree_util.keystr(path) else std * noise)
     return jax.tree.unflatten(treedef, out)

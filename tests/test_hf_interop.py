@@ -39,7 +39,7 @@ export_hf, import_hf = load_script("export_hf"), load_script("import_hf")
 def assert_same_params(a, b):
     fa, fb = jax.tree_util.tree_flatten_with_path(a)[0], jax.tree_util.tree_flatten_with_path(b)[0]
     assert [p for p, _ in fa] == [p for p, _ in fb]
-    for (path, x), (_, y) in zip(fa, fb):
+    for (path, x), (_, y) in zip(fa, fb, strict=False):
         assert np.asarray(x).dtype == np.asarray(y).dtype == np.float32, jax.tree_util.keystr(path)
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path))
 
@@ -52,7 +52,7 @@ def random_checkpoint(directory, cfg: LlamaConfig, seed=0):
     keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
     params = jax.tree.unflatten(treedef, [
         x * (1.0 + 0.1 * jax.random.normal(key, x.shape)) if "scale_d" in jax.tree_util.keystr(path) else x
-        for (path, x), key in zip(leaves, keys)])
+        for (path, x), key in zip(leaves, keys, strict=False)])
     meta = {"config": {"model": dataclasses.asdict(cfg), "tokenizer": {"path": TOKENIZER}, "data": {"add_bos": False}}}
     ckpt_lib.save_params(directory, params, meta)
     return params
@@ -136,7 +136,8 @@ def test_exported_model_logits_match_transformers(tmp_path, tie):
     with torch.no_grad():
         want = model(torch.from_numpy(tokens)).logits.numpy()
     b, t = tokens.shape
-    got = np.asarray(model_from_params(cfg, params)(jnp.asarray(tokens, jnp.int32), jnp.broadcast_to(jnp.arange(t), (b, t)),
+    got = np.asarray(model_from_params(cfg, params)(jnp.asarray(tokens, jnp.int32),
+                                                    jnp.broadcast_to(jnp.arange(t), (b, t)),
                                                     jnp.ones((b, t), jnp.int32)))
     assert np.abs(want).max() > 1.0  # not vacuous
     assert np.abs(got - want).max() <= 1e-4, np.abs(got - want).max()

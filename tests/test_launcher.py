@@ -273,7 +273,8 @@ FAKE_PYTHON_WITH_WORKER = """\
 import signal, subprocess, sys, time
 # Its "input worker": a child in the same process group, told apart by the SIGTERM it must not get.
 worker = subprocess.Popen([sys.executable, "-c", "import os, signal, sys, time\\n"
-                           "signal.signal(signal.SIGTERM, lambda *a: (open('worker_terminated', 'w').close(), sys.exit(0)))\\n"
+                           "signal.signal(signal.SIGTERM, "
+                           "lambda *a: (open('worker_terminated', 'w').close(), sys.exit(0)))\\n"
                            "open('worker.pid', 'w').write(str(os.getpid()))\\n"
                            "time.sleep(120)"])
 def on_term(*_):

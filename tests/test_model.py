@@ -201,7 +201,8 @@ def test_chunked_loss_equals_whole_sequence_loss_and_grads():
     params = nnx.to_pure_dict(params)
 
     def loss_and_grad(chunk):
-        return jax.jit(jax.value_and_grad(lambda p: step.loss_fn(p, graphdef, batch, 1e-2, loss_chunk=chunk)[0]))(params)
+        loss = lambda p: step.loss_fn(p, graphdef, batch, 1e-2, loss_chunk=chunk)[0]  # noqa: E731
+        return jax.jit(jax.value_and_grad(loss))(params)
 
     ref_loss, ref_g = loss_and_grad(0)
     loss, g = loss_and_grad(4)

@@ -42,7 +42,8 @@ def test_metrics_wandb_profile_and_resume_keep_the_run(tmp_path):
     # The offline wandb run holds the same metrics and the resolved config.
     [first_run] = wandb_runs(run_dir)
     record = next(first_run.glob("run-*.wandb")).read_bytes()
-    for needle in (b"tokens_per_s", b"data_wait_frac", b"eval_loss", b"input/tokenize_s", b"input/bound", b"global_batch_size", b"raw_content",
+    for needle in (b"tokens_per_s", b"data_wait_frac", b"eval_loss", b"input/tokenize_s", b"input/bound",
+                   b"global_batch_size", b"raw_content",
                    json.dumps(rows[-1]["loss"]).encode()):
         assert needle in record, needle
 
@@ -79,7 +80,8 @@ def test_stage_times_cross_from_input_workers_and_stay_out_of_the_state(tmp_path
     bound stage; the times are not part of the saved state (statistics, not data)."""
     import jax
     import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     import data
     from data import timing

@@ -70,7 +70,7 @@ def test_init_is_sharded_and_abstract_state_matches():
     assert mu.sharding == wq.sharding  # Adam moments sharded like their parameter
     abstract, shardings2 = step.abstract_train_state(CFG, tx, mesh, rules)
     assert jax.tree.structure(abstract) == jax.tree.structure(state)
-    for a, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(state)):
+    for a, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(state), strict=False):
         assert a.shape == s.shape and a.dtype == s.dtype and a.sharding == s.sharding
 
 
@@ -114,7 +114,7 @@ def test_train_step_matches_single_device(single_device, sizes):
     ref_metrics, ref_params = single_device
     sizes = dict(sizes)
     metrics, params = _run(sizes, microbatches=sizes.pop("mb", 1))
-    for m, r in zip(metrics, ref_metrics):
+    for m, r in zip(metrics, ref_metrics, strict=False):
         assert float(r["n_tokens"]) == 8 * 26
         for k in ("loss", "z_loss", "grad_norm", "param_norm"):
             np.testing.assert_allclose(m[k], r[k], rtol=1e-5, err_msg=k)

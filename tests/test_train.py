@@ -48,8 +48,8 @@ def test_every_group_option_composes(group, tmp_path):
 def test_every_experiment_composes(experiment, tmp_path):
     cfg = make_cfg(tmp_path, f"experiment={experiment}")
     resolved = train_mod.OmegaConf.to_container(cfg, resolve=True)
-    from model.llama import LlamaConfig
     import data as data_lib
+    from model.llama import LlamaConfig
 
     LlamaConfig.from_mapping(cfg.model)
     data_map = {k: v for k, v in resolved["data"].items() if k != "eval"}
@@ -126,7 +126,8 @@ def run_cli(tmp_path, *overrides):
     (["data.eval.holdout_files=0", "data.eval.paths=[${project_root:}/data/sample/0003/en_head.json.gz]"], "overlaps"),
     (["data.num_workers=8"], "data.num_shards"),
     (["data.num_workers=many"], "data.num_workers='many': must be an integer >= 0 or auto"),
-    (["data.paths=@/nonexistent/train_files.txt"], "data.paths: cannot read the file list @/nonexistent/train_files.txt"),
+    (["data.paths=@/nonexistent/train_files.txt"],
+     "data.paths: cannot read the file list @/nonexistent/train_files.txt"),
     # An explicit decay shorter than the warmup is a mistake, not a smoke run.
     (["train.steps=5", "optimizer.decay_steps=20"], "optimizer.warmup_steps=30 must be below optimizer.decay_steps=20"),
 ])

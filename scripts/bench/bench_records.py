@@ -1,7 +1,7 @@
 """Converted-corpus benchmark: the converter and the ArrayRecord source. The LAST printed line
 is one JSON object.
 
-  python scripts/bench_records.py --paths '/tmp/records/bench/*/en_head.json.gz' \
+  python scripts/bench/bench_records.py --paths '/tmp/records/bench/*/en_head.json.gz' \
       --tokenizer TOK.json --work /tmp/records/work [--big-paths '/tmp/records/bench10/*/...']
 
 Figures:
@@ -32,11 +32,9 @@ import os
 import subprocess
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
+import bench_input  # beside this file  (the tokenizer-alone floor, pipeline runs, RSS sampling)
 
-import bench_input  # noqa: E402  (the tokenizer-alone floor, pipeline runs, RSS sampling)
+from train import PROJECT_ROOT  # the project is installed editable (README)
 
 
 def convert(paths, tokenizer, out):
@@ -48,7 +46,7 @@ def convert(paths, tokenizer, out):
 
     from data import records
     cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    res = subprocess.run([sys.executable, os.path.join(HERE, "prepare_data.py"), "--paths",
+    res = subprocess.run([sys.executable, str(PROJECT_ROOT / "scripts" / "prepare_data.py"), "--paths",
                           *paths, "--tokenizer", tokenizer, "--out", out, "--no-progress"],
                          check=True, capture_output=True, text=True)
     cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -130,8 +128,8 @@ def main():
 
     from data import records
     from data.listing import list_paths
-    from data.tokenizer import tokenizer_hash, load_tokenizer
     from data.records import RecordStore
+    from data.tokenizer import load_tokenizer, tokenizer_hash
     out = os.path.join(args.work, "small")
     shutil.rmtree(out, ignore_errors=True)
 

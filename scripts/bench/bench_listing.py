@@ -7,8 +7,8 @@ system call that names a file of the corpus: metadata calls (stat family, access
 and opens. A second run resumes the first (one more step), to show what a resumed run costs.
 
     python ../shared/bench/make_corpus.py /tmp/c5000 --shards 5000 --docs 4   # 5000 tiny files
-    python scripts/bench_listing.py /tmp/c5000 --out /tmp/listing/run5000
-    python scripts/bench_listing.py /tmp/c5000 --out /tmp/listing/old5000 --code /tmp/listing/before
+    python scripts/bench/bench_listing.py /tmp/c5000 --out /tmp/listing/run5000
+    python scripts/bench/bench_listing.py /tmp/c5000 --out /tmp/listing/old5000 --code /tmp/listing/before
 
 Prints one line per run and the figures as JSON. Needs strace (apt-get install strace).
 """
@@ -24,7 +24,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from train import PROJECT_ROOT as ROOT  # the project is installed editable (README)
+
 # System calls that read a file's metadata without reading the file.
 METADATA = {"stat", "lstat", "newfstatat", "fstatat64", "statx", "access", "faccessat", "faccessat2",
             "readlink", "readlinkat"}

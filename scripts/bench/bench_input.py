@@ -1,6 +1,6 @@
 """Input-pipeline benchmark. The LAST printed line is one JSON object.
 
-  python scripts/bench_input.py --paths 'CORPUS/*/en_head.json.gz' --tokenizer TOK.json \
+  python scripts/bench/bench_input.py --paths 'CORPUS/*/en_head.json.gz' --tokenizer TOK.json \
       --seq-len 1024 --batch-size 16 --workers 0,1,2
 
 Figures:
@@ -31,11 +31,8 @@ import argparse
 import glob
 import json
 import os
-import sys
 import threading
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class RssSampler:
@@ -235,7 +232,8 @@ def simulate_training(cfg, steps, tok_s, frac=0.8, compile_s=2.0, calib_batches=
     -> (wait fraction, step seconds, stats, life)."""
     import jax
     import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     import data
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",))

@@ -8,7 +8,7 @@ one JSON object.
       model.max_seq_len=1024 model.d_model=32 model.n_layers=1 model.d_ff=64 model.n_heads=2 \
       model.n_kv_heads=1 data.seq_len=1024 data.global_batch_size=16 data.num_shards=8 \
       data.num_workers=1 train.loss_chunk=256 train.steps=100 checkpoint.every=50 train.eval_every=0
-  python scripts/bench_show_step.py /tmp/ss/benchrun --steps 100,51,50,1 --reps 3
+  python scripts/bench/bench_show_step.py /tmp/ss/benchrun --steps 100,51,50,1 --reps 3
 
 Each measurement is the whole command in a fresh process (imports, checkpoint reads, file
 listing and fingerprint, the replay, reading the documents' first characters): per step, the

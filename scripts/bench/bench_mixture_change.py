@@ -1,7 +1,7 @@
 """Resuming a changed mixture (data.mixture_change=continue): what a re-weighted, dropped or
 re-added source costs at restore. The LAST printed line is one JSON object.
 
-  python scripts/bench_mixture_change.py --a 'CORPUS/000[0-3]/en_head.json.gz' \
+  python scripts/bench/bench_mixture_change.py --a 'CORPUS/000[0-3]/en_head.json.gz' \
       --b 'CORPUS/000[4-7]/en_head.json.gz' --tokenizer TOK.json
 
 A two-source mixture (a 0.7, b 0.3) runs --warm batches; its saved state is then restored as:
@@ -21,12 +21,8 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import os
 import statistics
-import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 KINDS = ("same", "reweighted", "dropped", "readded")
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """How long an asynchronous checkpoint blocks the training loop, against a synchronous save.
 
-    python scripts/bench_checkpoint.py                       # ~350M-param train state (~4.2 GB)
-    python scripts/bench_checkpoint.py --d-model 512 --layers 4 --repeats 2   # a quick look
+    python scripts/bench/bench_checkpoint.py                       # ~350M-param train state (~4.2 GB)
+    python scripts/bench/bench_checkpoint.py --d-model 512 --layers 4 --repeats 2   # a quick look
 
 Builds the real train state (params + AdamW moments + step) of a Llama config with
 model/step.py's sharded init, then saves it through model/checkpoint.py's Checkpointer, the
@@ -29,8 +29,6 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -45,7 +43,6 @@ def main() -> None:
     args = ap.parse_args()
 
     import jax
-    import numpy as np
 
     from model import sharding as shd
     from model import step as step_lib

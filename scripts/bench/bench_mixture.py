@@ -1,7 +1,7 @@
 """Mixture benchmark: a two-source mixture against the same files read as one source.
 The LAST printed line is one JSON object.
 
-  python scripts/bench_mixture.py --a 'CORPUS/000[0-3]/en_head.json.gz' \
+  python scripts/bench/bench_mixture.py --a 'CORPUS/000[0-3]/en_head.json.gz' \
       --b 'CORPUS/000[4-7]/en_head.json.gz' --tokenizer TOK.json --weights 0.7,0.3
 
 Figures:
@@ -23,11 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import os
-import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def make_cfg(args, mixture: bool, packing: str):

@@ -7,8 +7,8 @@ figures; for every run, data_wait_frac and tokens/s over the log rows after auto
 (the same steps for every setting, so the compile, the provisional pipeline and the switch
 stay out of the comparison; the switch's own stall is printed apart).
 
-    python scripts/bench_auto_workers.py                                     # the bundled sample
-    python scripts/bench_auto_workers.py --settings auto,0,1,2 --steps 60 -- data.seq_len=512
+    python scripts/bench/bench_auto_workers.py                                     # the bundled sample
+    python scripts/bench/bench_auto_workers.py --settings auto,0,1,2 --steps 60 -- data.seq_len=512
 
 Arguments after `--` are Hydra overrides for every run. Prints one line per run, then a table.
 """
@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from train import PROJECT_ROOT as ROOT  # the project is installed editable (README)
 
 
 def run(setting: str, steps: int, log_every: int, measure: int, overrides: list[str], out: Path) -> dict:

@@ -1,7 +1,7 @@
 """Restore cost versus the position in the files. The LAST printed line is one JSON object.
 
   python ../shared/bench/make_corpus.py /tmp/seek/big --shards 4 --docs 36000
-  python scripts/bench_restore.py --paths '/tmp/seek/big/*/en_head.json.gz' \
+  python scripts/bench/bench_restore.py --paths '/tmp/seek/big/*/en_head.json.gz' \
       --tokenizer ../shared/bench/llama_style_tokenizer.json
 
 One virtual shard per file (one file open per shard), in-process. For each line in --lines,
@@ -28,11 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def rchar() -> int:

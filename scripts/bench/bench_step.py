@@ -3,9 +3,9 @@
 Random tokens (packed into a few documents per row), AdamW, the real sharded init and the
 real jitted train step from model/step.py. Prints progress, then one JSON line at the end.
 
-    python scripts/bench_step.py --preset tiny --batch 16 --seq 256              # CPU default
-    python scripts/bench_step.py --preset 1b --mesh fsdp --batch 512 --seq 1024 --attention splash
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python scripts/bench_step.py --mesh fsdp_tp
+    python scripts/bench/bench_step.py --preset tiny --batch 16 --seq 256              # CPU default
+    python scripts/bench/bench_step.py --preset 1b --mesh fsdp --batch 512 --seq 1024 --attention splash
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python scripts/bench/bench_step.py --mesh fsdp_tp
 """
 from __future__ import annotations
 
@@ -15,8 +15,6 @@ import json
 import os
 import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
