@@ -24,9 +24,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import time
 
-from data.host import encode_threads
 from data.timing import THREADS
+from data.tokenizer import encode_threads
 
 AUTO = "auto"
 # Capacity over need: the issue's "30% headroom" for data_wait_frac below 0.5%.
@@ -95,7 +96,7 @@ class WorkerChoice:
 class WorkerRates:
     """What one input process delivers, by lane (tokens/s): its reader thread (read, parse,
     pack) and one tokenizer thread. A worker's rate depends on how many tokenizer threads it
-    gets, which depends on how many workers share the cores (data/host.py encode_threads)."""
+    gets, which depends on how many workers share the cores (data/tokenizer.py encode_threads)."""
     reader_tok_s: float
     tokenizer_tok_s: float          # per thread; inf for a converted corpus (no tokenizer)
 
@@ -231,3 +232,80 @@ def metrics(choice: WorkerChoice, fig: PipelineFigures, budget_bytes: int, provi
             "data/auto_main_rss_mb": fig.main_rss_bytes / 2**20,
             "data/auto_ram_budget_gb": budget_bytes / 2**30, "data/auto_reason": choice.reason,
             "data/auto_max_workers": choice.max_workers}
+
+
+class AutoWorkers:
+    """data.num_workers=auto in a run: starts the pipeline with a provisional count; `start`
+    marks the end of the compile step; after `steps` more steps, `switch` measures what the step
+    consumed (tokens over the seconds not spent waiting for data, evaluations or saves) and what
+    one worker delivers, agrees on a count with the other hosts (`agree`: the largest any host
+    needs, model/distributed.py max_over_hosts) and, if it differs, moves the live pipeline to it
+    from the consumed state (the batches do not change)."""
+
+    def __init__(self, data_cfg, process_count: int, files, *, saved: int | None, agree=max):
+        from data import records
+        from data.tokenizer import available_cores
+
+        self.budget = ram_budget_bytes(data_cfg.ram_budget_gb)
+        self.shards_per_host = data_cfg.num_shards // process_count
+        self.cores = available_cores()
+        self.provisional = provisional_workers(self.shards_per_host, self.cores, self.budget,
+                                               saved if isinstance(saved, int) else None)
+        self.cfg = dataclasses.replace(data_cfg, num_workers=self.provisional)
+        self.steps = data_cfg.auto_measure_steps
+        # 0 workers only for a converted corpus: nothing to tokenize in the training process.
+        self.in_process_ok = not data_cfg.sources and records.describe(list(files)) is not None
+        self.host_tokens_per_step = data_cfg.global_batch_size // process_count * data_cfg.seq_len
+        self._agree = agree
+        self._due = None
+        self._t0 = self._wait0 = self._paused0 = None
+
+    def announce(self) -> str:
+        return (f"data.num_workers=auto: starting with {self.provisional} worker(s); choosing after "
+                f"data.auto_measure_steps={self.steps} steps past the first (compiling) step")
+
+    def start(self, step: int, wait_s: float, paused_s: float) -> None:
+        """At the end of the compile step `step`: the measured steps start now."""
+        self._due = step + self.steps
+        self._t0, self._wait0, self._paused0 = time.perf_counter(), wait_s, paused_s
+
+    def due(self, step: int) -> bool:
+        return step == self._due
+
+    def choose(self, batches, step: int, paused_s: float, *, announce: bool) -> tuple[int, dict]:
+        """(the count every host runs, the row for the metrics) from the steps measured."""
+        wall = time.perf_counter() - self._t0
+        compute = wall - (batches.stats()["wait_s"] - self._wait0) - (paused_s - self._paused0)
+        fig = measure_pipeline(batches.host_iterator(), self.cfg.seq_len, self.steps * self.host_tokens_per_step,
+                               compute)
+        choice = choose_workers(
+            fig.rates, fig.need_tok_s, shards_per_host=self.shards_per_host, cores=self.cores,
+            worker_rss_bytes=fig.worker_rss_bytes, main_rss_bytes=fig.main_rss_bytes,
+            budget_bytes=self.budget, in_process_ok=self.in_process_ok)
+        # Every host runs the same count: the largest any host needs (each host's shards and the
+        # batches do not depend on it, but one setting keeps the run simple to read).
+        n = int(self._agree(choice.num_workers))
+        agreed = dataclasses.replace(choice, num_workers=n)
+        line = describe(agreed, fig, self.budget, provisional=self.provisional, step=step, cores=self.cores)
+        if n != choice.num_workers:
+            line += f"; this host alone needs {choice.num_workers}, every host runs the most any needs"
+        if announce:
+            print(line, flush=True)
+        return n, metrics(agreed, fig, self.budget, self.provisional, self.cores)
+
+    def switch(self, batches, step: int, paused_s: float, *, restart, announce: bool):
+        """(the prefetcher to read from now on, the metrics row). `restart(cfg, shard_states,
+        follows)` builds the prefetcher for `cfg` from the consumed shard states, following the
+        old one (data/pipeline.py make_host_iterator, DevicePrefetcher); the old workers go in
+        the background while the new ones start."""
+        from data.host import find_shard_states
+
+        n, row = self.choose(batches, step, paused_s, announce=announce)
+        if n == self.cfg.num_workers:
+            return batches, row
+        self.cfg = dataclasses.replace(self.cfg, num_workers=n)
+        # Same batches with any worker count (data/host.py): the new pipeline starts each shard
+        # where the consumed batches left it.
+        shard_states = find_shard_states(batches.consumed_state())
+        batches.close(background=True)
+        return restart(self.cfg, shard_states, batches), row

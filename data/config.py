@@ -80,6 +80,12 @@ class DataConfig:
             for i, s in enumerate(self.sources or ())))
         check_sources(self)
 
+    def patterns(self) -> list[str] | dict[str, list[str]]:
+        """What the run lists (data/listing.py run_listing): data.paths, or per source its paths."""
+        if self.sources:
+            return {s.name: list(s.paths) for s in self.sources}
+        return list(self.paths)
+
     def source_text_key(self, src: SourceConfig) -> str:
         return src.text_key or self.text_key
 
@@ -226,8 +232,3 @@ def list_files(cfg: DataConfig) -> list[str] | dict[str, list[str]]:
     return list_paths(cfg.paths).files
 
 
-def all_files(files: list[str] | dict[str, list[str]]) -> list[str]:
-    """list_files' result as one list (every source's files, in source order)."""
-    if isinstance(files, dict):
-        return [f for fs in files.values() for f in fs]
-    return list(files)

@@ -26,19 +26,25 @@ import time
 import grain
 import numpy as np
 
-from data.mixture import MixtureShardStream, initial_mixture_state
+from data.mixture import MixtureShardStream, initial_mixture_state, saved_sub_states
 from data.records import RecordShardStream, initial_record_state
-from data.shard import _MARK, STATE_VERSION, ShardStream, StreamSpec, initial_shard_state, progress
+from data.shard import STATE_MARK, STATE_VERSION, ShardStream, StreamSpec, initial_shard_state, progress
 from data.timing import zero_times
-from data.tokenizer import BatchEncoder, available_cores, set_thread_env
-
-# Tokenizer threads per input process (see HostIterator._init).
-MAX_ENCODE_THREADS = 4
+from data.tokenizer import BatchEncoder, available_cores, encode_threads, set_thread_env
 
 
-def encode_threads(cores: int, num_workers: int) -> int:
-    """Tokenizer threads of each input process: its share of the cores, at most MAX_ENCODE_THREADS."""
-    return min(MAX_ENCODE_THREADS, max(1, cores // max(num_workers, 1)))
+def make_encoder(spec: StreamSpec, times: dict | None = None) -> BatchEncoder | None:
+    """The tokenizer pool of one input process, as training builds it (scripts/show_step.py
+    replays with the same): its share of the cores (data/tokenizer.py encode_threads). Converted
+    records hold token ids already: no tokenizer to build (~0.2 s of a 32k-piece tokenizer.json
+    parsed, on the way to the first batch)."""
+    if spec.kind == "records":
+        return None
+    # Each tokenizer call is serial; this process's share of the cores runs that many calls
+    # at once (capped: one shard's read-ahead feeds the pool, and deeper read-ahead costs
+    # memory on hosts with many shards; use more workers on large machines).
+    set_thread_env(1)
+    return BatchEncoder(spec.tokenizer_json, encode_threads(available_cores(), spec.num_workers), times)
 
 
 def make_shard_stream(spec: StreamSpec, shard: int, encoder: BatchEncoder | None,
@@ -46,9 +52,17 @@ def make_shard_stream(spec: StreamSpec, shard: int, encoder: BatchEncoder | None
     """One virtual shard's row stream, of the kind the spec describes (state None: from the
     start; encoder None for "records", which needs no tokenizer). Every kind has
     next_row_into(b, out), get_state() (JSON, counters under "c"), _restore(state), close().
-    `times`: the process's stage timers (data/timing.py), shared by its streams."""
+    `times`: the process's stage timers (data/timing.py), shared by its streams. A mixture
+    receives its sources' streams built here (data/mixture.py imports nothing of this file)."""
     if spec.mixture:
-        return MixtureShardStream(spec, shard, encoder, state, times)
+        state = state or initial_stream_state(spec)
+        initial = {name: initial_stream_state(sub) for name, _, sub in spec.mixture}
+        saved = saved_sub_states(state)
+        # A source without a saved sub-state starts from its beginning (a source added to a
+        # mixture); a listed source that was parked continues where it stopped.
+        subs = [make_shard_stream(sub, shard, encoder, saved.get(name) or initial[name], times)
+                for name, _, sub in spec.mixture]
+        return MixtureShardStream(spec, shard, subs, state, initial)
     if spec.kind == "records":
         return RecordShardStream(spec, shard, encoder, state)
     return ShardStream(spec, shard, encoder, state or initial_shard_state(), times)
@@ -57,7 +71,7 @@ def make_shard_stream(spec: StreamSpec, shard: int, encoder: BatchEncoder | None
 def initial_stream_state(spec: StreamSpec) -> dict:
     """The state of a virtual shard that has emitted nothing yet, for the spec's kind."""
     if spec.mixture:
-        return initial_mixture_state(spec)
+        return initial_mixture_state({name: initial_stream_state(sub) for name, _, sub in spec.mixture})
     return initial_record_state() if spec.kind == "records" else initial_shard_state()
 
 
@@ -106,15 +120,7 @@ class HostIterator(grain.DatasetIterator):
     def _init(self) -> None:
         if multiprocessing.parent_process() is not None:
             _leave_signals_to_the_trainer()
-        # Each tokenizer call is serial; this process's share of the cores runs that many calls
-        # at once (capped: one shard's read-ahead feeds the pool, and deeper read-ahead costs
-        # memory on hosts with many shards; use more workers on large machines).
-        set_thread_env(1)
-        threads = encode_threads(available_cores(), self.spec.num_workers)
-        # Converted records hold token ids already: no tokenizer to build (~0.2 s of a
-        # 32k-piece tokenizer.json parsed, on the way to the first batch).
-        self.enc = enc = (None if self.spec.kind == "records"
-                          else BatchEncoder(self.spec.tokenizer_json, threads, self.times))
+        self.enc = enc = make_encoder(self.spec, self.times)
         self.times["tokenizer_threads"] = enc.threads if enc is not None else 0
         self.streams = [make_shard_stream(self.spec, v, enc, self._states[str(v)], self.times)
                         for v in self.shard_ids]
@@ -173,12 +179,12 @@ class HostIterator(grain.DatasetIterator):
         else:
             shards = {str(s.shard): s.get_state() for s in self.streams}
         sp = self.spec
-        return {_MARK: STATE_VERSION, "num_shards": sp.num_shards,
+        return {STATE_MARK: STATE_VERSION, "num_shards": sp.num_shards,
                 "topology": [sp.process_index, sp.process_count, sp.num_workers],
                 "shards": shards, "elements": self._elements}
 
     def set_state(self, state: dict) -> None:
-        if state.get(_MARK) != STATE_VERSION:
+        if state.get(STATE_MARK) != STATE_VERSION:
             raise ValueError("not an input-pipeline state of this version")
         if int(state["num_shards"]) != self.spec.num_shards:
             raise ValueError(f"saved state has {state['num_shards']} virtual shards, "
@@ -209,10 +215,10 @@ def find_shard_states(state, out: dict | None = None) -> dict:
     if out is None:
         out = {}
     if isinstance(state, dict):
-        if state.get(_MARK) is not None:
-            if state[_MARK] != STATE_VERSION:
+        if state.get(STATE_MARK) is not None:
+            if state[STATE_MARK] != STATE_VERSION:
                 raise ValueError(
-                    f"saved input-pipeline state has version {state[_MARK]}, this code reads "
+                    f"saved input-pipeline state has version {state[STATE_MARK]}, this code reads "
                     f"version {STATE_VERSION} (byte offsets and seek points in files): it "
                     "cannot resume that data position exactly; start the data from scratch")
             for k, st in state["shards"].items():
@@ -228,7 +234,7 @@ def find_shard_states(state, out: dict | None = None) -> dict:
         s = state
         if isinstance(s, bytes):
             s = s.decode("utf-8", "replace")
-        if _MARK in s:
+        if STATE_MARK in s:
             try:
                 find_shard_states(json.loads(s), out)
             except ValueError:

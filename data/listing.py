@@ -21,6 +21,8 @@ import fnmatch
 import glob
 import os
 import stat
+import time
+from typing import Callable
 
 
 @dataclasses.dataclass
@@ -154,3 +156,79 @@ class _Walker:
             return stat.S_ISREG(os.stat(path).st_mode)
         except OSError:
             return False
+
+
+def all_files(files: list[str] | dict[str, list[str]]) -> list[str]:
+    """A listing's files as one list (every source's files, in source order)."""
+    if isinstance(files, dict):
+        return [f for fs in files.values() for f in fs]
+    return list(files)
+
+
+def run_listing(patterns: list | dict, eval_paths: list, saved: dict | None, *,
+                from_process_0: Callable = lambda make: make(), log: Callable | None = None) -> dict:
+    """The run's files, {"paths", "eval_paths": the patterns; "train", "eval": their files}
+    ("paths" and "train" keyed by source name for a mixture, given `patterns` as
+    {source name: patterns}).
+
+    A resumed run reuses the listing saved with its checkpoint (`saved`) when it was made from
+    the same patterns, and trusts it: a file deleted since then is found when read (an
+    unreadable file, skipped and counted; data.strict=true stops), and files added since are not
+    trained on. New patterns (a moved mount, another glob) or checkpoint.allow_data_change=true
+    (saved=None) list afresh, and the fingerprint compares the lists. `from_process_0(make)`
+    runs `make` on one process and hands its JSON result (or its ValueError) to every host
+    (model/distributed.py), so a bucket is walked once per run.
+
+    A mixture reuses the saved listing source by source: a changed mixture
+    (data.mixture_change=continue) lists only its added sources (or those with new patterns),
+    and "parked" keeps the patterns and files of sources no longer listed, so that listing one
+    again reads the very files its parked position refers to. scripts/show_step.py lists a
+    run's files with this same function."""
+    mixture = isinstance(patterns, dict)
+    patterns = ({name: list(p) for name, p in patterns.items()} if mixture else list(patterns))
+    wanted = {"paths": patterns, "eval_paths": list(eval_paths)}
+    say = log or (lambda line: print(line, flush=True))
+
+    def walk() -> dict:
+        if saved and all(saved.get(k) == v for k, v in wanted.items()):
+            n = len(all_files(saved["train"])) + len(saved["eval"])
+            say(f"data: {n} files from the checkpoint's list (no new listing)")
+            return saved
+        t0 = time.perf_counter()
+        out = dict(wanted)
+        if mixture:
+            known = saved_source_listings(saved)
+            train, listed, reused = {}, [], []
+            for name, p in patterns.items():
+                if name in known and known[name]["paths"] == p:
+                    train[name] = known[name]["files"]
+                    reused.append(name)
+                    continue
+                part = list_paths(p, f"data.sources[{name}].paths")
+                train[name] = part.files
+                listed.append(f"{name}: {part.describe()}")
+            what = "; ".join(listed + ([f"the checkpoint's list for {', '.join(reused)}"] if reused else []))
+            parked = {name: v for name, v in known.items() if name not in patterns}
+            if parked:
+                out["parked"] = parked
+        else:
+            part = list_paths(patterns, "data.paths")
+            train, what = part.files, part.describe()
+        held_out = list_paths(eval_paths, "data.eval.paths") if eval_paths else None
+        say(f"data: listed {what}" + (f" + held-out {held_out.describe()}" if held_out else "")
+            + f" in {time.perf_counter() - t0:.1f} s")
+        return {**out, "train": train, "eval": held_out.files if held_out else []}
+
+    # Process 0 decides for all (reuse or walk): hosts whose resolved patterns differ (another
+    # install directory behind ${project_root:}) must still take the same branch, or the
+    # others would wait in the broadcast for a process 0 that never enters it.
+    return from_process_0(walk)
+
+
+def saved_source_listings(saved: dict | None) -> dict:
+    """{source name: {"paths", "files"}} of a saved mixture listing, listed and parked sources."""
+    if not saved or not isinstance(saved.get("paths"), dict):
+        return {}
+    known = dict(saved.get("parked", {}))
+    known.update({name: {"paths": p, "files": saved["train"][name]} for name, p in saved["paths"].items()})
+    return known

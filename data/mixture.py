@@ -2,8 +2,8 @@
 
 Virtual shard v of a mixture holds one sub-stream per source: that source's own shard v (its
 files split V ways, its text_key, its own shuffle windows), built by the same factory as any
-shard stream (data/host.py make_shard_stream), so every kind of source can be mixed. The fixed
-global batch layout stays: shard v fills rows [v*k, (v+1)*k) of every global batch.
+shard stream (data/host.py make_shard_stream, which hands them to the mixture), so every kind
+of source can be mixed. The fixed global batch layout stays: shard v fills rows [v*k, (v+1)*k) of every global batch.
 
 Which source fills a row is a pure function of the row's index g in the global row order
 (g = batch * B + v * k + j): a Weyl sequence u_g = g * 0x9E3779B97F4A7C15 mod 2^64 (the golden
@@ -89,11 +89,9 @@ def source_seed(seed: int, name: str) -> int:
     return ((int(seed) & 0xFFFFFFFF) << 32) + zlib.crc32(name.encode())   # >= 0, as numpy needs
 
 
-def initial_mixture_state(spec: StreamSpec) -> dict:
-    from data.host import initial_stream_state  # data.host builds mixtures: import here
-    return {"sched": {"row": 0},
-            "sources": {name: initial_stream_state(sub) for name, _, sub in spec.mixture},
-            "parked": {}, "c": zero_counters()}
+def initial_mixture_state(initial_sources: dict) -> dict:
+    """A mixture shard that has emitted nothing, given each source's initial shard state."""
+    return {"sched": {"row": 0}, "sources": dict(initial_sources), "parked": {}, "c": zero_counters()}
 
 
 def saved_sub_states(state: dict) -> dict:
@@ -104,25 +102,20 @@ def saved_sub_states(state: dict) -> dict:
 
 class MixtureShardStream:
     """One virtual shard of a mixture: rows from its sources' sub-streams, in the row
-    schedule's order. Same interface as ShardStream."""
+    schedule's order. Same interface as ShardStream. It receives the sub-streams built (at
+    `state`'s positions) and each source's initial state (for a restore that lacks one), so
+    every kind of stream can be mixed without this file knowing how streams are made."""
 
-    def __init__(self, spec: StreamSpec, shard: int, encoder, state: dict | None,
-                 times: dict | None = None):
-        from data.host import initial_stream_state, make_shard_stream
+    def __init__(self, spec: StreamSpec, shard: int, subs: list, state: dict, initial: dict):
         self.spec = spec
         self.shard = shard
         self.names = [name for name, _, _ in spec.mixture]
         self.thresholds = source_thresholds([w for _, w, _ in spec.mixture])
         self.k = spec.rows_per_shard
         self.batch_rows = spec.rows_per_shard * spec.num_shards   # B: rows of a global batch
-        state = state or initial_mixture_state(spec)
-        saved = saved_sub_states(state)
-        # A source without a saved sub-state starts from its beginning (a source added to a
-        # mixture); a listed source that was parked continues where it stopped.
-        self.subs = [make_shard_stream(sub, shard, encoder,
-                                       saved.get(name) or initial_stream_state(sub), times)
-                     for name, _, sub in spec.mixture]
-        self.parked = self._park(saved)
+        self.subs = list(subs)
+        self._initial = dict(initial)
+        self.parked = self._park(saved_sub_states(state))
         self.row = int(state["sched"]["row"])
 
     def _park(self, saved: dict) -> dict:
@@ -136,10 +129,9 @@ class MixtureShardStream:
                 "c": add_counters([*sub_states.values(), *self.parked.values()])}
 
     def _restore(self, st: dict) -> None:
-        from data.host import initial_stream_state
         saved = saved_sub_states(st)
-        for (name, _, sub), s in zip(self.spec.mixture, self.subs, strict=True):
-            s._restore(saved.get(name) or initial_stream_state(sub))
+        for name, s in zip(self.names, self.subs, strict=True):
+            s._restore(saved.get(name) or self._initial[name])
         self.parked = self._park(saved)
         self.row = int(st["sched"]["row"])
 

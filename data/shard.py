@@ -40,7 +40,7 @@ from data.tokenizer import BatchEncoder
 # 2: windows are whole CHUNK_CHARS chunks; 3: reader slots hold byte offsets and .gz seek
 # points, files split across shards when there are fewer files than shards
 STATE_VERSION = 3
-_MARK = "__vshards__"
+STATE_MARK = "__vshards__"
 COUNTER_KEYS = ("rows", "docs", "tokens", "pad", "segs", "trunc", "drop")
 # Characters per tokenizer call: about one shuffle window of text, at most CHUNK_CHARS.
 # Windows are whole chunks, so this is part of the data order: changing it changes the

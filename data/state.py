@@ -6,8 +6,9 @@ import json
 import os
 
 from data import records
-from data.config import DataConfig, all_files, list_files
+from data.config import DataConfig, list_files
 from data.host import find_shard_states
+from data.listing import all_files
 from data.shard import COUNTER_KEYS, file_split
 from data.tokenizer import load_tokenizer, tokenizer_hash
 

@@ -78,6 +78,15 @@ def set_thread_env(threads: int) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads > 1 else "false"
 
 
+# Tokenizer threads per input process (data/host.py make_encoder).
+MAX_ENCODE_THREADS = 4
+
+
+def encode_threads(cores: int, num_workers: int) -> int:
+    """Tokenizer threads of each input process: its share of the cores, at most MAX_ENCODE_THREADS."""
+    return min(MAX_ENCODE_THREADS, max(1, cores // max(num_workers, 1)))
+
+
 def available_cores() -> int:
     try:
         return len(os.sched_getaffinity(0))

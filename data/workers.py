@@ -10,7 +10,7 @@ import grain
 import numpy as np
 
 from data.host import find_shard_states
-from data.shard import _MARK, STATE_VERSION, StreamSpec
+from data.shard import STATE_MARK, STATE_VERSION, StreamSpec
 from data.timing import add_times, zero_times
 
 
@@ -122,12 +122,12 @@ class WorkerMergeIterator(grain.DatasetIterator):
         shards = self._shards
         if shards is None:               # nothing handed out: the workers' start states
             shards = find_shard_states(self._group_start)
-        return {_MARK: STATE_VERSION, "num_shards": sp.num_shards,
+        return {STATE_MARK: STATE_VERSION, "num_shards": sp.num_shards,
                 "topology": [sp.process_index, sp.process_count, sp.num_workers],
                 "shards": dict(shards), "grain": {"state": self._group_start, "skip": self._pos}}
 
     def set_state(self, state):
-        if state.get(_MARK) != STATE_VERSION or "grain" not in state:
+        if state.get(STATE_MARK) != STATE_VERSION or "grain" not in state:
             raise ValueError("not an input-pipeline state of this version with input workers "
                              "(resume through restore_host_iterator)")
         g = state["grain"]

@@ -4,7 +4,7 @@ References: Llama 2 (Touvron et al. 2023) for the block (pre-RMSNorm, RoPE, GQA,
 Hugging Face `LlamaForCausalLM` is the numerical reference (tests/test_model_hf.py checks
 logits to 1e-4 in fp32), so RoPE uses its "rotate half" layout.
 
-Conventions (see docs/style.md):
+Conventions (the models we learn from: big_vision, flax gemma, nanoGPT, torchtitan):
 - Names carry shapes: b batch, t query length, s key length, d model width, n query heads,
   k kv heads, g query heads per kv head, h head dim, f MLP width, v vocab, l layers.
 - Parameters are fp32 (`param_dtype`) and are cast to `dtype` (bf16) at use, so the optimizer

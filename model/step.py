@@ -1,6 +1,6 @@
 """Train state, sharded init, loss, and the jitted train / eval steps.
 
-Initialise from shapes (docs/style.md #4): `jax.eval_shape(init)` gives the abstract state,
+Initialise from shapes (as big_vision and flax gemma do): `jax.eval_shape(init)` gives the abstract state,
 the parameters' logical axis names plus the rules give its shardings, and
 `jax.jit(init, out_shardings=...)` materialises every array directly in its shards. No device
 ever holds a whole parameter tree, and the same abstract tree is Orbax's restore target.

@@ -17,10 +17,6 @@ import logging
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
 
 def export_tokenizer(tok_path: str, out_dir: Path, *, add_bos: bool, max_len: int) -> dict:
     """tokenizer.json (+ a BOS template when training added one) and the two small JSON files
@@ -83,6 +79,9 @@ def main(argv=None) -> None:
     ap.add_argument("path", help="run dir, checkpoint dir, or step dir")
     ap.add_argument("out_dir", help="new Hugging Face model directory")
     args = ap.parse_args(argv)
+    from model.distributed import quiet_cpu_start
+
+    quiet_cpu_start()       # before JAX starts: no libtpu warnings where no TPU can be
     logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's read-only notices
     export(args.path, args.out_dir)
 

@@ -18,11 +18,6 @@ import argparse
 import logging
 import sys
 import time
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 
 def sample_logits(logits_bv, key, temperature: float, top_p: float, n_valid: int):
@@ -108,6 +103,9 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default=None, help="compute dtype (default: the checkpoint's model.dtype)")
     args = ap.parse_args(argv)
+    from model.distributed import quiet_cpu_start
+
+    quiet_cpu_start()       # before JAX starts: no libtpu warnings where no TPU can be
     logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's read-only notices
     if args.temperature < 0 or not 0 < args.top_p <= 1 or args.max_new_tokens < 1:
         ap.error("need --temperature >= 0, 0 < --top-p <= 1, --max-new-tokens >= 1")

@@ -15,12 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 
 def import_hf(hf_dir: str, out_dir: str, **runtime) -> tuple:
@@ -51,6 +46,9 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", default="bfloat16", help="compute dtype recorded in the model config")
     ap.add_argument("--remat", default="full", help="remat policy recorded in the model config")
     args = ap.parse_args(argv)
+    from model.distributed import quiet_cpu_start
+
+    quiet_cpu_start()       # before JAX starts: no libtpu warnings where no TPU can be
     logging.getLogger("absl").setLevel(logging.ERROR)
 
     from model.hf import model_yaml

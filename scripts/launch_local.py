@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Run a multi-process (multi-host style) training job on this one machine.
 
-    python scripts/launch_local.py --processes 2 --devices-per-process 4 -- name=smoke trainer.steps=20
+    python scripts/launch_local.py --processes 2 --devices-per-process 4 -- name=smoke train.steps=20
 
 starts P copies of
 
@@ -34,7 +34,8 @@ import threading
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from train import PROJECT_ROOT as REPO_ROOT  # the repo root (the project is installed)
+
 DISTRIBUTED_KEYS = ("coordinator_address", "num_processes", "process_id", "local_device_count")
 
 

@@ -13,9 +13,9 @@ import argparse
 import gzip
 import json
 import os
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from train import PROJECT_ROOT as ROOT  # the repo root (the project is installed)
+
 PACKAGES = ("train.py", "model", "data", "scripts")
 
 

@@ -32,13 +32,11 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from data import records  # noqa: E402
-from data.listing import list_paths  # noqa: E402
-from data.sources import BAD_KINDS, MAX_BAD_EXAMPLES, BadRecords, open_lines, parse_line, split_pieces  # noqa: E402
-from data.state import files_hash  # noqa: E402
-from data.tokenizer import BatchEncoder, available_cores, load_tokenizer, set_thread_env, tokenizer_hash  # noqa: E402
+from data import records
+from data.listing import list_paths
+from data.sources import BAD_KINDS, MAX_BAD_EXAMPLES, BadRecords, open_lines, parse_line, split_pieces
+from data.state import files_hash
+from data.tokenizer import BatchEncoder, available_cores, load_tokenizer, set_thread_env, tokenizer_hash
 
 # Characters of text per tokenizer call (~64 web documents): large enough that a call's fixed
 # cost vanishes, small enough that every core gets calls near the end of a file.

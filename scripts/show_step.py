@@ -42,16 +42,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-import numpy as np  # noqa: E402
+import numpy as np
 
 
 class ShowError(ValueError):
@@ -175,7 +170,6 @@ def data_setup(config: dict, saved_fingerprint: dict | None):
     """(DataConfig, training files, tokenizer) from a saved config, with the files listed again
     from its patterns and checked against the saved data fingerprint."""
     import data as data_lib
-    import train
     from model.checkpoint import fingerprint_diffs
 
     data_map = dict(config["data"])
@@ -183,15 +177,11 @@ def data_setup(config: dict, saved_fingerprint: dict | None):
     # Replayed in this process: the batches do not depend on the worker count (nor on "auto").
     data_map["num_workers"] = 0
     cfg = data_lib.DataConfig.from_mapping({**data_map, "tokenizer": config["tokenizer"]["path"]})
-    eval_paths, holdout = train._eval_settings(eval_map)
-    if cfg.sources:
-        files = {s.name: data_lib.list_paths(s.paths, f"data.sources[{s.name}].paths").files
-                 for s in cfg.sources}
-    else:
-        files = data_lib.list_paths(cfg.paths, "data.paths").files
-    held_out = data_lib.list_paths(eval_paths, "data.eval.paths").files if eval_paths else []
-    # The same held-out split as train.py: the run trained on what is left.
-    cfg, _, files, _ = train._split_eval(cfg, {"train": files, "eval": held_out}, holdout)
+    eval_paths, holdout = data_lib.eval_settings(eval_map)
+    # Listed afresh (never the saved list: the fingerprint check below compares them), and the
+    # same held-out split as train.py: the run trained on what is left.
+    listing = data_lib.run_listing(cfg.patterns(), eval_paths, None, log=lambda _line: None)
+    cfg, _, files, _ = data_lib.split_eval(cfg, listing, holdout)
     tokenizer = data_lib.load_tokenizer(cfg.tokenizer)
     if saved_fingerprint is not None:
         # sources parked by a changed mixture stay in the saved fingerprint (train.py does the same)
@@ -206,18 +196,6 @@ def data_setup(config: dict, saved_fingerprint: dict | None):
 
 
 # ---------------------------------------------------------------- replaying shards
-def make_encoder(spec):
-    """The tokenizer pool the text streams need (None for converted records alone), built as an
-    input process builds it (data/host.py HostIterator._init); shared by the replayed shards."""
-    from data.host import MAX_ENCODE_THREADS
-    from data.tokenizer import BatchEncoder, available_cores, set_thread_env
-
-    if spec.kind == "records" and not spec.mixture:
-        return None
-    set_thread_env(1)
-    return BatchEncoder(spec.tokenizer_json, min(MAX_ENCODE_THREADS, available_cores()))
-
-
 def replay_rows(spec, enc, shard_states: dict | None, shard: int, skip_rows: int, n_rows: int) -> dict:
     """Rows skip_rows .. skip_rows + n_rows of one virtual shard's stream counted from its
     saved state (None: from the start): {"tok", "seg", "pos": int32 [n, R], "did": int64 [n, R]}."""
@@ -238,13 +216,6 @@ def replay_rows(spec, enc, shard_states: dict | None, shard: int, skip_rows: int
     finally:
         stream.close()
     return out
-
-
-def row_hash(tok_r: np.ndarray, did_r: np.ndarray) -> str:
-    """The per-row hash train.py's debug_batches logs: sha256(inputs + targets + doc ids)[:16]."""
-    inputs, targets = np.ascontiguousarray(tok_r[:-1]), np.ascontiguousarray(tok_r[1:])
-    return hashlib.sha256(inputs.tobytes() + targets.tobytes()
-                          + np.ascontiguousarray(did_r, np.int64).tobytes()).hexdigest()[:16]
 
 
 # ---------------------------------------------------------------- documents
@@ -317,6 +288,8 @@ def row_documents(did_r: np.ndarray) -> list[tuple[int, int, int]]:
 def show_step(run_dir, step: int, row: int | None = None, *, tokens: bool = False, chars: int = 60) -> dict:
     """The rows of global step `step` of the run in `run_dir` (or just global row `row`), as a
     JSON-ready dict. Raises ShowError (or ValueError from the data checks) in one line."""
+    from data.batch_log import row_hash
+    from data.host import make_encoder
     from data.mixture import source_of_row, source_thresholds
     from data.pipeline import stream_spec
     from data.state import merge_host_states
@@ -350,6 +323,7 @@ def show_step(run_dir, step: int, row: int | None = None, *, tokens: bool = Fals
     skip = (step - 1 - basis.step) * k
 
     got = {}
+    # The tokenizer pool an input process builds (shared by the replayed shards).
     enc = make_encoder(spec)
     try:
         for v in sorted({r // k for r in rows}):
@@ -374,7 +348,7 @@ def show_step(run_dir, step: int, row: int | None = None, *, tokens: bool = Fals
                 d["decoded"] = tokenizer.decode(tok_r[a:b].tolist(), skip_special_tokens=False)
             row_docs.append(d)
         docs.extend(row_docs)
-        entry = {"row": r, "shard": v, "source": source, "hash": row_hash(tok_r, did_r),
+        entry = {"row": r, "shard": v, "source": source, "hash": row_hash(tok_r[:-1], tok_r[1:], did_r),
                  "first_doc_id": int(real[0]) if real.size else -1,
                  "last_doc_id": int(real[-1]) if real.size else -1,
                  "padding": int((did_r < 0).sum()), "documents": row_docs}
@@ -421,6 +395,9 @@ def main(argv=None) -> int:
                     help="one JSON object (rows with the debug_batches hashes)")
     ap.add_argument("--chars", type=int, default=60, help="characters of each document's text shown")
     args = ap.parse_args(argv)
+    from model.distributed import quiet_cpu_start
+
+    quiet_cpu_start()       # before JAX starts: no libtpu warnings where no TPU can be
     import absl.logging
     absl.logging.set_verbosity(absl.logging.ERROR)     # Orbax's info lines are not our output
     try:

@@ -39,7 +39,8 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from train import PROJECT_ROOT as REPO_ROOT  # the repo root (the project is installed)
+
 PROGRAM = "train.py"
 # Put before the user's overrides on `run` (a later value of the same key wins). A detached run
 # writes to a log file, where a progress bar is one ever-growing line of \r-updates that `logs`

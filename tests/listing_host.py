@@ -1,7 +1,8 @@
 """One host of tests/test_data_listing.py's two-host test: `python listing_host.py ID PORT CORPUS`.
 
 Joins a real 2-process jax.distributed job, counts (Python audit hooks) every directory read
-and open that names the corpus, runs train.py's listing for a good and for a bad pattern, and
+and open that names the corpus, runs the run's listing (data/listing.py run_listing, as
+train.py calls it) for a good and for a bad pattern, and
 prints one JSON line.
 """
 import json
@@ -27,13 +28,13 @@ jax.config.update("jax_platforms", "cpu")
 jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2, process_id=process_id)
 
 import data as data_lib  # noqa: E402
-import train  # noqa: E402
+from model.distributed import from_process_0  # noqa: E402
 
 cfg = data_lib.DataConfig(paths=(f"{corpus}/*/en_head.json.gz",), tokenizer="unused", seq_len=8,
                           global_batch_size=4)
-listing = train._run_listing(data_lib, cfg, [], None)
+listing = data_lib.run_listing(cfg.patterns(), [], None, from_process_0=from_process_0)
 try:
-    train._run_listing(data_lib, cfg, [f"{corpus}/nothing/*.json.gz"], None)
+    data_lib.run_listing(cfg.patterns(), [f"{corpus}/nothing/*.json.gz"], None, from_process_0=from_process_0)
     error = None
 except ValueError as e:
     error = str(e)

@@ -210,24 +210,23 @@ def test_shard_without_valid_document_is_named_at_the_first_batch(tmp_path, work
 
 
 def test_held_out_files_without_a_valid_document_are_left_out(tmp_path, capsys):
-    import train as train_mod
     write_corpus(tmp_path, n_files=8)
     empty = os.path.join(str(tmp_path), "0007", "en_head.json.gz")
     with gzip.open(empty, "wb"):
         pass
     base = cfg(tmp_path, global_batch_size=4)
     listing = {"train": data.list_files(base), "eval": []}
-    _, eval_cfg, _, eval_files = train_mod._split_eval(base, listing, 2)
+    _, eval_cfg, _, eval_files = data.split_eval(base, listing, 2)
     assert eval_cfg.num_shards == 2
-    kept, kept_files = train_mod._valid_eval_files(data, eval_cfg, eval_files, announce=True)
+    kept, kept_files = data.valid_eval_files(eval_cfg, eval_files, announce=True)
     assert kept_files == [os.path.join(str(tmp_path), "0006", "en_head.json.gz")]
     assert kept.num_shards == 1
     [line] = capsys.readouterr().out.splitlines()
     assert line.startswith("data.eval: 1 of 2 held-out file(s)") and f"{empty}:0: empty_file" in line
     assert line.endswith("evaluating on the other 1")
     next(data.make_host_iterator(kept, 0, 1, files=kept_files))    # the kept held-out data reads
-    _, eval_cfg, _, eval_files = train_mod._split_eval(base, listing, 1)
-    assert train_mod._valid_eval_files(data, eval_cfg, eval_files, announce=False) == (None, [])
+    _, eval_cfg, _, eval_files = data.split_eval(base, listing, 1)
+    assert data.valid_eval_files(eval_cfg, eval_files, announce=False) == (None, [])
 
 
 # ---------------------------------------------------------------- train.py, as a user runs it
@@ -250,7 +249,7 @@ def _user_corpus(tmp_path):
 
 
 def test_cli_lenient_run_survives_bad_training_and_held_out_files(tmp_path):
-    from test_train import read_metrics, run_cli
+    from run_helpers import read_metrics, run_cli
     root = _user_corpus(tmp_path)
     r = run_cli(tmp_path, *CLI, f"data.paths=[{root}/*/en_head.json.gz]", "train.eval_every=2",
                 "data.num_workers=1")
@@ -265,7 +264,7 @@ def test_cli_lenient_run_survives_bad_training_and_held_out_files(tmp_path):
 def test_cli_worker_data_errors_are_one_line(tmp_path):
     """Strict mode and a lenient run with a dead virtual shard: the error is raised inside the input
     worker process and reaches the user as one line naming the file, before the first step."""
-    from test_train import run_cli
+    from run_helpers import run_cli
     root = _user_corpus(tmp_path)
     strict = run_cli(tmp_path, *CLI, f"data.paths=[{root}/*/en_head.json.gz]", "train.eval_every=0",
                      "data.eval.holdout_files=0", "data.strict=true", "data.num_workers=1")

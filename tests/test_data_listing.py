@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_train import TINY_FAST, make_cfg, read_metrics
+from run_helpers import TINY_FAST, make_cfg, read_metrics
 
 import data
 import train as train_mod

@@ -407,19 +407,19 @@ def test_train_reweights_on_another_host_count(tmp_path):
 
 
 def test_listing_keeps_kept_sources_and_parks_dropped_ones(tmp_path):
-    """train.py's listing on resume: a kept source reuses the checkpoint's list (files added
-    since are not read: its saved position refers to that list), an added source is listed,
-    a dropped one's patterns and files are kept for when it is listed again."""
-    import train as train_mod
+    """The run's listing on resume (data/listing.py run_listing): a kept source reuses the
+    checkpoint's list (files added since are not read: its saved position refers to that list),
+    an added source is listed, a dropped one's patterns and files are kept for when it is
+    listed again."""
     write_sources(tmp_path)
     pattern = {n: [os.path.join(str(tmp_path), n, "*", "*")] for n in SRC}
     listed = {n: data.list_paths(p).files for n, p in pattern.items()}
     saved = {"paths": {"web": pattern["web"], "books": pattern["books"]}, "eval_paths": [],
              "train": {"web": listed["web"][:5], "books": listed["books"]}, "eval": []}
-    got = train_mod._run_listing(data, cfg_of(tmp_path, {"web": 1.0, "tiny": 1.0}), [], saved)
+    got = data.run_listing(cfg_of(tmp_path, {"web": 1.0, "tiny": 1.0}).patterns(), [], saved)
     assert got["train"] == {"web": listed["web"][:5], "tiny": listed["tiny"]}
     assert got["parked"] == {"books": {"paths": pattern["books"], "files": listed["books"]}}
     # books listed again: its parked files, web still the saved list; tiny parked in turn
-    again = train_mod._run_listing(data, cfg_of(tmp_path, {"books": 1.0, "web": 1.0}), [], got)
+    again = data.run_listing(cfg_of(tmp_path, {"books": 1.0, "web": 1.0}).patterns(), [], got)
     assert again["train"] == {"books": listed["books"], "web": listed["web"][:5]}
     assert again["parked"] == {"tiny": {"paths": pattern["tiny"], "files": listed["tiny"]}}

@@ -209,11 +209,12 @@ def test_encoder_threads_do_not_change_the_data(tmp_path, monkeypatch):
     """Tokenizer calls run ahead on a thread pool sized from the cores; the chunks, windows
     and batches must not depend on how many threads there are."""
     import data.host as stream
+    import data.tokenizer as tokenizer
     write_corpus(tmp_path, n_files=4, docs_per_file=8, max_words=100, long_doc_chars=3000)
     c = cfg(tmp_path, num_shards=4, shuffle_window=5, seq_len=16, global_batch_size=4)
     runs = []
     for threads in (1, 3):
-        monkeypatch.setattr(stream, "MAX_ENCODE_THREADS", threads)
+        monkeypatch.setattr(tokenizer, "MAX_ENCODE_THREADS", threads)
         monkeypatch.setattr(stream, "available_cores", lambda: 8)
         it = data.make_host_iterator(c, 0, 1, debug=True)
         batches = take(it, 30)

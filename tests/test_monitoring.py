@@ -7,7 +7,7 @@ import glob
 import json
 from pathlib import Path
 
-from test_train import make_cfg, read_metrics
+from run_helpers import make_cfg, read_metrics
 
 import train as train_mod
 from data.timing import STAGES, THREADS

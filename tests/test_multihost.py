@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from test_train import make_cfg, read_metrics
+from run_helpers import make_cfg, read_metrics
 
 import train as train_mod
 

@@ -16,7 +16,7 @@ import pytest
 import yaml
 from pod_sim import SimPod
 
-import train as train_mod
+from model import distributed
 
 # A tiny model on the bundled sample, logged every step (a SIGTERM is agreed between hosts at log
 # steps) and no periodic checkpoint: the only checkpoint is the one `stop` causes.
@@ -107,21 +107,21 @@ def test_sync_run_logs_stop_resume_on_simulated_pod(pod, tmp_path):
 
 
 def test_tpu_slice_from_the_vm_environment(monkeypatch):
-    """What train.py reads to start jax.distributed on a pod, and its one-line errors."""
+    """What the run reads to start jax.distributed on a pod (model/distributed.py), and its one-line errors."""
     for name in ("MEGASCALE_COORDINATOR_ADDRESS", "JAX_COORDINATOR_PORT"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "10.0.0.2,10.0.0.3,10.0.0.4,10.0.0.5")
     monkeypatch.setenv("TPU_WORKER_ID", "2")
-    assert train_mod._tpu_slice_from_env() == {"coordinator_address": "10.0.0.2:8482", "num_processes": 4,
+    assert distributed.tpu_slice_from_env() == {"coordinator_address": "10.0.0.2:8482", "num_processes": 4,
                                                "process_id": 2}
     monkeypatch.setenv("JAX_COORDINATOR_PORT", "9999")
-    assert train_mod._tpu_slice_from_env()["coordinator_address"] == "10.0.0.2:9999"
+    assert distributed.tpu_slice_from_env()["coordinator_address"] == "10.0.0.2:9999"
     for bad in ("4", "", "w1"):
         monkeypatch.setenv("TPU_WORKER_ID", bad)
-        with pytest.raises(train_mod.ConfigError, match="TPU_WORKER_ID"):
-            train_mod._tpu_slice_from_env()
+        with pytest.raises(ValueError, match="TPU_WORKER_ID"):
+            distributed.tpu_slice_from_env()
     monkeypatch.setenv("MEGASCALE_COORDINATOR_ADDRESS", "10.0.0.2")    # multislice: jax's own detection
-    assert train_mod._tpu_slice_from_env() is None
+    assert distributed.tpu_slice_from_env() is None
     monkeypatch.delenv("MEGASCALE_COORDINATOR_ADDRESS")
     monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "10.0.0.2")             # one host: no jax.distributed
-    assert train_mod._tpu_slice_from_env() is None
+    assert distributed.tpu_slice_from_env() is None

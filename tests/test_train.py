@@ -2,29 +2,12 @@
 
     pytest tests/test_train.py -q
 """
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+from run_helpers import CONFIGS, TINY_FAST, make_cfg, read_metrics, run_cli
 
 import train as train_mod
-
-ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ROOT / "configs"
-
-
-def make_cfg(run_dir, *overrides):
-    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
-        return compose("train", overrides=[f"paths.run_dir={run_dir}", "logger.progress_bar=false", *overrides])
-
-
-def read_metrics(run_dir):
-    with open(Path(run_dir) / "metrics.jsonl") as f:
-        return [json.loads(line) for line in f]
 
 
 def group_options(group):
@@ -39,7 +22,7 @@ def test_every_group_option_composes(group, tmp_path):
     for option in options:
         cfg = make_cfg(tmp_path, f"{group}={option}")
         # Resolving catches broken interpolations, not just YAML syntax.
-        resolved = train_mod.OmegaConf.to_container(cfg, resolve=True)
+        resolved = OmegaConf.to_container(cfg, resolve=True)
         # `debug` files are global deltas; the others fill their group.
         assert group == "debug" or resolved[group], (group, option)
 
@@ -47,21 +30,16 @@ def test_every_group_option_composes(group, tmp_path):
 @pytest.mark.parametrize("experiment", group_options("experiment"))
 def test_every_experiment_composes(experiment, tmp_path):
     cfg = make_cfg(tmp_path, f"experiment={experiment}")
-    resolved = train_mod.OmegaConf.to_container(cfg, resolve=True)
+    resolved = OmegaConf.to_container(cfg, resolve=True)
     import data as data_lib
     from model.llama import LlamaConfig
 
     LlamaConfig.from_mapping(cfg.model)
     data_map = {k: v for k, v in resolved["data"].items() if k != "eval"}
-    data_map["paths"] = train_mod._as_list(data_map["paths"])
     data_lib.DataConfig.from_mapping({**data_map, "tokenizer": resolved["tokenizer"]["path"]})
 
 
 # ---------------------------------------------------------------- train, resume, loss falls
-TINY_FAST = ["train.steps=12", "train.log_every=4", "checkpoint.every=6", "logger.wandb.mode=disabled",
-             "data.num_workers=0", "optimizer.warmup_steps=2"]
-
-
 def test_train_checkpoints_and_resumes(tmp_path):
     run_dir = tmp_path / "run"
     first = train_mod.train(make_cfg(run_dir, *TINY_FAST, "train.steps=6"))
@@ -111,13 +89,6 @@ def test_a_run_shorter_than_the_warmup_just_works(tmp_path, capsys):
 
 
 # ---------------------------------------------------------------- bad input fails in one line
-def run_cli(tmp_path, *overrides):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    return subprocess.run([sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={tmp_path}/run",
-                           "logger.wandb.mode=disabled", *overrides],
-                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
-
-
 @pytest.mark.parametrize("overrides, needle", [
     (["data.paths=[/nonexistent/dir/*.json.gz]"], "data.paths"),
     (["tokenizer.path=/nonexistent/tokenizer.json"], "tokenizer.path"),

@@ -1,0 +1,173 @@
+"""The distributed runtime of a run: starting `jax.distributed`, what the hosts must agree on
+(process 0's decisions broadcast to all, the largest value any host reports), and the
+preemption flag that makes every host save at the same step.
+
+Nothing here knows about the model or the data: train.py passes these functions to the parts
+that need hosts to agree (data/listing.py run_listing, data/autoworkers.py AutoWorkers).
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import sys
+
+# jax's coordinator port on Cloud TPU (jax/_src/clusters/cloud_tpu_cluster.py); JAX_COORDINATOR_PORT
+# overrides it there and here.
+TPU_COORDINATOR_PORT = 8482
+
+
+def init_distributed(dcfg) -> None:
+    """jax.distributed on several hosts: explicit coordinator (`distributed.*`), or automatic on a
+    TPU pod. Raises ValueError (one line) when the TPU VM environment contradicts itself."""
+    import jax
+
+    if dcfg.local_device_count:
+        # Fake CPU devices for multi-process runs on one machine; only possible before the
+        # backend starts, which is why launch_local.py passes it per process.
+        jax.config.update("jax_num_cpu_devices", int(dcfg.local_device_count))
+    if jax.distributed.is_initialized():
+        return
+    if dcfg.coordinator_address:
+        jax.distributed.initialize(coordinator_address=dcfg.coordinator_address,
+                                   num_processes=dcfg.num_processes, process_id=dcfg.process_id)
+    elif (tpu_slice := tpu_slice_from_env()) is not None:
+        jax.distributed.initialize(**tpu_slice)
+    elif on_tpu_vm():
+        # The TPU VM's metadata describes the slice (one host or many), as MaxText relies on too.
+        try:
+            jax.distributed.initialize()
+        except Exception as e:  # noqa: BLE001 - the device files are only a hint
+            if "," in os.environ.get("TPU_WORKER_HOSTNAMES", ""):
+                raise                   # certainly a multi-host slice: never run hosts apart
+            print(f"warning: automatic jax.distributed.initialize() failed ({e}); running as one "
+                  "process (set distributed.coordinator_address for a multi-host run)", file=sys.stderr)
+
+
+def tpu_slice_from_env() -> dict | None:
+    """A multi-host slice as the TPU VM environment describes it (TPU_WORKER_HOSTNAMES, sorted by
+    worker id, and TPU_WORKER_ID): jax.distributed.initialize's arguments, or None.
+
+    jax reads the same variables itself, but only once a TPU backend is present; reading them
+    here makes the start-up independent of the backend, so a simulated pod (CPU workers given a
+    TPU VM's environment, tests/pod_sim.py) starts exactly as a real one. Multislice runs
+    (MEGASCALE_*) are left to jax.
+    """
+    hosts = [h for h in os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]
+    if len(hosts) < 2 or os.environ.get("MEGASCALE_COORDINATOR_ADDRESS"):
+        return None
+    worker_id = os.environ.get("TPU_WORKER_ID", "")
+    if not worker_id.isdigit() or int(worker_id) >= len(hosts):
+        raise ValueError(f"TPU_WORKER_ID={worker_id!r} is not a worker of TPU_WORKER_HOSTNAMES "
+                         f"({len(hosts)} hosts): cannot tell this host's place in the slice")
+    port = os.environ.get("JAX_COORDINATOR_PORT") or TPU_COORDINATOR_PORT
+    return {"coordinator_address": f"{hosts[0].split(':')[0]}:{port}", "num_processes": len(hosts),
+            "process_id": int(worker_id)}
+
+
+def on_tpu_vm() -> bool:
+    # Checked without starting a JAX backend: after that, initialize() is too late.
+    return bool(os.environ.get("TPU_WORKER_HOSTNAMES") or glob.glob("/dev/accel[0-9]*")
+                or glob.glob("/dev/vfio/[0-9]*"))
+
+
+def quiet_cpu_start() -> None:
+    """On a machine where no TPU can be (no TPU device files, no TPU VM environment) and no GPU
+    plugin is installed, yet libtpu is (CI's venv, a laptop used for scripts/compile_tpu.py),
+    JAX would probe for a TPU at start-up and libtpu would print half a dozen warning lines.
+    There the run can only use the CPU: say so before JAX starts. Call it from a command's
+    main(), never where JAX already runs; JAX_PLATFORMS set by the user always wins, and on a
+    TPU VM or a GPU host nothing changes."""
+    import importlib.util
+
+    if os.environ.get("JAX_PLATFORMS") or on_tpu_vm() or importlib.util.find_spec("libtpu") is None:
+        return
+    if any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm7_plugin",
+                                                 "jax_rocm60_plugin", "jax_plugins")):
+        return
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+def from_process_0(make):
+    """make()'s JSON result, computed on process 0 only and sent to every process. A ValueError
+    raised there is raised on every process, so all hosts stop with the same one line."""
+    import jax
+
+    if jax.process_count() == 1:
+        return make()
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    payload = b""
+    if jax.process_index() == 0:
+        try:
+            payload = json.dumps({"ok": make()}).encode()
+        except ValueError as e:
+            payload = json.dumps({"error": str(e)}).encode()
+    # Two broadcasts: the length, then the bytes (every process must pass the same shape).
+    n = int(multihost_utils.broadcast_one_to_all(np.int32(len(payload))))
+    buf = np.frombuffer(payload, np.uint8) if payload else np.zeros(n, np.uint8)
+    got = json.loads(np.asarray(multihost_utils.broadcast_one_to_all(buf), np.uint8).tobytes())
+    if "error" in got:
+        raise ValueError(got["error"])
+    return got["ok"]
+
+
+def max_over_hosts(value):
+    """The largest `value` any process passes (a number; every process must call it). One tiny
+    all-gather; on one process, the value itself."""
+    import jax
+
+    if jax.process_count() == 1:
+        return value
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    x = np.int32(value) if isinstance(value, (int, np.integer)) else np.float64(value)
+    return np.max(multihost_utils.process_allgather(x)).item()
+
+
+class PreemptionFlag:
+    """SIGTERM (a preempted VM, `scripts/tpu.py stop`) or JAX's preemption sync point on TPU:
+    save at the current step, wait for the save, exit 0; the next start resumes.
+
+    A save is collective, so every host must stop at the same step. TPU maintenance events come
+    through the sync point, which agrees by design; a SIGTERM is agreed at log boundaries on
+    several hosts (one tiny all-gather per interval, never per step) and at once on one host.
+    """
+
+    def __init__(self, agree_every: int):
+        import jax
+
+        self.fired = False
+        self._signalled = False
+        self._multi = jax.process_count() > 1
+        self._agree_every = max(1, agree_every)
+        self._previous = None
+        try:
+            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        except ValueError:      # not the main thread: leave signals alone
+            pass
+
+    def _on_sigterm(self, signum, frame):
+        self._signalled = True
+
+    def check(self, step: int) -> bool:
+        if self.fired:
+            return True
+        try:
+            from jax.experimental import multihost_utils
+            self.fired = bool(multihost_utils.reached_preemption_sync_point(step))
+        except Exception:       # the preemption service exists only on multi-host TPU runs
+            pass
+        if not self.fired and self._multi:
+            if step % self._agree_every == 0:
+                self.fired = bool(max_over_hosts(int(self._signalled)))
+        elif not self.fired:
+            self.fired = self._signalled
+        return self.fired
+
+    def restore(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)

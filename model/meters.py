@@ -1,0 +1,191 @@
+"""What the training loop measures and where it goes: the interval meter (throughput, MFU, data
+wait, the input's per-stage times, checkpoint and evaluation time kept apart), the metrics
+logger (progress bar, metrics.jsonl, wandb) and the profiler window.
+
+The meter's clock: an interval runs from one log row to the next; the compile step is left
+out (the meter starts after it); evaluations are paused time (out of tokens/s and MFU);
+checkpoint saves stay inside the interval and are reported as `checkpoint_save_s`.
+"""
+from __future__ import annotations
+
+import json
+import secrets
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+
+class IntervalMeter:
+    """One log row per interval from the steps' device metrics and the input's statistics
+    (data/pipeline.py DevicePrefetcher.stats). `worst_over_hosts(x)` turns this host's data wait
+    into the slowest host's (the step runs at its pace; model/distributed.py max_over_hosts)."""
+
+    def __init__(self, *, schedule, tokens_per_step: int, flops_per_step: float, peak_total: float | None,
+                 device_count: int, stop_on_nan: bool, worst_over_hosts: Callable = lambda x: x):
+        self.schedule = schedule
+        self.tokens_per_step = tokens_per_step
+        self.flops_per_step = flops_per_step
+        self.peak_total = peak_total
+        self.device_count = device_count
+        self.stop_on_nan = stop_on_nan
+        self.worst_over_hosts = worst_over_hosts
+        self.pending = []               # device metrics of the steps since the last row, fetched lazily
+        self.paused_s = 0.0             # evaluations and saves since the start, never reset
+        self._mark(time.perf_counter(), {})
+        self.save_s = 0.0
+
+    def _mark(self, now: float, stats: dict) -> None:
+        self.t, self.steps, self.save_s = now, 0, 0.0
+        self.wait = stats.get("wait_s", 0.0)
+        self.documents = stats.get("documents", 0)
+        self.stage_s = stats.get("stage_s", {})
+
+    def add(self, metrics) -> None:
+        """A step's device metrics (not fetched: no host sync)."""
+        self.pending.append(metrics)
+        self.steps += 1
+
+    def compiled(self, stats: dict) -> None:
+        """After the first step has run (compile included): throughput counts from here."""
+        self._mark(time.perf_counter(), stats)
+
+    def paused(self, seconds: float, *, kind: str) -> None:
+        """`seconds` of evaluation ("eval": out of the interval) or checkpoint saving ("save")."""
+        self.paused_s += seconds
+        if kind == "eval":
+            self.t += seconds
+        else:
+            self.save_s += seconds
+
+    def row(self, step: int, stats: dict) -> dict:
+        """The log row of the steps since the last one (fetches their metrics)."""
+        import jax
+        import numpy as np
+
+        fetched, self.pending = jax.device_get(self.pending), []
+        losses = np.array([m["loss"] for m in fetched], dtype=np.float64)
+        if self.stop_on_nan and not np.all(np.isfinite(losses)):
+            raise FloatingPointError(f"loss is not finite in steps {step - len(fetched) + 1}..{step}: "
+                                     f"{losses.tolist()}")
+        now = time.perf_counter()
+        dt, n = now - self.t, self.steps
+        wait = self.worst_over_hosts(stats["wait_s"] - self.wait)
+        tokens_per_s = n * self.tokens_per_step / dt if n and dt > 0 else None
+        documents = stats.get("documents", 0)
+        row = {
+            "step": step,
+            "loss": float(losses.mean()),
+            "perplexity": float(np.exp(min(losses.mean(), 50.0))),
+            "lr": float(self.schedule(step - 1)),
+            "grad_norm": float(fetched[-1]["grad_norm"]),
+            "param_norm": float(fetched[-1]["param_norm"]),
+            "tokens_per_s": tokens_per_s,
+            "tokens_per_s_per_device": tokens_per_s / self.device_count if tokens_per_s else None,
+            "step_time_s": dt / n if n else None,
+            "mfu": (self.flops_per_step * n / dt / self.peak_total
+                    if (self.peak_total and n and dt > 0) else None),
+            "data_wait_frac": wait / dt if dt > 0 else 0.0,
+            "documents_per_s": (documents - self.documents) / dt if dt > 0 else None,
+            "checkpoint_save_s": self.save_s,
+            "tokens_seen": step * self.tokens_per_step,
+            **{f"data/{k}": v for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)},
+            **{f"data/bad_{k}": v for k, v in stats.get("bad_records", {}).items()},
+        }
+        if stats.get("stage_s"):
+            # Where the input time went in this interval (this host), and the stage bounding it.
+            from data import timing
+
+            row.update(timing.metrics(timing.summarize(timing.sub_times(stats["stage_s"], self.stage_s), dt)))
+        if stats.get("bad_examples"):
+            # The first bad records' names (file:line: kind), so a skipped file is named where it is counted.
+            row["data/bad_examples"] = "; ".join(stats["bad_examples"])
+        self._mark(now, stats)
+        return row
+
+
+class MetricsLogger:
+    """Process 0 only: a progress bar, `metrics.jsonl` in the run directory, and wandb.
+
+    The wandb run id is kept in the checkpoint meta, so a resumed run continues the same wandb
+    run. The API key comes from the environment (WANDB_API_KEY), never from config.
+    """
+
+    def __init__(self, cfg, run_dir: Path, *, enabled: bool, start_step: int, wandb_id: str | None):
+        from omegaconf import OmegaConf
+
+        self.enabled = enabled
+        self.wandb_id = wandb_id
+        self._bar = self._jsonl = self._wandb = None
+        if not enabled:
+            return
+        lcfg = cfg.logger
+        if lcfg.jsonl:
+            self._jsonl = open(run_dir / "metrics.jsonl", "a")
+        if lcfg.wandb.mode != "disabled":
+            import wandb
+
+            # Chosen here (not by wandb) so the checkpoint can carry it to a resumed run.
+            alphabet = "abcdefghijklmnopqrstuvwxyz0123456789"
+            self.wandb_id = wandb_id or "".join(secrets.choice(alphabet) for _ in range(8))
+            # silent: the progress bar and our summary are the console; wandb's own banner and
+            # end-of-run charts would bury them.
+            self._wandb = wandb.init(
+                project=lcfg.wandb.project, entity=lcfg.wandb.entity, name=cfg.name, tags=list(lcfg.wandb.tags),
+                mode=lcfg.wandb.mode, dir=str(run_dir), id=self.wandb_id, resume="allow",
+                config=OmegaConf.to_container(cfg, resolve=True), settings=wandb.Settings(silent=True))
+            offline_dir = Path(self._wandb.dir).parent
+            where = self._wandb.url if lcfg.wandb.mode == "online" else f"{offline_dir} (`wandb sync` it to upload)"
+            print(f"wandb run {self.wandb_id}: {where}", flush=True)
+        if lcfg.progress_bar:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=cfg.train.steps, initial=start_step, unit="step", dynamic_ncols=True,
+                             file=sys.stdout, mininterval=1.0)
+
+    def log(self, metrics: dict) -> None:
+        if not self.enabled:
+            return
+        if self._jsonl:
+            self._jsonl.write(json.dumps(metrics) + "\n")
+            self._jsonl.flush()
+        if self._wandb:
+            self._wandb.log({k: v for k, v in metrics.items() if v is not None}, step=metrics["step"])
+        if "loss" not in metrics:        # an evaluation-only row
+            return
+        tok_s = f"{metrics['tokens_per_s']:,.0f}" if metrics["tokens_per_s"] else "-"
+        if self._bar:
+            self._bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=tok_s, refresh=False)
+            self._bar.update(metrics["step"] - self._bar.n)
+        else:
+            print(f"step {metrics['step']} loss {metrics['loss']:.4f} tok/s {tok_s}", flush=True)
+
+    def close(self) -> None:
+        if self._bar:
+            self._bar.close()
+        if self._jsonl:
+            self._jsonl.close()
+        if self._wandb:
+            self._wandb.finish()
+
+
+class Profiler:
+    """`profile.steps=[a,b]`: a JAX profiler trace of steps a..b in <run_dir>/profile (TensorBoard/Perfetto)."""
+
+    def __init__(self, steps, out_dir: Path, *, enabled: bool):
+        self.window = tuple(steps) if (steps and enabled) else None
+        self.out_dir = out_dir
+        self.active = False
+
+    def maybe_start(self, step: int) -> None:
+        if self.window and step == self.window[0] and not self.active:
+            import jax
+            jax.profiler.start_trace(str(self.out_dir))
+            self.active = True
+
+    def maybe_stop(self, step: int | None) -> None:
+        if self.active and (step is None or step >= self.window[1]):
+            import jax
+            jax.effects_barrier()
+            jax.profiler.stop_trace()
+            self.active = False

@@ -1,0 +1,99 @@
+"""The package layout stays as data/__init__.py draws it: data/ imports no circle (lazy imports
+inside functions count too), never imports model/, no module imports another's private names,
+and checking a data config loads neither Grain nor JAX. Run: pytest tests/test_imports.py"""
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _imports(path: Path, package: str):
+    """(module imported, names imported from it) for every import in the file, at any depth."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                yield a.name, []
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            yield node.module, [a.name for a in node.names]
+
+
+def _data_graph() -> dict[str, set[str]]:
+    modules = {p.stem for p in (ROOT / "data").glob("*.py") if p.stem != "__init__"}
+    graph = {}
+    for m in modules:
+        deps = set()
+        for mod, names in _imports(ROOT / "data" / f"{m}.py", "data"):
+            if mod.startswith("data."):
+                deps.add(mod.split(".")[1])
+            elif mod == "data":
+                deps.update(n for n in names if n in modules)
+        graph[m] = deps - {m}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state, stack = {}, []
+
+    def visit(n):
+        state[n] = "open"
+        stack.append(n)
+        for d in sorted(graph.get(n, ())):
+            if state.get(d) == "open":
+                return stack[stack.index(d):] + [d]
+            if d not in state and (found := visit(d)):
+                return found
+        state[n] = "done"
+        stack.pop()
+        return None
+
+    for n in sorted(graph):
+        if n not in state and (found := visit(n)):
+            return found
+    return None
+
+
+def test_data_imports_form_no_circle():
+    graph = _data_graph()
+    assert graph["host"] >= {"mixture", "shard"}          # the graph is really read
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+
+
+def test_cycle_finder_finds_a_planted_circle():
+    graph = _data_graph()
+    graph["mixture"] = graph["mixture"] | {"host"}          # what data/ had before issue #20
+    assert _cycle(graph) is not None
+
+
+def test_data_never_imports_model_and_nobody_imports_private_names():
+    files = [*ROOT.glob("data/*.py"), *ROOT.glob("model/*.py"), *ROOT.glob("scripts/**/*.py"), ROOT / "train.py"]
+    bad = []
+    for path in files:
+        rel = path.relative_to(ROOT)
+        for mod, names in _imports(path, ""):
+            if rel.parts[0] == "data" and (mod == "model" or mod.startswith("model.")):
+                bad.append(f"{rel}: imports {mod}")
+            if mod.split(".")[0] in ("data", "model", "train"):
+                bad += [f"{rel}: imports the private {mod}.{n}" for n in names if n.startswith("_")]
+        # `import train` then `train._helper`: a private name of the entry file used elsewhere
+        tree = ast.parse(path.read_text())
+        bad += [f"{rel}: uses train.{n.attr}" for n in ast.walk(tree)
+                if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+                and n.value.id in ("train", "train_mod") and n.attr.startswith("_")]
+    assert not bad, bad
+
+
+def test_checking_a_data_config_loads_neither_grain_nor_jax():
+    code = (
+        "import sys\n"
+        "from data.config import DataConfig, validate_settings\n"
+        "from data.heldout import eval_settings\n"
+        f"cfg = DataConfig.from_mapping({{'paths': '{ROOT}/data/sample/*/en_head.json.gz', "
+        "'tokenizer': 'x', 'seq_len': 64, 'global_batch_size': 8, 'num_shards': 4, 'num_workers': 'auto'})\n"
+        "validate_settings(cfg, 2)\n"
+        "eval_settings({'holdout_files': 1})\n"
+        "print(sorted(m for m in ('grain', 'jax', 'jaxlib', 'flax', 'orbax') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
