@@ -94,6 +94,7 @@ def test_cudnn_falls_back_to_the_reference_with_its_numbers_and_says_so_once(cap
                      "GPUs); using the XLA reference attention"], lines
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(ON_GPU, reason="checks the fallback where cuDNN cannot run")
 def test_cudnn_fallback_under_a_mesh_reads_the_mesh_devices(capfd):
     """On the 8 fake CPU devices with the fsdp rules the train step runs and names the devices' platform."""

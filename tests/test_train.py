@@ -45,7 +45,9 @@ def test_every_group_option_composes(group, tmp_path):
 
 
 @pytest.mark.parametrize("experiment", group_options("experiment"))
-def test_every_experiment_composes(experiment, tmp_path):
+def test_every_experiment_composes(experiment, tmp_path, monkeypatch):
+    # The multi-host GPU form reads its coordinator from the environment (the launcher's).
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "host0:12345")
     cfg = make_cfg(tmp_path, f"experiment={experiment}")
     resolved = train_mod.OmegaConf.to_container(cfg, resolve=True)
     import data as data_lib
@@ -55,6 +57,54 @@ def test_every_experiment_composes(experiment, tmp_path):
     data_map = {k: v for k, v in resolved["data"].items() if k != "eval"}
     data_map["paths"] = train_mod._as_list(data_map["paths"])
     data_lib.DataConfig.from_mapping({**data_map, "tokenizer": resolved["tokenizer"]["path"]})
+
+
+# ---------------------------------------------------------------- the GPU host recipe
+# configs/experiment/gpu_8_llama_1b.yaml with the model, data and tokenizer shrunk to the sample; the
+# mesh, remat, microbatches, attention and data.num_workers=auto are the experiment's own.
+GPU_SHRUNK = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128",
+              "model.vocab_size=4096", "tokenizer=sample",
+              "data.paths=[${project_root:}/data/sample/*/en_head.json.gz]",
+              "data.eval.holdout_files=1", "data.seq_len=64", "data.global_batch_size=16", "data.num_shards=8",
+              "train.steps=4", "train.log_every=2", "train.eval_every=0", "checkpoint.every=0",
+              "logger.wandb.mode=disabled", "optimizer.warmup_steps=2"]
+
+
+@pytest.mark.slow
+def test_gpu_experiment_runs_on_8_fake_devices(tmp_path, capfd):
+    import jax
+
+    assert jax.device_count() == 8   # tests/conftest.py: 8 fake CPU devices, one process
+    cfg = make_cfg(tmp_path, "experiment=gpu_8_llama_1b", *GPU_SHRUNK)
+    assert (cfg.mesh.fsdp, cfg.model.attention, cfg.model.remat, cfg.train.microbatches) == (-1, "cudnn", "dots", 2)
+    summary = train_mod.train(cfg)
+    assert summary["steps"] == 4
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [2, 4] and all(r["loss"] > 0 for r in rows)
+    err = capfd.readouterr().err
+    # No GPU here: cuDNN falls back to the XLA reference, and says so once.
+    assert err.count("model.attention=cudnn unavailable (the devices are cpu, not NVIDIA GPUs)") == 1, err
+
+
+def test_multihost_gpu_form_takes_its_coordinator_from_the_launcher(tmp_path, monkeypatch):
+    overrides = ("experiment=gpu_multihost_llama_1b", "data.global_batch_size=512")
+    monkeypatch.delenv("JAX_COORDINATOR_ADDRESS", raising=False)
+    cfg = make_cfg(tmp_path, *overrides)
+    # Unset: the run stops at start-up naming the variable, instead of every host training alone.
+    with pytest.raises(Exception, match="JAX_COORDINATOR_ADDRESS"):
+        _ = cfg.distributed.coordinator_address
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "host0:12345")
+    cfg = make_cfg(tmp_path, *overrides, "distributed.num_processes=2", "distributed.process_id=1")
+    resolved = train_mod.OmegaConf.to_container(cfg, resolve=True)
+    assert resolved["distributed"] == {"coordinator_address": "host0:12345", "num_processes": 2, "process_id": 1,
+                                       "local_device_count": None}
+    # The single-host recipe underneath: the same model, mesh, kernel and rows per GPU.
+    model, mesh = resolved["model"], resolved["mesh"]
+    assert (model["d_model"], mesh["fsdp"], model["attention"]) == (2048, -1, "cudnn")
+    assert resolved["name"] == "gpu_multihost_llama_1b" and resolved["data"]["seq_len"] == 2048
+    # An explicit override wins over the environment.
+    cfg = make_cfg(tmp_path, *overrides, "distributed.coordinator_address=10.0.0.1:999")
+    assert cfg.distributed.coordinator_address == "10.0.0.1:999"
 
 
 # ---------------------------------------------------------------- train, resume, loss falls
