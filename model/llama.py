@@ -176,7 +176,8 @@ def attention_dpa(q_btnh, k_bskh, v_bskh, segment_ids_bt, implementation: str):
     """`jax.nn.dot_product_attention`: "cudnn" (flash attention on NVIDIA GPUs) or "xla".
 
     The segment mask is passed as a boolean mask and causality as is_causal, so cuDNN can
-    skip the upper triangle. The "xla" variant exists so CPU tests exercise this code path.
+    skip the upper triangle (jax hands the mask to cuDNN as an additive bias). The "xla" variant
+    exists so CPU tests exercise this code path; `attention` decides where "cudnn" may run.
     """
     mask_b1ts = (segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :])[:, None]
     return jax.nn.dot_product_attention(
