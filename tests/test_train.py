@@ -71,8 +71,12 @@ GPU_SHRUNK = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.
 
 
 @pytest.mark.slow
-def test_gpu_experiment_runs_on_8_fake_devices(tmp_path, capfd):
+def test_gpu_experiment_runs_on_8_fake_devices(tmp_path, capfd, monkeypatch):
     import jax
+
+    from model import llama
+
+    monkeypatch.setattr(llama, "_NOTICES_SHOWN", set())   # once per process: count this run's
 
     assert jax.device_count() == 8   # tests/conftest.py: 8 fake CPU devices, one process
     cfg = make_cfg(tmp_path, "experiment=gpu_8_llama_1b", *GPU_SHRUNK)
@@ -105,6 +109,32 @@ def test_multihost_gpu_form_takes_its_coordinator_from_the_launcher(tmp_path, mo
     # An explicit override wins over the environment.
     cfg = make_cfg(tmp_path, *overrides, "distributed.coordinator_address=10.0.0.1:999")
     assert cfg.distributed.coordinator_address == "10.0.0.1:999"
+
+
+@pytest.mark.slow
+def test_multihost_gpu_form_joins_two_processes_through_the_environment(tmp_path):
+    """Two train.py processes x 4 fake CPU devices, the coordinator only in JAX_COORDINATOR_ADDRESS:
+    one job of 8 devices (both processes write their data state into the one checkpoint)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", JAX_COORDINATOR_ADDRESS=f"localhost:{port}")
+    run_dir = tmp_path / "run"
+    shrunk = [o for o in GPU_SHRUNK if not o.startswith("checkpoint.")]
+    procs = [subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), "experiment=gpu_multihost_llama_1b", *shrunk,
+         f"hydra.run.dir={run_dir}", f"checkpoint.dir={tmp_path}/shared_ckpt", "checkpoint.every=4",
+         "data.num_workers=0", "logger.progress_bar=false", "distributed.num_processes=2",
+         f"distributed.process_id={i}", "distributed.local_device_count=4"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path) for i in range(2)]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    data_dir = tmp_path / "shared_ckpt" / "4" / "data"
+    assert sorted(p.name for p in data_dir.glob("process_*.json")) == ["process_0-of-2.json", "process_1-of-2.json"]
+    assert [r["step"] for r in read_metrics(run_dir)] == [2, 4]
 
 
 # ---------------------------------------------------------------- train, resume, loss falls
