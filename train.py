@@ -19,6 +19,7 @@ from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import InterpolationResolutionError
 
 PROJECT_ROOT = Path(__file__).resolve().parent
 if not OmegaConf.has_resolver("project_root"):
@@ -327,6 +328,10 @@ def main(cfg: DictConfig) -> None:
         train(cfg)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except InterpolationResolutionError as e:
+        # e.g. ${oc.env:JAX_COORDINATOR_ADDRESS} unset (configs/experiment/gpu_multihost_llama_1b.yaml)
+        print(f"config error: {str(e).splitlines()[0]}", file=sys.stderr)
         sys.exit(2)
     except BadDataError as e:
         # Bad data (data.strict=true, or a virtual shard without any valid document) names its

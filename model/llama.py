@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from typing import Any, Mapping
 
 import jax
@@ -175,7 +176,8 @@ def attention_dpa(q_btnh, k_bskh, v_bskh, segment_ids_bt, implementation: str):
     """`jax.nn.dot_product_attention`: "cudnn" (flash attention on NVIDIA GPUs) or "xla".
 
     The segment mask is passed as a boolean mask and causality as is_causal, so cuDNN can
-    skip the upper triangle. The "xla" variant exists so CPU tests exercise this code path.
+    skip the upper triangle (jax hands the mask to cuDNN as an additive bias). The "xla" variant
+    exists so CPU tests exercise this code path; `attention` decides where "cudnn" may run.
     """
     mask_b1ts = (segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :])[:, None]
     return jax.nn.dot_product_attention(
@@ -221,11 +223,70 @@ def attention_splash(q_btnh, k_bskh, v_bskh, segment_ids_bt, interpret: bool = F
     return jnp.swapaxes(out_bnth, 1, 2)
 
 
+# cuDNN's fused attention (jax/_src/cudnn/fused_attention_stablehlo.py, check_layout and
+# check_is_flash_attention, jax 0.10): bf16/fp16 inputs, head dim a multiple of 8 up to 128
+# (256 from Hopper, compute capability 9.0), and an even sequence length when a bias is trained
+# (our segment mask reaches cuDNN as a bias).
+CUDNN_DTYPES = ("bfloat16", "float16")
+
+
+def cudnn_unavailable(platform: str, dtype, head_dim: int, seq_len: int,
+                      compute_capability: str | None = None) -> str | None:
+    """Why the cuDNN flash-attention kernel cannot run here, or None when it can.
+
+    A pure function of what the trace knows, so the choice is testable on any machine;
+    `attention` also catches what jax itself refuses at trace time (a missing cuDNN)."""
+    if platform != "gpu":
+        return f"the devices are {platform}, not NVIDIA GPUs"
+    if jnp.dtype(dtype).name not in CUDNN_DTYPES:
+        return f"model.dtype={jnp.dtype(dtype).name}: cuDNN attention takes bfloat16 or float16"
+    hopper = compute_capability is not None and tuple(int(x) for x in compute_capability.split(".")[:2]) >= (9, 0)
+    h_max = 256 if hopper else 128
+    if head_dim % 8 or head_dim > h_max:
+        return f"head_dim={head_dim}: cuDNN attention needs a multiple of 8 up to {h_max} on this GPU"
+    if seq_len % 2:
+        return f"sequence length {seq_len}: cuDNN attention with a mask needs an even length"
+    return None
+
+
+_NOTICES_SHOWN: set[str] = set()
+
+
+def _notice_once(message: str) -> None:
+    """One line on stderr per distinct message and process (process 0 only): a step function is
+    traced several times (train, eval, each layer body) and each trace would repeat it."""
+    if message in _NOTICES_SHOWN:
+        return
+    _NOTICES_SHOWN.add(message)
+    if jax.process_index() == 0:
+        print(message, file=sys.stderr, flush=True)
+
+
+def _devices_here():
+    """(platform, compute capability or None) of the devices this trace will run on: the mesh's
+    when one is active (scripts/compile_tpu.py traces for devices other than the default)."""
+    mesh, _ = shd.current()
+    device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
+    return device.platform, getattr(device, "compute_capability", None)
+
+
 def attention(q_btnh, k_bskh, v_bskh, segment_ids_bt, impl: str):
     if impl == "xla":
         return attention_xla(q_btnh, k_bskh, v_bskh, segment_ids_bt)
     if impl == "cudnn":
-        return attention_dpa(q_btnh, k_bskh, v_bskh, segment_ids_bt, "cudnn")
+        platform, capability = _devices_here()
+        reason = cudnn_unavailable(platform, q_btnh.dtype, q_btnh.shape[-1], q_btnh.shape[1], capability)
+        if reason is None:
+            try:
+                out = attention_dpa(q_btnh, k_bskh, v_bskh, segment_ids_bt, "cudnn")
+                _notice_once("model.attention=cudnn: cuDNN flash attention (segment mask as a bias)")
+                return out
+            except (NotImplementedError, RuntimeError) as e:  # jax's own refusals at trace time
+                reason = str(e).splitlines()[0]
+        # The reference computes the same function: same numbers, but it builds the [t, s] scores
+        # in memory, so a GPU plan sized for cuDNN may need more memory or microbatches.
+        _notice_once(f"model.attention=cudnn unavailable ({reason}); using the XLA reference attention")
+        return attention_xla(q_btnh, k_bskh, v_bskh, segment_ids_bt)
     if impl == "splash":
         return attention_splash(q_btnh, k_bskh, v_bskh, segment_ids_bt)
     raise ValueError(f"model.attention={impl!r}")

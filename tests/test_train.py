@@ -2,10 +2,13 @@
 
     pytest tests/test_train.py -q
 """
+import os
+import subprocess
+import sys
 
 import pytest
 from omegaconf import OmegaConf
-from run_helpers import CONFIGS, TINY_FAST, make_cfg, read_metrics, run_cli
+from run_helpers import CONFIGS, ROOT, TINY_FAST, make_cfg, read_metrics, run_cli
 
 import train as train_mod
 
@@ -28,7 +31,9 @@ def test_every_group_option_composes(group, tmp_path):
 
 
 @pytest.mark.parametrize("experiment", group_options("experiment"))
-def test_every_experiment_composes(experiment, tmp_path):
+def test_every_experiment_composes(experiment, tmp_path, monkeypatch):
+    # The multi-host GPU form reads its coordinator from the environment (the launcher's).
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "host0:12345")
     cfg = make_cfg(tmp_path, f"experiment={experiment}")
     resolved = OmegaConf.to_container(cfg, resolve=True)
     import data as data_lib
@@ -37,6 +42,84 @@ def test_every_experiment_composes(experiment, tmp_path):
     LlamaConfig.from_mapping(cfg.model)
     data_map = {k: v for k, v in resolved["data"].items() if k != "eval"}
     data_lib.DataConfig.from_mapping({**data_map, "tokenizer": resolved["tokenizer"]["path"]})
+
+
+# ---------------------------------------------------------------- the GPU host recipe
+# configs/experiment/gpu_8_llama_1b.yaml with the model, data and tokenizer shrunk to the sample; the
+# mesh, remat, microbatches, attention and data.num_workers=auto are the experiment's own.
+GPU_SHRUNK = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128",
+              "model.vocab_size=4096", "tokenizer=sample",
+              "data.paths=[${project_root:}/data/sample/*/en_head.json.gz]",
+              "data.eval.holdout_files=1", "data.seq_len=64", "data.global_batch_size=16", "data.num_shards=8",
+              "train.steps=4", "train.log_every=2", "train.eval_every=0", "checkpoint.every=0",
+              "logger.wandb.mode=disabled", "optimizer.warmup_steps=2"]
+
+
+@pytest.mark.slow
+def test_gpu_experiment_runs_on_8_fake_devices(tmp_path, capfd, monkeypatch):
+    import jax
+
+    from model import llama
+
+    monkeypatch.setattr(llama, "_NOTICES_SHOWN", set())   # once per process: count this run's
+
+    assert jax.device_count() == 8   # tests/conftest.py: 8 fake CPU devices, one process
+    cfg = make_cfg(tmp_path, "experiment=gpu_8_llama_1b", *GPU_SHRUNK)
+    assert (cfg.mesh.fsdp, cfg.model.attention, cfg.model.remat, cfg.train.microbatches) == (-1, "cudnn", "dots", 2)
+    summary = train_mod.train(cfg)
+    assert summary["steps"] == 4
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [2, 4] and all(r["loss"] > 0 for r in rows)
+    err = capfd.readouterr().err
+    # No GPU here: cuDNN falls back to the XLA reference, and says so once.
+    assert err.count("model.attention=cudnn unavailable (the devices are cpu, not NVIDIA GPUs)") == 1, err
+
+
+def test_multihost_gpu_form_takes_its_coordinator_from_the_launcher(tmp_path, monkeypatch):
+    overrides = ("experiment=gpu_multihost_llama_1b", "data.global_batch_size=512")
+    monkeypatch.delenv("JAX_COORDINATOR_ADDRESS", raising=False)
+    cfg = make_cfg(tmp_path, *overrides)
+    # Unset: the run stops at start-up naming the variable, instead of every host training alone.
+    with pytest.raises(Exception, match="JAX_COORDINATOR_ADDRESS"):
+        _ = cfg.distributed.coordinator_address
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "host0:12345")
+    cfg = make_cfg(tmp_path, *overrides, "distributed.num_processes=2", "distributed.process_id=1")
+    resolved = train_mod.OmegaConf.to_container(cfg, resolve=True)
+    assert resolved["distributed"] == {"coordinator_address": "host0:12345", "num_processes": 2, "process_id": 1,
+                                       "local_device_count": None}
+    # The single-host recipe underneath: the same model, mesh, kernel and rows per GPU.
+    model, mesh = resolved["model"], resolved["mesh"]
+    assert (model["d_model"], mesh["fsdp"], model["attention"]) == (2048, -1, "cudnn")
+    assert resolved["name"] == "gpu_multihost_llama_1b" and resolved["data"]["seq_len"] == 2048
+    # An explicit override wins over the environment.
+    cfg = make_cfg(tmp_path, *overrides, "distributed.coordinator_address=10.0.0.1:999")
+    assert cfg.distributed.coordinator_address == "10.0.0.1:999"
+
+
+@pytest.mark.slow
+def test_multihost_gpu_form_joins_two_processes_through_the_environment(tmp_path):
+    """Two train.py processes x 4 fake CPU devices, the coordinator only in JAX_COORDINATOR_ADDRESS:
+    one job of 8 devices (both processes write their data state into the one checkpoint)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", JAX_COORDINATOR_ADDRESS=f"localhost:{port}")
+    run_dir = tmp_path / "run"
+    shrunk = [o for o in GPU_SHRUNK if not o.startswith("checkpoint.")]
+    procs = [subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), "experiment=gpu_multihost_llama_1b", *shrunk,
+         f"hydra.run.dir={run_dir}", f"checkpoint.dir={tmp_path}/shared_ckpt", "checkpoint.every=4",
+         "data.num_workers=0", "logger.progress_bar=false", "distributed.num_processes=2",
+         f"distributed.process_id={i}", "distributed.local_device_count=4"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path) for i in range(2)]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    data_dir = tmp_path / "shared_ckpt" / "4" / "data"
+    assert sorted(p.name for p in data_dir.glob("process_*.json")) == ["process_0-of-2.json", "process_1-of-2.json"]
+    assert [r["step"] for r in read_metrics(run_dir)] == [2, 4]
 
 
 # ---------------------------------------------------------------- train, resume, loss falls
