@@ -326,12 +326,10 @@ def main(cfg: DictConfig) -> None:
 
     try:
         train(cfg)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except InterpolationResolutionError as e:
-        # e.g. ${oc.env:JAX_COORDINATOR_ADDRESS} unset (configs/experiment/gpu_multihost_llama_1b.yaml)
-        print(f"config error: {str(e).splitlines()[0]}", file=sys.stderr)
+    except (ConfigError, InterpolationResolutionError) as e:
+        # One line: e.g. an unset ${oc.env:JAX_COORDINATOR_ADDRESS} (configs/experiment/gpu_multihost_llama_1b.yaml)
+        # comes from OmegaConf over three.
+        print(f"config error: {' '.join(str(e).split())}", file=sys.stderr)
         sys.exit(2)
     except BadDataError as e:
         # Bad data (data.strict=true, or a virtual shard without any valid document) names its
