@@ -143,6 +143,7 @@ def auto_lines(out: str) -> list[str]:
     return [line for line in out.splitlines() if line.startswith("data.num_workers=auto: ")]
 
 
+@pytest.mark.slow
 def test_auto_under_a_small_ram_budget_switches_to_in_process_same_batches(fixed_run, tmp_path, capsys):
     train_mod.train(make_cfg(tmp_path, *RUN, "data.num_workers=auto", "data.ram_budget_gb=0.001"))
     start, chosen = auto_lines(capsys.readouterr().out)
@@ -164,6 +165,7 @@ def test_auto_under_a_small_ram_budget_switches_to_in_process_same_batches(fixed
     assert meta["num_workers"] == 0
 
 
+@pytest.mark.slow
 def test_auto_resume_chooses_again_and_stays_exact(fixed_run, tmp_path, capsys):
     # 4 steps on 2 fixed workers, then a resume with auto: it starts from the saved count and
     # chooses again (whatever it chooses here, the batches are those of the fixed run)
@@ -182,6 +184,7 @@ def test_auto_resume_chooses_again_and_stays_exact(fixed_run, tmp_path, capsys):
 
 
 # ---------------------------------------------------------------- several hosts
+@pytest.mark.slow
 def test_hosts_agree_on_the_most_any_needs(straight, tmp_path):  # noqa: F811 - the fixture
     # Two processes with different budgets: process 0's holds no worker (alone it would go
     # in-process), process 1's holds plenty (one worker: text never goes in-process on its own
@@ -208,6 +211,7 @@ def test_hosts_agree_on_the_most_any_needs(straight, tmp_path):  # noqa: F811 - 
     assert_every_shard_continues_exactly([(tmp_path, range(1, 11))], straight)
 
 
+@pytest.mark.slow
 def test_a_converted_corpus_goes_in_process_with_the_same_batches(tmp_path, capsys):
     # Nothing to tokenize and the tiny model's need far below one reader's rate: 0 workers,
     # switched to from the provisional 1, with the batches of a run that had none throughout.

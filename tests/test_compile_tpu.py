@@ -72,6 +72,7 @@ def test_every_planned_experiment_declares_a_known_slice():
             .generation.name for n in names} >= {"v4", "v5e", "v6e"}
 
 
+@pytest.mark.slow
 def test_without_libtpu_it_fails_in_one_line(tmp_path):
     # A libtpu that cannot be imported stands in for a plain dev install (CI has the real one).
     (tmp_path / "libtpu.py").write_text("raise ImportError('no libtpu in this test')\n")
@@ -83,6 +84,7 @@ def test_without_libtpu_it_fails_in_one_line(tmp_path):
 
 
 # ---------------------------------------------------------------- compiles (libtpu)
+@pytest.mark.slow
 @needs_libtpu
 def test_cli_prints_and_writes_the_compiled_figures(tmp_path):
     # The default run (tiny model, batch 16 x 256) on a v5e-4: seconds to compile.
@@ -101,6 +103,7 @@ def test_cli_prints_and_writes_the_compiled_figures(tmp_path):
     assert plan["train_step"]["aliased_gib"] == pytest.approx(plan["train_step"]["arguments_gib"], rel=0.01)
 
 
+@pytest.mark.slow
 @needs_libtpu
 def test_a_plan_that_exceeds_hbm_does_not_fit(tmp_path):
     # 65,536 rows of 256 on 4 chips: the fp32 logits alone are 64 GiB per chip.
@@ -111,6 +114,7 @@ def test_a_plan_that_exceeds_hbm_does_not_fit(tmp_path):
     assert json.loads(out.read_text())["train_step"]["fits"] is False
 
 
+@pytest.mark.slow
 @needs_libtpu
 @pytest.mark.parametrize("experiment", planned_experiments())
 def test_experiment_compiles_for_its_slice_and_fits(experiment):

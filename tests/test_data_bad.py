@@ -87,6 +87,7 @@ def test_bad_strict(tmp_path, kind):
         assert f"{path}:{line}: {kind}" in msg
 
 
+@pytest.mark.slow
 def test_bad_strict_through_worker(tmp_path):
     path, line = _corpus(tmp_path, "malformed_json")
     c = cfg(tmp_path, paths=(str(tmp_path / "d" / "*.json.gz"),), num_shards=1, strict=True,
@@ -248,6 +249,7 @@ def _user_corpus(tmp_path):
     return root
 
 
+@pytest.mark.slow
 def test_cli_lenient_run_survives_bad_training_and_held_out_files(tmp_path):
     from run_helpers import read_metrics, run_cli
     root = _user_corpus(tmp_path)
@@ -261,6 +263,7 @@ def test_cli_lenient_run_survives_bad_training_and_held_out_files(tmp_path):
     assert [row["step"] for row in rows] == [2] and "eval_loss" not in rows[0]
 
 
+@pytest.mark.slow
 def test_cli_worker_data_errors_are_one_line(tmp_path):
     """Strict mode and a lenient run with a dead virtual shard: the error is raised inside the input
     worker process and reaches the user as one line naming the file, before the first step."""

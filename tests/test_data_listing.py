@@ -130,6 +130,7 @@ def copy_sample(dst: Path) -> Path:
     return dst
 
 
+@pytest.mark.slow
 @needs_strace
 def test_a_run_makes_at_most_one_metadata_call_per_file(tmp_path):
     # A whole train.py run (listing, validation, eval split, fingerprint, eval set, an input
@@ -151,6 +152,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_second_host_receives_the_list_and_never_touches_the_files(tmp_path):
     corpus = copy_sample(tmp_path / "corpus")
     port = free_port()
@@ -182,6 +184,7 @@ def test_second_host_receives_the_list_and_never_touches_the_files(tmp_path):
         assert str(corpus) not in lines[1]          # not one system call names the corpus
 
 
+@pytest.mark.slow
 def test_resume_uses_the_saved_list_without_a_walk(tmp_path):
     corpus = copy_sample(tmp_path / "corpus")
     run = tmp_path / "run"

@@ -245,6 +245,7 @@ def test_fingerprint_covers_the_mixture(tmp_path):
 
 
 # ---------------------------------------------------------------- through train.py
+@pytest.mark.slow
 def test_train_resumes_a_mixture_exactly_and_refuses_a_weight_change(tmp_path):
     """Same process count: the resumed run repeats the straight run bit for bit. Two processes
     (real jax.distributed) resuming one process's checkpoint: the same rows."""
@@ -332,6 +333,7 @@ def test_bad_records_are_counted_per_source(tmp_path):
 
 
 # ---------------------------------------------------------------- config mistakes
+@pytest.mark.slow
 @pytest.mark.parametrize("override, needle", [
     ("data.sources.1.weight=0", "data.sources[code].weight=0.0: must be a finite number > 0"),
     ("data.sources.1.weight=-1", "data.sources[code].weight=-1.0"),

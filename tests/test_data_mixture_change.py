@@ -147,6 +147,7 @@ def test_without_the_flag_the_restore_itself_still_continues(tmp_path):
 
 
 # ---------------------------------------------------------------- drop, add, list again
+@pytest.mark.slow
 def test_dropped_source_is_parked_and_continues_when_listed_again(tmp_path):
     """(web, books) -> (web, tiny): books dropped, tiny added -> (books, web): books listed
     again (another order), tiny dropped. The middle phase runs with 2 input workers and is
@@ -340,6 +341,7 @@ def assert_rows_continue(run_cfg, phases):
                     (name, shard)
 
 
+@pytest.mark.slow
 def test_train_reweights_drops_and_lists_again_on_resume(tmp_path):
     """One process: 2 steps at web:code 0.8:0.2, refused without the flag (one hint), then with
     data.mixture_change=continue 2 steps at 0.25:0.75, 2 with code dropped, 2 with code listed
@@ -377,6 +379,7 @@ def test_train_reweights_drops_and_lists_again_on_resume(tmp_path):
     assert_rows_continue(c, [phase1, phase2, phase3, phase4])
 
 
+@pytest.mark.slow
 def test_train_reweights_on_another_host_count(tmp_path):
     """2 processes (real jax.distributed) run 2 steps; 1 process resumes with other weights:
     each source's rows continue exactly."""

@@ -152,6 +152,7 @@ def test_file_formats(tmp_path):
     assert seen == {(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)}
 
 
+@pytest.mark.slow
 def test_validate_errors(tmp_path):
     write_corpus(tmp_path, n_files=4, docs_per_file=2)
     c = cfg(tmp_path)
@@ -215,6 +216,7 @@ def test_files_interleaved_inside_a_shard(tmp_path):
     assert len(set(seq[:6])) == 2 and all(a != b for a, b in zip(seq, seq[1:], strict=False))
 
 
+@pytest.mark.slow
 def test_input_workers_start_together(tmp_path):
     """Each worker process takes ~1 s to start (spawn, importing Grain and JAX) before its
     first row. Started one after another (what one mp_prefetch with N workers does: its

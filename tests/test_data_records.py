@@ -192,6 +192,7 @@ def test_elastic_restore(corpus, P1, N1, P2, N2, k1):
 
 
 # ---------------------------------------------------------------- the converter
+@pytest.mark.slow
 def test_converter_resumes_after_sigkill_byte_identical(tmp_path):
     write_corpus(tmp_path / "text", n_files=10, docs_per_file=150, min_words=200, max_words=500)
     src = os.path.join(str(tmp_path / "text"), "*", "en_head.json.gz")
@@ -220,6 +221,7 @@ def test_converter_resumes_after_sigkill_byte_identical(tmp_path):
         assert a[name] == b[name], f"{name} differs after a kill and a restart"
 
 
+@pytest.mark.slow
 def test_converter_bad_records_lenient_and_strict(tmp_path):
     write_corpus(tmp_path / "text", n_files=2, docs_per_file=4, ext=".jsonl")
     bad = tmp_path / "text" / "0001" / "en_head.jsonl"
@@ -238,6 +240,7 @@ def test_converter_bad_records_lenient_and_strict(tmp_path):
     assert not (tmp_path / "strict" / records.MANIFEST).exists()
 
 
+@pytest.mark.slow
 def test_converter_reads_jsonl_zst_and_text_key(tmp_path):
     texts = write_corpus(tmp_path / "text", n_files=2, docs_per_file=3, ext=".jsonl.zst",
                          text_key="text")
@@ -265,6 +268,7 @@ def _fails_before_compile(tmp_path, result, needle):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_manifest_mismatch_fails_in_one_line(corpus, tmp_path):
     import shutil
     _, out, _ = corpus
@@ -279,6 +283,7 @@ def test_manifest_mismatch_fails_in_one_line(corpus, tmp_path):
     _fails_before_compile(tmp_path, res, "part-000002.array_record is listed in")
 
 
+@pytest.mark.slow
 def test_tokenizer_mismatch_fails_in_one_line(corpus, tmp_path):
     import tokenizers
     _, out, _ = corpus

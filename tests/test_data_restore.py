@@ -183,6 +183,7 @@ def test_restore_host_iterator_picks_the_path(tmp_path):
         assert canon[shard][3:3 + len(rows)] == rows
 
 
+@pytest.mark.slow
 def test_worker_states_are_the_in_process_states(tmp_path):
     """With workers, a batch's state (sent G batches at a time) holds, for every virtual shard,
     exactly the state the in-process pipeline has after the same batch: what resuming on any

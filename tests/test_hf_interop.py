@@ -158,6 +158,7 @@ def test_exported_tokenizer_loads_offline(exported):
 
 
 # ---------------------------------------------------------------- init_from an imported checkpoint
+@pytest.mark.slow
 def test_init_from_imported_checkpoint_trains_from_its_params(exported, tmp_path):
     """lr=0: the step changes nothing, so the saved parameters must be the imported ones, not
     a fresh init (a different seed makes a fresh init visibly different)."""

@@ -65,6 +65,7 @@ def remote_command(argv):
 # ------------------------------------------------------------------------------------------------
 # tpu.py: dry runs
 # ------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_create_dry_run(capsys):
     cmds, _ = dry(capsys, "create", *POD, "--project", "proj", "--spot")
     assert cmds == [["gcloud", "compute", "tpus", "tpu-vm", "create", "pod-1", "--zone", "us-central2-b",
@@ -81,6 +82,7 @@ def test_common_options_before_subcommand(capsys):
                      "--quiet"]]
 
 
+@pytest.mark.slow
 def test_sync_and_setup_dry_run(capsys):
     cmds, _ = dry(capsys, "sync", *POD)
     assert len(cmds) == 2
@@ -101,6 +103,7 @@ def test_sync_and_setup_dry_run(capsys):
     assert len(cmds) == 1 and "gcsfuse" not in remote_command(cmds[0])
 
 
+@pytest.mark.slow
 def test_run_logs_stop_dry_run(capsys):
     cmds, _ = dry(capsys, "run", *POD, "--", "experiment=v4_32_llama_1b", "train.steps=10")
     assert len(cmds) == 1
@@ -122,6 +125,7 @@ def test_run_logs_stop_dry_run(capsys):
     assert "kill -TERM" in remote_command(cmds[0]) and "-lt 60" in remote_command(cmds[0])
 
 
+@pytest.mark.slow
 def test_generated_scripts_are_valid_bash(capsys, monkeypatch):
     monkeypatch.setenv("WANDB_API_KEY", SECRET)
     for argv in (["run", *POD, "--env-from-local", "WANDB_API_KEY", "--", *NASTY],
@@ -228,6 +232,7 @@ time.sleep(60)
 """
 
 
+@pytest.mark.slow
 def test_worker_scripts_run_and_stop(tmp_path, monkeypatch, capsys):
     """run: the overrides reach 'python' verbatim (nothing injected), detached, logged, pid file;
     stop: SIGTERM reaches the process (it can checkpoint) and it is gone afterwards."""
@@ -293,6 +298,7 @@ def alive_not_zombie(pid):
         return False
 
 
+@pytest.mark.slow
 def test_stop_terms_train_py_alone_then_kills_its_group(tmp_path):
     """SIGTERM goes to train.py only (its input workers keep serving until it has saved), `stop`
     waits for the whole process group and SIGKILLs what is left after the grace period; the log
@@ -328,6 +334,7 @@ def test_stop_terms_train_py_alone_then_kills_its_group(tmp_path):
     assert "train.py exited with code 0" in log.rstrip().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_run_reports_early_crash(tmp_path, monkeypatch, capsys):
     remote = tmp_path / "remote"
     remote.mkdir()
@@ -385,6 +392,7 @@ def alive(pid):
     return True
 
 
+@pytest.mark.slow
 def test_local_failure_stops_everyone(tmp_path):
     prog = write_program(tmp_path, """
         if pid == 1:
@@ -407,6 +415,7 @@ def test_local_failure_stops_everyone(tmp_path):
     assert "process 1 exited with code 3" in err and "process 1 fails" in err  # its log tail
 
 
+@pytest.mark.slow
 def test_local_success_args_and_default_log_dir(tmp_path):
     prog = write_program(tmp_path, "")
     odd = "msg='a b; $(touch PWNED)'"
@@ -424,6 +433,7 @@ def test_local_success_args_and_default_log_dir(tmp_path):
     assert not list(tmp_path.rglob("PWNED"))
 
 
+@pytest.mark.slow
 def test_local_sigterm_is_forwarded(tmp_path):
     prog = write_program(tmp_path, "time.sleep(60)")
     p = launch(tmp_path, prog, "--log-dir", str(tmp_path / "logs"))
@@ -437,6 +447,7 @@ def test_local_sigterm_is_forwarded(tmp_path):
     assert (tmp_path / "term_0").exists() and (tmp_path / "term_1").exists()
 
 
+@pytest.mark.slow
 def test_local_grace_period_then_kill(tmp_path):
     prog = write_program(tmp_path, """
         signal.signal(signal.SIGTERM, signal.SIG_IGN)   # a process that will not stop by itself
@@ -456,6 +467,7 @@ def test_local_grace_period_then_kill(tmp_path):
         assert not alive(json.loads((tmp_path / f"started_{i}.json").read_text())["os_pid"])
 
 
+@pytest.mark.slow
 def test_local_rejects_distributed_overrides(tmp_path):
     with pytest.raises(SystemExit):
         launch_local.parse_args(["--processes", "2", "--devices-per-process", "1", "--",

@@ -7,6 +7,7 @@ import glob
 import json
 from pathlib import Path
 
+import pytest
 from run_helpers import make_cfg, read_metrics
 
 import train as train_mod
@@ -21,6 +22,7 @@ def wandb_runs(run_dir):
     return sorted(Path(run_dir, "wandb").glob("offline-run-*"))
 
 
+@pytest.mark.slow
 def test_metrics_wandb_profile_and_resume_keep_the_run(tmp_path):
     run_dir = tmp_path / "run"
     train_mod.train(make_cfg(run_dir, *RUN, "train.steps=4", "profile.steps=[3,4]"))
@@ -59,6 +61,7 @@ def test_metrics_wandb_profile_and_resume_keep_the_run(tmp_path):
     assert [r["step"] for r in read_metrics(run_dir)] == [2, 4, 6]
 
 
+@pytest.mark.slow
 def test_same_seed_same_losses_and_eval_losses(tmp_path):
     a = tmp_path / "a"
     b = tmp_path / "b"
@@ -75,6 +78,7 @@ def test_same_seed_same_losses_and_eval_losses(tmp_path):
     assert evals_a[0] != evals_a[1]
 
 
+@pytest.mark.slow
 def test_stage_times_cross_from_input_workers_and_stay_out_of_the_state(tmp_path):
     """Real Grain workers: their timers reach the host process with their slabs; the table names a
     bound stage; the times are not part of the saved state (statistics, not data)."""

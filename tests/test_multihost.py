@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from run_helpers import make_cfg, read_metrics
 
 import train as train_mod
@@ -36,6 +37,7 @@ def launch_two(run_dir, *overrides):
     return result.stdout + logs
 
 
+@pytest.mark.slow
 def test_two_processes_equal_one_process_and_resume_in_both(tmp_path):
     single = tmp_path / "single"
     train_mod.train(make_cfg(single, *COMMON, "train.steps=6"))

@@ -175,6 +175,7 @@ def assert_same_run(resumed_dir, straight_dir):
 
 
 # ---------------------------------------------------------------- SIGKILL right after a checkpoint
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [0, 2])
 def test_kill_after_checkpoint_resumes_bit_identically(workers, straight, tmp_path):
     ref = straight
@@ -198,6 +199,7 @@ def test_kill_after_checkpoint_resumes_bit_identically(workers, straight, tmp_pa
 
 
 # ---------------------------------------------------------------- SIGTERM: save, exit 0, resume
+@pytest.mark.slow
 def test_sigterm_saves_exits_zero_and_resumes(straight, tmp_path):
     run_dir = tmp_path / "run"
     metrics = run_dir / "metrics.jsonl"
@@ -212,6 +214,7 @@ def test_sigterm_saves_exits_zero_and_resumes(straight, tmp_path):
     assert_same_run(run_dir, straight)
 
 
+@pytest.mark.slow
 def test_sigterm_to_every_process_with_input_workers_saves_and_exits_zero(straight, tmp_path):
     """A preempted VM signals every process, the input workers too: the trainer still saves,
     stops its workers and exits 0 (a worker killed by the SIGTERM used to leave the trainer's
@@ -229,6 +232,7 @@ def test_sigterm_to_every_process_with_input_workers_saves_and_exits_zero(straig
 
 
 # ---------------------------------------------------------------- SIGKILL during an async save
+@pytest.mark.slow
 def test_kill_during_async_save_uses_last_complete_checkpoint(straight, tmp_path):
     run_dir = tmp_path / "run"
     ckpt = run_dir / "checkpoints"
@@ -305,6 +309,7 @@ def load_train_module():
     return module
 
 
+@pytest.mark.slow
 def test_fingerprint_mismatch_stops_with_the_differences(straight, tmp_path):
     train_mod = load_train_module()
 

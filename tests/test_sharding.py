@@ -107,6 +107,7 @@ def single_device():
     return _run(None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sizes", [dict(data=8, fsdp=1, tensor=1), dict(data=1, fsdp=8, tensor=1),
                                    dict(data=1, fsdp=4, tensor=2), dict(data=2, fsdp=2, tensor=2, mb=2)],
                          ids=["data8", "fsdp8", "fsdp4_tp2", "data2_fsdp2_tp2_microbatch2"])

@@ -149,6 +149,7 @@ def test_text_steps_before_and_after_a_resume_on_another_host_count(text_run):
     assert bases == {1: 0, 2: 0, 3: 0, 4: 0, 5: 4, 6: 4, 7: 6, 8: 6}
 
 
+@pytest.mark.slow
 def test_records_steps_and_a_forked_run(records_runs):
     first, fork = records_runs
     assert assert_replays(first, range(1, 5)) == {1: 0, 2: 0, 3: 2, 4: 2}
@@ -156,12 +157,14 @@ def test_records_steps_and_a_forked_run(records_runs):
     assert assert_replays(fork, range(5, 8)) == {5: 4, 6: 4, 7: 6}
 
 
+@pytest.mark.slow
 def test_a_run_resumed_on_changed_data_replays_the_new_data_from_its_start(changed_fork):
     # checkpoint 4 holds the old data's position; the fork read the new data from its start
     assert assert_replays(changed_fork, [5, 6]) == {5: 4, 6: 4}
     assert "changed at step 4" in show.show_step(changed_fork, 6, 0)["from"]
 
 
+@pytest.mark.slow
 def test_mixture_steps_before_and_after_a_reweighted_resume(mix_run):
     assert assert_replays(mix_run, range(1, 7)) == {1: 0, 2: 0, 3: 0, 4: 3, 5: 3, 6: 3}
     assert "mixture changed" in show.show_step(mix_run, 4, 0)["from"]
@@ -181,6 +184,7 @@ def _line_text(path, line, key="raw_content"):
     raise AssertionError(f"{path} has no line {line}")
 
 
+@pytest.mark.slow
 def test_documents_name_their_file_line_or_record_and_text(text_run, mix_run):
     import tokenizers
 
@@ -211,6 +215,7 @@ def test_documents_name_their_file_line_or_record_and_text(text_run, mix_run):
         assert tok.decode(tok.encode(full).ids[:8]).strip()[:10] in d["text"]
 
 
+@pytest.mark.slow
 def test_cli_text_and_json(text_run, mix_run):
     res = cli(text_run, "--step", 7, "--row", 6, "--tokens")
     assert res.returncode == 0, res.stderr
@@ -230,6 +235,7 @@ def test_cli_text_and_json(text_run, mix_run):
 
 
 # ---------------------------------------------------------------- mistakes, in one line
+@pytest.mark.slow
 def test_mistakes_fail_in_one_line(text_run, records_runs, tmp_path):
     assert_one_line_error(cli(tmp_path, "--step", 1), "no config.yaml")
     assert_one_line_error(cli(text_run, "--step", 9), "step 9 is outside", "steps 1..8 exist")
@@ -240,6 +246,7 @@ def test_mistakes_fail_in_one_line(text_run, records_runs, tmp_path):
                           "steps 5..7 can be shown")
 
 
+@pytest.mark.slow
 def test_changed_files_fail_in_one_line(converted, mix_run):
     out, web = converted
     extra = web / "0099"

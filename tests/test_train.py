@@ -123,6 +123,7 @@ def test_multihost_gpu_form_joins_two_processes_through_the_environment(tmp_path
 
 
 # ---------------------------------------------------------------- train, resume, loss falls
+@pytest.mark.slow
 def test_train_checkpoints_and_resumes(tmp_path):
     run_dir = tmp_path / "run"
     first = train_mod.train(make_cfg(run_dir, *TINY_FAST, "train.steps=6"))
@@ -144,6 +145,7 @@ def test_train_checkpoints_and_resumes(tmp_path):
     assert rows[2]["loss"] < rows[0]["loss"]
 
 
+@pytest.mark.slow
 def test_loss_falls_on_the_sample(tmp_path):
     summary = train_mod.train(make_cfg(tmp_path, "train.steps=60", "train.log_every=10", "checkpoint.every=0",
                                        "logger.wandb.mode=offline", "data.num_workers=1"))
@@ -157,6 +159,7 @@ def test_loss_falls_on_the_sample(tmp_path):
     assert list((tmp_path / "wandb").glob("offline-run-*")), "wandb offline run missing"
 
 
+@pytest.mark.slow
 def test_a_run_shorter_than_the_warmup_just_works(tmp_path, capsys):
     # `python train.py train.steps=3` with the default 30-step warmup and decay over the run:
     # warms up over the first half of the run, says so in one line, and trains.
@@ -172,6 +175,7 @@ def test_a_run_shorter_than_the_warmup_just_works(tmp_path, capsys):
 
 
 # ---------------------------------------------------------------- bad input fails in one line
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides, needle", [
     (["data.paths=[/nonexistent/dir/*.json.gz]"], "data.paths"),
     (["tokenizer.path=/nonexistent/tokenizer.json"], "tokenizer.path"),
@@ -194,6 +198,7 @@ def test_bad_config_fails_fast_with_one_line(tmp_path, overrides, needle):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_eval_files_need_not_divide_the_batch(tmp_path):
     # 3 held-out files and a batch of 16: the eval set picks a shard count that divides the batch
     # instead of failing on a data.num_shards the user never set.
