@@ -1,13 +1,13 @@
 """lm-evaluation-harness model "jaxpt": any checkpoint of ours through the harness's whole task
 catalogue, on whatever devices JAX sees, without exporting weights (extra: pip install -e ".[eval]").
 
-    python scripts/lm_eval.py --model jaxpt --model_args run_dir=runs/tiny_sample,step=300 \
+    python scripts/run_lm_eval.py --model jaxpt --model_args run_dir=runs/tiny_sample,step=300 \
         --tasks hellaswag --include_path my_tasks/        # lm_eval's own CLI, our model registered
     import model.harness, lm_eval
     lm_eval.simple_evaluate(model="jaxpt", model_args="run_dir=runs/tiny_sample", tasks=[...])
 
 The harness's `lm_eval` command has no plugin hook for models outside its package, so
-scripts/lm_eval.py imports this module (which registers "jaxpt") and then runs that command.
+scripts/run_lm_eval.py imports this module (which registers "jaxpt") and then runs that command.
 
 Tokenization is the harness's own (TemplateLM: `_encode_pair`, the prefix token for an empty
 context); scoring is model/evaluate.py's Scorer, the in-loop evaluator's engine: requests packed
@@ -29,7 +29,10 @@ log = logging.getLogger(__name__)
 
 # Data parallel over every device: the adapter's mesh. Parameters are replicated (a checkpoint
 # that needs FSDP to fit is evaluated in-loop, on the run's own mesh).
-_MESH = {"data": -1, "fsdp": 1, "tensor": 1, "rules": [["act_batch", ["data"]]]}
+_MESH = {"data": -1, "fsdp": 1, "tensor": 1,
+         "rules": [[name, None] for name in ("vocab", "embed", "mlp", "heads", "kv_heads", "head_dim", "norm", "layers",
+                                             "act_len", "act_embed", "act_mlp", "act_heads", "act_kv_heads",
+                                             "act_vocab")] + [["act_batch", ["data"]]]}
 
 
 @register_model("jaxpt")

@@ -1,13 +1,14 @@
 """The lm-evaluation-harness command with our checkpoints as model "jaxpt" (model/harness.py).
 
-    python scripts/lm_eval.py --model jaxpt --model_args run_dir=runs/tiny_sample,step=300 \
+    python scripts/run_lm_eval.py --model jaxpt --model_args run_dir=runs/tiny_sample,step=300 \
         --tasks lambada_openai,hellaswag --batch_size 1
-    python scripts/lm_eval.py --model jaxpt --model_args run_dir=runs/tiny_sample \
+    python scripts/run_lm_eval.py --model jaxpt --model_args run_dir=runs/tiny_sample \
         --tasks my_task --include_path configs/eval/lm_eval_tasks     # local task YAMLs, no hub
 
 Every argument is lm_eval's (`lm_eval --help`). The wrapper exists because the `lm_eval`
 command discovers only the models inside its own package: importing model.harness first
-registers ours. Needs the [eval] extra (pip install -e ".[eval]").
+registers ours. (Not named lm_eval.py: the script's directory comes first on sys.path and
+would shadow the package.) Needs the [eval] extra (pip install -e ".[eval]").
 """
 from __future__ import annotations
 
