@@ -110,7 +110,7 @@ def main() -> None:
 
     from model import checkpoint as ckpt_lib
 
-    params = jax.device_get(state["params"])
+    params = jax.device_get(holder["s"]["params"])   # state was donated to the train step
     meta = {"config": {"model": dataclasses.asdict(cfg), "tokenizer": {"path": TOKENIZER}, "data": {"add_bos": False}}}
     ckpt = ckpt_lib.save_params(tmp / "ckpt", params, meta)
     spec = importlib.util.spec_from_file_location("export_hf", ROOT / "scripts" / "export_hf.py")
@@ -136,3 +136,7 @@ def main() -> None:
         print(f"{name}: {n_ex} examples in {dt:.3f} s = {n_ex / dt:.1f} examples/s "
               f"(acc {out['results']['bench_mc']['acc,none']:.4f}; includes the harness's own request building)")
     print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
