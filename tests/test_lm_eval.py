@@ -1,0 +1,187 @@
+"""The lm-evaluation-harness against our checkpoints: model "jaxpt" (model/harness.py) and the
+in-loop scorer (model/evaluate.py) give the log-likelihoods of the Hugging Face Llama exported
+from the same weights (scripts/export_hf.py) through the harness's own HF backend (HFLM), within
+1e-4 per request in fp32, hence the same acc/acc_norm; `scripts/run_lm_eval.py` (the harness's CLI
+with "jaxpt" registered) gives the same accuracy. Local task YAMLs only (no hub).
+
+Run: pytest tests/test_lm_eval.py -q    (~2-3 min; skips without torch, transformers or lm_eval)
+"""
+import dataclasses
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("lm_eval")
+pytest.importorskip("accelerate")   # the harness's HF backend imports it
+
+import lm_eval  # noqa: E402
+from lm_eval.models.huggingface import HFLM  # noqa: E402
+from lm_eval.tasks import TaskManager  # noqa: E402
+
+import model.harness  # noqa: E402,F401  (registers "jaxpt")
+from data.tasks import RequestEncoder, TaskSpec, read_task  # noqa: E402
+from data.tokenizer import load_tokenizer  # noqa: E402
+from model import checkpoint as ckpt_lib  # noqa: E402
+from model import sharding as shd  # noqa: E402
+from model.evaluate import Scorer  # noqa: E402
+from model.llama import Llama, LlamaConfig  # noqa: E402
+from model.step import param_shardings  # noqa: E402
+
+pytestmark = pytest.mark.slow
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+ROOT = Path(__file__).resolve().parents[1]
+TOKENIZER = str(ROOT / "data" / "sample" / "tokenizer.json")
+SAMPLE = ROOT / "data" / "sample_tasks"
+SEQ = 96
+CFG = LlamaConfig(vocab_size=4096, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=SEQ,
+                  dtype="float32", remat="none")
+
+MC_YAML = """task: jx_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {path}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{context}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{gold}}}}"
+metric_list:
+  - metric: acc
+  - metric: acc_norm
+"""
+# lm_eval/tasks/lambada/lambada_openai.yaml's request strings, on a local file.
+LAMBADA_YAML = """task: jx_lambada
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {path}
+test_split: test
+output_type: loglikelihood
+doc_to_text: "{{{{text.split(' ')[:-1]|join(' ')}}}}"
+doc_to_target: "{{{{' '+text.split(' ')[-1]}}}}"
+target_delimiter: ""
+metric_list:
+  - metric: perplexity
+  - metric: acc
+"""
+
+
+def load_script(name):
+    spec = importlib.util.spec_from_file_location(f"scripts_{name}", ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """(checkpoint dir, HF export dir, task dir, mc task file): random fp32 weights with
+    non-trivial norm scales, and a task with a context longer than the model's window."""
+    base = tmp_path_factory.mktemp("lm_eval")
+    params = nnx.to_pure_dict(nnx.state(Llama(CFG, rngs=nnx.Rngs(3)), nnx.Param))
+    params = jax.tree_util.tree_map_with_path(
+        lambda p, x: x * (1.0 + 0.2 * np.cos(np.arange(x.size)).reshape(x.shape)) if "scale_d" in str(p) else x * 3.0,
+        params)   # x 3: sharper predictions than the init's near-uniform ones
+    meta = {"config": {"model": dataclasses.asdict(CFG), "tokenizer": {"path": TOKENIZER}, "data": {"add_bos": False}}}
+    ckpt = ckpt_lib.save_params(base / "ckpt", params, meta)
+    load_script("export_hf").export(ckpt, str(base / "hf"))
+    lines = (SAMPLE / "definitions_mc.jsonl").read_text().splitlines()
+    long_ctx = " ".join(["A word, defined at length, with its etymology and uses."] * 20)   # > SEQ tokens
+    lines.append(json.dumps({"context": long_ctx + " The young of a cat is a", "choices": ["kitten", "puppy"],
+                             "gold": 0}))
+    lines.append(json.dumps({"context": "", "choices": ["Water", "Fire"], "gold": 0}))   # empty: the prefix token
+    mc = base / "tasks" / "mc.jsonl"
+    mc.parent.mkdir()
+    mc.write_text("\n".join(lines) + "\n")
+    (base / "tasks" / "jx_mc.yaml").write_text(MC_YAML.format(path=mc))
+    (base / "tasks" / "jx_lambada.yaml").write_text(LAMBADA_YAML.format(path=SAMPLE / "definitions_lambada.jsonl"))
+    return ckpt, base / "hf", base / "tasks", mc
+
+
+def run(model, task_dir, **kw):
+    return lm_eval.simple_evaluate(model=model, tasks=["jx_mc", "jx_lambada"],
+                                   task_manager=TaskManager(include_path=str(task_dir)), log_samples=True,
+                                   bootstrap_iters=0, **kw)
+
+
+def lls(results, task):
+    samples = sorted(results["samples"][task], key=lambda s: s["doc_id"])
+    return np.array([[float(r[0][0]) for r in s["resps"]] for s in samples], dtype=object)
+
+
+@pytest.fixture(scope="module")
+def both(setup):
+    ckpt, hf_dir, task_dir, _ = setup
+    hf = run(HFLM(pretrained=str(hf_dir), device="cpu", dtype="float32", batch_size=4), task_dir)
+    ours = run("jaxpt", task_dir, model_args=f"run_dir={ckpt},step=0,batch_rows=8")
+    return hf, ours
+
+
+def test_adapter_matches_the_hf_backend_per_request(both):
+    hf, ours = both
+    for task in ("jx_mc", "jx_lambada"):
+        a, b = lls(hf, task), lls(ours, task)
+        assert a.shape == b.shape and len(a) >= 12
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            np.testing.assert_allclose(np.asarray(y, float), np.asarray(x, float), atol=1e-4, rtol=0,
+                                       err_msg=f"{task} doc {i}")
+        for metric, value in hf["results"][task].items():
+            if metric.split(",")[0] in ("acc", "acc_norm"):
+                assert ours["results"][task][metric] == value, (task, metric)
+    greedy = [r[0][1] for s in ours["samples"]["jx_lambada"] for r in s["resps"]]
+    assert greedy == [r[0][1] for s in hf["samples"]["jx_lambada"] for r in s["resps"]]
+
+
+def test_in_loop_scorer_matches_the_hf_backend(setup, both):
+    """The in-loop path (our reader, our tokenization, the Scorer on a mesh) on the same examples."""
+    ckpt, _, _, mc = setup
+    hf, _ = both
+    _, params, _ = ckpt_lib.load_params(ckpt)
+    mesh_cfg = model.harness._MESH
+    mesh, rules = shd.make_mesh(mesh_cfg), shd.rules_from_cfg(mesh_cfg)
+    shardings = param_shardings(CFG, mesh, rules)
+    scorer = Scorer(CFG, mesh, rules, shardings, seq_len=SEQ, batch_rows=len(jax.devices()))
+    encoder = RequestEncoder(load_tokenizer(TOKENIZER))
+    for spec, task in [(TaskSpec("jx_mc", str(mc)), "jx_mc"),
+                       (TaskSpec("l", str(SAMPLE / "definitions_lambada.jsonl"), "lambada", "loglikelihood"),
+                        "jx_lambada")]:
+        examples, _ = read_task(spec)
+        ll, _ = scorer.score(jax.device_put(params, shardings),
+                             encoder.encode([(ex.context, c) for ex in examples for c in ex.choices]))
+        ref = np.concatenate([np.asarray(x, float) for x in lls(hf, task)])
+        np.testing.assert_allclose(ll, ref, atol=1e-4, rtol=0, err_msg=task)
+
+
+def test_cli_wrapper(setup, both, tmp_path):
+    ckpt, _, task_dir, _ = setup
+    _, ours = both
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    env.pop("XLA_FLAGS", None)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "run_lm_eval.py"), "--model", "jaxpt", "--model_args",
+         f"run_dir={ckpt},step=0", "--tasks", "jx_mc", "--include_path", str(task_dir), "--output_path",
+         str(tmp_path / "out")], capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (out,) = list((tmp_path / "out").rglob("results*.json"))
+    got = json.loads(out.read_text())["results"]["jx_mc"]
+    assert got["acc,none"] == ours["results"]["jx_mc"]["acc,none"]
+
+
+def test_bad_model_args_and_generation_are_one_line(setup):
+    ckpt, _, _, _ = setup
+    with pytest.raises(ValueError, match="unknown model_args.*'temperature'"):
+        model.harness.JaxptLM(run_dir=ckpt, temperature=1.0)
+    with pytest.raises(FileNotFoundError, match="no checkpoint at step 7"):
+        model.harness.JaxptLM(run_dir=ckpt, step=7)
