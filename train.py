@@ -40,6 +40,7 @@ def train(cfg: DictConfig) -> dict:
     from model import flops as flops_lib
     from model import step as step_lib
     from model.checkpoint import Checkpointer, check_fingerprint, find_resume, restore_meta_and_data
+    from model.evaluate import TaskEvaluator, TasksConfig
     from model.meters import IntervalMeter, MetricsLogger, Profiler
     from model.optimizer import resolve_warmup
 
@@ -61,6 +62,7 @@ def train(cfg: DictConfig) -> dict:
             raise ValueError("data.eval.holdout_files works with data.paths only: with data.sources, "
                              "hold out files through data.eval.paths (read with data.text_key)")
         _, _, warmup_notice = resolve_warmup(cfg.optimizer, cfg.train.steps)
+        TasksConfig.from_mapping(OmegaConf.to_container(cfg.eval, resolve=True))   # eval.tasks, read later
     except (TypeError, ValueError) as e:
         raise ConfigError(str(e)) from e
     if data_cfg.seq_len > model_cfg.max_seq_len:
@@ -203,6 +205,10 @@ def train(cfg: DictConfig) -> dict:
         if eval_cfg is not None and cfg.train.eval_every:
             held_out = data_lib.HeldOutSet(eval_cfg, eval_files, cfg.train.eval_batches, batch_sharding,
                                            program.eval_step, tokenizer)
+        try:    # downstream tasks (eval.tasks): read and packed now, so a bad line stops before step 1
+            tasks = TaskEvaluator.from_run_config(OmegaConf.to_container(cfg, resolve=True), program, tokenizer)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
         tokens_per_step = data_cfg.global_batch_size * data_cfg.seq_len
         peak = flops_lib.peak_flops(jax.devices()[0].device_kind, cfg.train.peak_flops)
         meter = IntervalMeter(
@@ -253,13 +259,18 @@ def train(cfg: DictConfig) -> dict:
 
             log_now = step % cfg.train.log_every == 0 or step == cfg.train.steps
             eval_now = held_out is not None and cfg.train.eval_every and step % cfg.train.eval_every == 0
-            if log_now or eval_now:
+            tasks_now = tasks is not None and tasks.should_run(step, cfg.train.steps)
+            if log_now or eval_now or tasks_now:
                 row = {"step": step}
                 if log_now:
                     row = last = meter.row(step, batches.stats())
                 if eval_now:
                     t0 = time.perf_counter()
                     row["eval_loss"] = held_out.loss(state["params"])
+                    meter.paused(time.perf_counter() - t0, kind="eval")
+                if tasks_now:
+                    t0 = time.perf_counter()
+                    row.update(tasks.evaluate(state["params"]))
                     meter.paused(time.perf_counter() - t0, kind="eval")
                 row, auto_row = {**row, **auto_row}, {}
                 logger.log(row)

@@ -199,3 +199,28 @@ def test_evaluator_on_the_sample_tasks(tmp_path):
     n = sum(len(e.choices) for e in examples)
     assert task_metrics(examples, ll[:n], greedy[:n], "multiple_choice")["acc"] == m["tasks/mc/acc"]
     assert ev.should_run(100, 300) is False and ev.should_run(300, 300)
+
+
+@pytest.mark.slow
+def test_in_loop_tasks_are_logged_and_equal_after_a_resume(tmp_path):
+    """train.py scores eval.tasks every tasks_every steps and at the end; a run resumed half way
+    logs the same task metrics at the end as an uninterrupted one (same params, same requests)."""
+    from run_helpers import TINY_FAST, make_cfg, read_metrics
+
+    import train as train_mod
+
+    # decay_steps fixed: the schedule must not depend on train.steps for the two runs to agree
+    common = [*TINY_FAST, "eval=sample", "eval.tasks_every=4", "checkpoint.every=4", "train.eval_every=0",
+              "optimizer.decay_steps=50"]
+    train_mod.train(make_cfg(tmp_path / "whole", *common, "train.steps=8"))
+    train_mod.train(make_cfg(tmp_path / "split", *common, "train.steps=4"))
+    train_mod.train(make_cfg(tmp_path / "split", *common, "train.steps=8"))
+
+    def task_rows(run):
+        return {r["step"]: {k: v for k, v in r.items() if k.startswith("tasks/")}
+                for r in read_metrics(tmp_path / run) if any(k.startswith("tasks/") for k in r)}
+
+    whole, split = task_rows("whole"), task_rows("split")
+    assert sorted(whole) == [4, 8] and sorted(split) == [4, 8]
+    assert set(whole[8]) >= {"tasks/definitions/acc", "tasks/definitions/acc_norm", "tasks/definitions_lambada/acc"}
+    assert whole == split
