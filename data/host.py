@@ -18,8 +18,10 @@ group], "skip": n}.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import multiprocessing
+import os
 import signal
 import time
 
@@ -34,6 +36,9 @@ from data.tokenizer import BatchEncoder, available_cores, set_thread_env
 
 # Tokenizer threads per input process (see HostIterator._init).
 MAX_ENCODE_THREADS = 4
+# How much lower (Unix nice) the input's CPU priority is than the trainer's: input worker
+# processes as a whole, and without workers the tokenizer threads of the trainer's own process.
+INPUT_NICE = 5
 
 
 def encode_threads(cores: int, num_workers: int) -> int:
@@ -54,6 +59,31 @@ def make_shard_stream(spec: StreamSpec, shard: int, encoder: BatchEncoder | None
     return ShardStream(spec, shard, encoder, state or initial_shard_state(), times)
 
 
+def build_streams(spec: StreamSpec, shard_ids: list[int], encoder: BatchEncoder | None,
+                  states: dict, times: dict) -> list:
+    """The process's shard streams, each built at its state (which builds its current window).
+
+    Text streams are built side by side, one thread per shard: each reads its first window's
+    chunks and waits on the tokenizer pool, so the pool gets every shard's first chunks at once
+    instead of one shard's after another's (the reading of one overlaps the tokenizing of the
+    others). The order of the list, and every stream's data, are those of a one-by-one build.
+    (Their timers' sums may lose a few additions made at the same instant: statistics only.)"""
+    def build(v):
+        return make_shard_stream(spec, v, encoder, states[str(v)], times)
+    if spec.kind == "records" or len(shard_ids) < 2:   # no tokenizer to share
+        return [build(v) for v in shard_ids]
+    with concurrent.futures.ThreadPoolExecutor(len(shard_ids),
+                                               thread_name_prefix="shard-build") as pool:
+        futs = [pool.submit(build, v) for v in shard_ids]
+    errors = [f.exception() for f in futs]
+    if any(e is not None for e in errors):
+        for f, e in zip(futs, errors, strict=True):   # close what was built; the first error
+            if e is None:                             # in shard order propagates
+                f.result().close()
+        raise next(e for e in errors if e is not None)
+    return [f.result() for f in futs]
+
+
 def initial_stream_state(spec: StreamSpec) -> dict:
     """The state of a virtual shard that has emitted nothing yet, for the spec's kind."""
     if spec.mixture:
@@ -69,6 +99,22 @@ def _leave_signals_to_the_trainer() -> None:
     it saves, then stops its workers through Grain (an event, then SIGKILL), never by SIGTERM."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _yield_cores_to_the_trainer() -> None:
+    """In an input worker process: a lower CPU priority than the trainer's (INPUT_NICE).
+
+    The input runs ahead of the training loop and then waits on its full buffers; while it
+    runs, its reader and tokenizer threads are CPU-bound on every core. On a host with few cores
+    the training loop's thread, woken after each step to take the next batch and dispatch the
+    next step, then queued behind them for a core, and that delay counted as waiting for data
+    although the batch was ready. At a lower priority the input still gets every core the
+    trainer leaves idle (its rate is unchanged when the trainer idles), but never delays it.
+    Threads started later (tokenizer pool, Grain's feeder) inherit the priority."""
+    try:
+        os.nice(INPUT_NICE)
+    except OSError:      # pragma: no cover - an OS without nice: priorities stay equal
+        pass
 
 
 class HostIterDataset(grain.IterDataset):
@@ -99,13 +145,16 @@ class HostIterator(grain.DatasetIterator):
         self._states = {str(v): shard_states.get(str(v)) or initial_stream_state(spec)
                         for v in shard_ids}
         self.streams = None   # built lazily: get_state in the main process must stay cheap
+        self._fill_pending = False   # streams' read-ahead still to start (after a first slab)
         self._elements = 0    # elements emitted (sets the group size of the next one)
         # This process's stage timers (data/timing.py): statistics, never in the state.
         self.times = zero_times(reader_threads=1, in_host=spec.num_workers == 0)
 
     def _init(self) -> None:
-        if multiprocessing.parent_process() is not None:
+        in_worker = multiprocessing.parent_process() is not None
+        if in_worker:
             _leave_signals_to_the_trainer()
+            _yield_cores_to_the_trainer()
         # Each tokenizer call is serial; this process's share of the cores runs that many calls
         # at once (capped: one shard's read-ahead feeds the pool, and deeper read-ahead costs
         # memory on hosts with many shards; use more workers on large machines).
@@ -114,11 +163,12 @@ class HostIterator(grain.DatasetIterator):
         # Converted records hold token ids already: no tokenizer to build (~0.2 s of a
         # 32k-piece tokenizer.json parsed, on the way to the first batch).
         self.enc = enc = (None if self.spec.kind == "records"
-                          else BatchEncoder(self.spec.tokenizer_json, threads, self.times))
+                          else BatchEncoder(self.spec.tokenizer_json, threads, self.times,
+                                            nice=0 if in_worker else INPUT_NICE))
         self.times["tokenizer_threads"] = enc.threads if enc is not None else 0
-        self.streams = [make_shard_stream(self.spec, v, enc, self._states[str(v)], self.times)
-                        for v in self.shard_ids]
+        self.streams = build_streams(self.spec, self.shard_ids, enc, self._states, self.times)
         self._states = None
+        self._fill_pending = True
 
     def __next__(self):
         """A slab of G consecutive host batches (this iterator's rows of each):
@@ -131,6 +181,14 @@ class HostIterator(grain.DatasetIterator):
         t0 = time.perf_counter()        # the start-up counts: its first windows wait on the tokenizer
         if self.streams is None:
             self._init()
+        elif self._fill_pending:
+            # the streams' first windows were built without read-ahead (ShardStream._build_window);
+            # the first slab is out: start reading ahead, so the next windows are tokenized early
+            self._fill_pending = False
+            for stream in self.streams:
+                fill = getattr(stream, "fill_ahead", None)
+                if fill is not None:
+                    fill()
         sp = self.spec
         # The first elements are small (1, 2, 4, ... batches up to G): a fresh or restored
         # worker sends its first batch as soon as its windows are built.
@@ -195,6 +253,7 @@ class HostIterator(grain.DatasetIterator):
         else:
             for s in self.streams:
                 s._restore(sts[str(s.shard)])
+            self._fill_pending = True
 
     def close(self) -> None:
         if self.streams:
