@@ -17,6 +17,8 @@ counts in turn, so a slow spell of the shared machine does not land on one of th
   sim_wait_frac   a training loop at 80% of what the prefetcher delivers (bench_input's
                   simulate_training): fraction of its wall time blocked on data (worst of the
                   rounds, and every round listed)
+  first_slab_tokenizer_calls / _chars  load-independent: what the worst input process hands the
+                  tokenizer before its first slab (--first-work-only prints just these)
 Goals (issue #26): sim_wait_frac < 0.002, first batch <= 1 s, restore -> next batch <= 1 s.
 """
 from __future__ import annotations
@@ -109,6 +111,39 @@ def corpus_facts(pattern: str) -> dict:
     return {"files": len(files), "mb_gz": round(sum(os.path.getsize(f) for f in files) / 2**20, 1)}
 
 
+def first_slab_work(cfg) -> dict:
+    """Load-independent: the tokenizer calls (and their characters) each input process hands its
+    pool before its first slab, for the worst of the processes cfg.num_workers would start (each
+    run here in this process, on the shards that worker would own)."""
+    from data.config import list_files
+    from data.host import HostIterator
+    from data.pipeline import stream_spec
+    from data.tokenizer import BatchEncoder, load_tokenizer
+    count = {"calls": 0, "chars": 0}
+    submit = BatchEncoder.submit
+
+    def counting(self, texts):
+        count["calls"] += 1
+        count["chars"] += sum(len(t) for t in texts)
+        return submit(self, texts)
+
+    spec = stream_spec(cfg, 0, 1, list_files(cfg), load_tokenizer(cfg.tokenizer))
+    n = max(cfg.num_workers, 1)
+    worst = None
+    BatchEncoder.submit = counting
+    try:
+        for w in range(n):
+            count.update(calls=0, chars=0)
+            it = HostIterator(spec, list(range(cfg.num_shards))[w::n], {})
+            next(it)
+            it.close()
+            if worst is None or count["chars"] > worst["chars"]:
+                worst = dict(count)
+    finally:
+        BatchEncoder.submit = submit
+    return worst
+
+
 def measure(cfg, max_tokens: int, sim_steps: int) -> dict:
     """One round of every figure for one corpus and worker count."""
     r = bench_input.run_pipeline(cfg, max_tokens, 100000)
@@ -138,6 +173,8 @@ def main():
     ap.add_argument("--max-tokens", type=float, default=3e6,
                     help="tokens of the steady-state run that sizes the simulated step")
     ap.add_argument("--sim-steps", type=int, default=400)
+    ap.add_argument("--first-work-only", action="store_true",
+                    help="only the load-independent figure: tokenizer calls before the first slab")
     args = ap.parse_args()
 
     import data
@@ -153,6 +190,15 @@ def main():
     facts = {n: corpus_facts(p) for n, p in corpora.items()}
     base = dict(tokenizer=args.tokenizer, seq_len=args.seq_len, global_batch_size=args.batch_size,
                 num_shards=args.num_shards, packing=args.packing)
+    work = {}
+    for c, pattern in corpora.items():
+        for n in workers:
+            w = work[(c, n)] = first_slab_work(data.DataConfig(paths=(pattern,), num_workers=n, **base))
+            print(f"{c:>8} workers={n}: {w['calls']} tokenizer calls, {w['chars'] / 1e6:.2f} M "
+                  "characters before the first slab (worst input process)", flush=True)
+    if args.first_work_only:
+        print(json.dumps({f"{c}/{n}": w for (c, n), w in work.items()}))
+        return
     runs = {(c, n): [] for c in corpora for n in workers}
     for rnd in range(args.rounds):
         for c, pattern in corpora.items():
@@ -180,7 +226,8 @@ def main():
         out.setdefault(c, {"corpus": facts[c]})[str(n)] = {
             "first_batch_s": round(first, 3), "restore_s": round(restore, 3),
             "tok_s": round(tok), "sim_wait_frac": [round(w, 5) for w in waits],
-            "step_ms": round(step, 2)}
+            "step_ms": round(step, 2), "first_slab_tokenizer_calls": work[(c, n)]["calls"],
+            "first_slab_chars": work[(c, n)]["chars"]}
     out["load_avg_1m"] = round(os.getloadavg()[0], 2)
     print(json.dumps(out), flush=True)
 
