@@ -21,7 +21,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import multiprocessing
-import os
 import signal
 import time
 
@@ -36,9 +35,6 @@ from data.tokenizer import BatchEncoder, available_cores, set_thread_env
 
 # Tokenizer threads per input process (see HostIterator._init).
 MAX_ENCODE_THREADS = 4
-# How much lower (Unix nice) the input's CPU priority is than the trainer's: input worker
-# processes as a whole, and without workers the tokenizer threads of the trainer's own process.
-INPUT_NICE = 5
 
 
 def encode_threads(cores: int, num_workers: int) -> int:
@@ -101,22 +97,6 @@ def _leave_signals_to_the_trainer() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _yield_cores_to_the_trainer() -> None:
-    """In an input worker process: a lower CPU priority than the trainer's (INPUT_NICE).
-
-    The input runs ahead of the training loop and then waits on its full buffers; while it
-    runs, its reader and tokenizer threads are CPU-bound on every core. On a host with few cores
-    the training loop's thread, woken after each step to take the next batch and dispatch the
-    next step, then queued behind them for a core, and that delay counted as waiting for data
-    although the batch was ready. At a lower priority the input still gets every core the
-    trainer leaves idle (its rate is unchanged when the trainer idles), but never delays it.
-    Threads started later (tokenizer pool, Grain's feeder) inherit the priority."""
-    try:
-        os.nice(INPUT_NICE)
-    except OSError:      # pragma: no cover - an OS without nice: priorities stay equal
-        pass
-
-
 class HostIterDataset(grain.IterDataset):
     """k rows of each of the given virtual shards per element, in shard order (a host's
     shards in-process, or one input worker's share of them)."""
@@ -151,10 +131,8 @@ class HostIterator(grain.DatasetIterator):
         self.times = zero_times(reader_threads=1, in_host=spec.num_workers == 0)
 
     def _init(self) -> None:
-        in_worker = multiprocessing.parent_process() is not None
-        if in_worker:
+        if multiprocessing.parent_process() is not None:
             _leave_signals_to_the_trainer()
-            _yield_cores_to_the_trainer()
         # Each tokenizer call is serial; this process's share of the cores runs that many calls
         # at once (capped: one shard's read-ahead feeds the pool, and deeper read-ahead costs
         # memory on hosts with many shards; use more workers on large machines).
@@ -163,8 +141,7 @@ class HostIterator(grain.DatasetIterator):
         # Converted records hold token ids already: no tokenizer to build (~0.2 s of a
         # 32k-piece tokenizer.json parsed, on the way to the first batch).
         self.enc = enc = (None if self.spec.kind == "records"
-                          else BatchEncoder(self.spec.tokenizer_json, threads, self.times,
-                                            nice=0 if in_worker else INPUT_NICE))
+                          else BatchEncoder(self.spec.tokenizer_json, threads, self.times))
         self.times["tokenizer_threads"] = enc.threads if enc is not None else 0
         self.streams = build_streams(self.spec, self.shard_ids, enc, self._states, self.times)
         self._states = None

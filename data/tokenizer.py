@@ -85,18 +85,6 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def lower_thread_priority(nice: int) -> None:
-    """Lowers the calling thread's CPU priority by `nice` (Linux: a thread has its own nice
-    value, which PRIO_PROCESS with the thread's id sets). Elsewhere, or when refused: unchanged."""
-    if nice <= 0:
-        return
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
-    except (AttributeError, OSError):   # pragma: no cover - no per-thread priorities here
-        pass
-
-
 class BatchEncoder:
     """Encodes lists of texts into one flat int32 array plus per-text lengths.
 
@@ -107,16 +95,12 @@ class BatchEncoder:
     while the longest document of a call finishes).
     """
 
-    def __init__(self, tok_json: str, threads: int = 1, times: dict | None = None, *,
-                 nice: int = 0):
-        """nice: how much to lower the pool threads' CPU priority below the caller's (in the
-        trainer's process, data/host.py INPUT_NICE: the training loop's thread goes first)."""
+    def __init__(self, tok_json: str, threads: int = 1, times: dict | None = None):
         import tokenizers
         self.tok = tokenizers.Tokenizer.from_str(tok_json)
         self._fast = getattr(self.tok, "encode_batch_fast", None)
         self.eos, self.bos = special_ids(self.tok)
         self.threads = max(1, int(threads))
-        self.nice = int(nice)
         self._pool = None
         # "tokenize" seconds (data/timing.py), added from the pool's threads
         self.times = {"tokenize": 0.0} if times is None else times
@@ -136,9 +120,7 @@ class BatchEncoder:
 
     def submit(self, texts: list[str]) -> Future:
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="tokenize",
-                                            initializer=lower_thread_priority,
-                                            initargs=(self.nice,))
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="tokenize")
         return self._pool.submit(self._encode_timed, texts)
 
     def _encode_timed(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:

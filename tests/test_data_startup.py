@@ -1,14 +1,12 @@
 """The way to the first batch (issue #26): first windows built without read-ahead, shards built
-side by side, read-ahead started once the first batch is out; the input's CPU priority below the
-trainer's. Counts and priorities, never timings."""
-import os
+side by side, read-ahead started once the first batch is out. Counts, never timings."""
 import threading
 
 import pytest
 
 import data
 from data.config import list_files
-from data.host import INPUT_NICE, HostIterator
+from data.host import HostIterator
 from data.pipeline import stream_spec
 from data.timing import zero_times
 from data.tokenizer import BatchEncoder, load_tokenizer
@@ -120,38 +118,3 @@ def test_shards_built_side_by_side_in_shard_order(tmp_path):
     finally:
         host.make_shard_stream = real
         enc.close()
-
-
-def test_in_process_tokenizer_threads_yield_to_the_trainer(tmp_path):
-    """Without input workers the tokenizer threads run in the trainer's process, below the
-    training loop's CPU priority (Linux per-thread nice)."""
-    write_corpus(tmp_path, n_files=4, docs_per_file=10)
-    it = data.make_host_iterator(cfg(tmp_path, num_workers=0), 0, 1)
-    next(it)
-    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    pool = [t for t in threading.enumerate() if t.name.startswith("tokenize")]
-    assert pool, "no tokenizer thread"
-    for t in pool:
-        assert os.getpriority(os.PRIO_PROCESS, t.native_id) == min(19, mine + INPUT_NICE), t.name
-    it.close()
-
-
-@pytest.mark.slow
-def test_input_workers_run_below_the_trainer(tmp_path):
-    """Input worker processes run at a lower CPU priority (nice) than the trainer's process."""
-    import psutil
-    write_corpus(tmp_path, n_files=4, docs_per_file=6, max_words=80)
-    me = psutil.Process()
-    before = {p.pid for p in me.children(recursive=True)}
-    it = data.make_host_iterator(cfg(tmp_path, num_workers=2), 0, 1)
-    next(it)
-    nices = []
-    for p in me.children(recursive=True):
-        try:
-            if p.pid not in before and "spawn_main" in " ".join(p.cmdline()):
-                nices.append(p.nice())
-        except psutil.Error:
-            pass
-    it.close()
-    assert len(nices) == 2, nices
-    assert nices == [min(19, me.nice() + INPUT_NICE)] * 2
