@@ -18,6 +18,7 @@ group], "skip": n}.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import multiprocessing
 import signal
@@ -68,6 +69,31 @@ def make_shard_stream(spec: StreamSpec, shard: int, encoder: BatchEncoder | None
     return ShardStream(spec, shard, encoder, state or initial_shard_state(), times)
 
 
+def build_streams(spec: StreamSpec, shard_ids: list[int], encoder: BatchEncoder | None,
+                  states: dict, times: dict) -> list:
+    """The process's shard streams, each built at its state (which builds its current window).
+
+    Text streams are built side by side, one thread per shard: each reads its first window's
+    chunks and waits on the tokenizer pool, so the pool gets every shard's first chunks at once
+    instead of one shard's after another's (the reading of one overlaps the tokenizing of the
+    others). The order of the list, and every stream's data, are those of a one-by-one build.
+    (Their timers' sums may lose a few additions made at the same instant: statistics only.)"""
+    def build(v):
+        return make_shard_stream(spec, v, encoder, states[str(v)], times)
+    if spec.kind == "records" or len(shard_ids) < 2:   # no tokenizer to share
+        return [build(v) for v in shard_ids]
+    with concurrent.futures.ThreadPoolExecutor(len(shard_ids),
+                                               thread_name_prefix="shard-build") as pool:
+        futs = [pool.submit(build, v) for v in shard_ids]
+    errors = [f.exception() for f in futs]
+    if any(e is not None for e in errors):
+        for f, e in zip(futs, errors, strict=True):   # close what was built; the first error
+            if e is None:                             # in shard order propagates
+                f.result().close()
+        raise next(e for e in errors if e is not None)
+    return [f.result() for f in futs]
+
+
 def initial_stream_state(spec: StreamSpec) -> dict:
     """The state of a virtual shard that has emitted nothing yet, for the spec's kind."""
     if spec.mixture:
@@ -113,6 +139,7 @@ class HostIterator(grain.DatasetIterator):
         self._states = {str(v): shard_states.get(str(v)) or initial_stream_state(spec)
                         for v in shard_ids}
         self.streams = None   # built lazily: get_state in the main process must stay cheap
+        self._fill_pending = False   # streams' read-ahead still to start (after a first slab)
         self._elements = 0    # elements emitted (sets the group size of the next one)
         # This process's stage timers (data/timing.py): statistics, never in the state.
         self.times = zero_times(reader_threads=1, in_host=spec.num_workers == 0)
@@ -122,9 +149,9 @@ class HostIterator(grain.DatasetIterator):
             _leave_signals_to_the_trainer()
         self.enc = enc = make_encoder(self.spec, self.times)
         self.times["tokenizer_threads"] = enc.threads if enc is not None else 0
-        self.streams = [make_shard_stream(self.spec, v, enc, self._states[str(v)], self.times)
-                        for v in self.shard_ids]
+        self.streams = build_streams(self.spec, self.shard_ids, enc, self._states, self.times)
         self._states = None
+        self._fill_pending = True
 
     def __next__(self):
         """A slab of G consecutive host batches (this iterator's rows of each):
@@ -137,6 +164,14 @@ class HostIterator(grain.DatasetIterator):
         t0 = time.perf_counter()        # the start-up counts: its first windows wait on the tokenizer
         if self.streams is None:
             self._init()
+        elif self._fill_pending:
+            # the streams' first windows were built without read-ahead (ShardStream._build_window);
+            # the first slab is out: start reading ahead, so the next windows are tokenized early
+            self._fill_pending = False
+            for stream in self.streams:
+                fill = getattr(stream, "fill_ahead", None)
+                if fill is not None:
+                    fill()
         sp = self.spec
         # The first elements are small (1, 2, 4, ... batches up to G): a fresh or restored
         # worker sends its first batch as soon as its windows are built.
@@ -201,6 +236,7 @@ class HostIterator(grain.DatasetIterator):
         else:
             for s in self.streams:
                 s._restore(sts[str(s.shard)])
+            self._fill_pending = True
 
     def close(self) -> None:
         if self.streams:

@@ -135,6 +135,12 @@ class MixtureShardStream:
         self.parked = self._park(saved)
         self.row = int(st["sched"]["row"])
 
+    def fill_ahead(self) -> None:
+        for s in self.subs:
+            fill = getattr(s, "fill_ahead", None)
+            if fill is not None:
+                fill()
+
     def close(self) -> None:
         for s in self.subs:
             s.close()

@@ -197,7 +197,7 @@ class ShardStream(WindowRows):
         self.bad.counts = {k: int(v) for k, v in c["bad"].items()}
         self.bad.examples = list(c["badex"])
         self._start = s
-        self._build_window()
+        self._build_window(read_ahead=False)
         self._skip_emitted(int(st["emitted"]), len(self.perm))
 
     def _snapshot(self) -> dict:
@@ -237,21 +237,32 @@ class ShardStream(WindowRows):
         ch.future = self.enc.submit(texts)
         return ch
 
-    def _build_window(self) -> None:
+    def _build_window(self, read_ahead: bool = True) -> None:
         """Whole chunks until the window has its target rows. `enc.threads` chunks are kept
         read ahead, so that many tokenizer calls run while this thread packs; the next window
         starts at the first of them, and that chunk's recorded reader position and bad-record
-        counts are the next window's start state."""
-        depth = self.enc.threads
-        while len(self._ahead) < depth:
-            self._ahead.append(self._read_chunk())
+        counts are the next window's start state.
+
+        read_ahead=False (the window a stream starts or restores at): only the chunks this
+        window needs are read. On the way to the first batch every shard of the process builds
+        such a window, and the tokenizer pool runs its calls first come, first served: one
+        shard's read-ahead chunks queued in front of the next shard's first chunk (~2x the
+        tokens of the first batch with 4 shards on 2 threads). `fill_ahead` starts the
+        read-ahead once the first batch is out. Which chunks are read early never changes the
+        data: a chunk depends only on the reader position it starts at."""
+        if read_ahead:
+            self.fill_ahead()
         parts = []
         n = 0
         target = self._target_rows()
         times = self.times
         while n < target:
-            ch = self._ahead.popleft()
-            self._ahead.append(self._read_chunk())
+            if self._ahead:
+                ch = self._ahead.popleft()
+                if read_ahead:
+                    self._ahead.append(self._read_chunk())
+            else:
+                ch = self._read_chunk()
             t0 = time.perf_counter()
             flat, lens = ch.future.result()
             t1 = time.perf_counter()
@@ -272,7 +283,10 @@ class ShardStream(WindowRows):
         if fl is not None:
             parts.append(fl)
         # bad records read for this window (the read-ahead chunks' are not yet reported)
-        self._bad_now = (self._ahead[0].bad_counts, self._ahead[0].bad_examples)
+        if self._ahead:
+            self._bad_now = (self._ahead[0].bad_counts, self._ahead[0].bad_examples)
+        else:                  # nothing read beyond this window: the counts so far
+            self._bad_now = (dict(self.bad.counts), list(self.bad.examples))
         tok = np.concatenate([p[0] for p in parts])
         did = np.concatenate([p[1] for p in parts])
         first = np.concatenate([p[2] for p in parts])
@@ -297,11 +311,18 @@ class ShardStream(WindowRows):
         self.emitted += 1
         return self._count(i)
 
+    def fill_ahead(self) -> None:
+        """Reads chunks ahead (handed to the tokenizer) until `enc.threads` are in flight."""
+        while len(self._ahead) < self.enc.threads:
+            self._ahead.append(self._read_chunk())
+
     def close(self) -> None:
         self.reader.close()
 
     def next_row_into(self, b: int, out: dict) -> None:
         if self.emitted >= len(self.perm):
+            if not self._ahead:      # a first window built without read-ahead
+                self._ahead.append(self._read_chunk())
             self._start = self._snapshot()
             self._build_window()
         self._row_into(b, out)

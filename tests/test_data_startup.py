@@ -1,0 +1,120 @@
+"""The way to the first batch (issue #26): first windows built without read-ahead, shards built
+side by side, read-ahead started once the first batch is out. Counts, never timings."""
+import threading
+
+import pytest
+
+import data
+from data.config import list_files
+from data.host import HostIterator
+from data.pipeline import stream_spec
+from data.timing import zero_times
+from data.tokenizer import BatchEncoder, load_tokenizer
+from tests.data_helpers import assert_batches_equal, cfg, jround, take, write_corpus
+
+
+def _spec(c):
+    return stream_spec(c, 0, 1, list_files(c), load_tokenizer(c.tokenizer))
+
+
+class _CountingEncoder(BatchEncoder):
+    """The real encoder, counting the tokenizer calls handed to its pool."""
+    calls = 0
+
+    def submit(self, texts):
+        type(self).calls += 1
+        return super().submit(texts)
+
+
+def _chunk_sizes(tmp_path):
+    # ~1 KB chunks (shuffle_window 8 x 33 tokens x 4 chars): every window is a few chunks
+    write_corpus(tmp_path, n_files=4, docs_per_file=40, max_words=60)
+    return cfg(tmp_path, num_shards=4, seq_len=32, global_batch_size=8, shuffle_window=8)
+
+
+def test_first_batch_tokenizes_only_its_windows(tmp_path, monkeypatch):
+    """Before the first slab, every tokenizer call is a chunk of some shard's first window (no
+    read-ahead queued in front of the next shard's chunks); after it, each shard keeps the
+    encoder's threads' worth of chunks read ahead, as in steady state."""
+    import data.host as host
+    c = _chunk_sizes(tmp_path)
+    monkeypatch.setattr(host, "BatchEncoder", _CountingEncoder)
+    monkeypatch.setattr(host, "encode_threads", lambda cores, workers: 2)
+    _CountingEncoder.calls = 0
+    it = HostIterator(_spec(c), [0, 1, 2, 3], {})
+    next(it)
+    assert all(len(s._ahead) == 0 for s in it.streams), "read ahead before the first slab"
+    first = _CountingEncoder.calls
+    # the chunks the first windows consumed: the reader positions their starts span
+    assert first >= len(it.streams)
+    next(it)
+    assert all(len(s._ahead) == 2 for s in it.streams), [len(s._ahead) for s in it.streams]
+    assert _CountingEncoder.calls == first + 2 * len(it.streams)
+    # a restore of live streams (set_state) builds its windows without read-ahead again
+    it.set_state(jround(it.get_state()))
+    assert all(len(s._ahead) == 0 for s in it.streams)
+    next(it)
+    next(it)
+    assert all(len(s._ahead) == 2 for s in it.streams)
+    it.close()
+
+
+@pytest.mark.parametrize("packing", ["concat", "first_fit"])
+def test_read_ahead_timing_never_changes_the_batches(tmp_path, packing):
+    """Streams reading ahead from their first window (the eager way) and the lazy first windows
+    give the same batches, across many window refills and a restore from a state saved while a
+    first window was being read without read-ahead."""
+    c = _chunk_sizes(tmp_path)
+    c = data.DataConfig(**{**c.__dict__, "packing": packing})
+    spec = _spec(c)
+    lazy = HostIterator(spec, [0, 1, 2, 3], {})
+    eager = HostIterator(spec, [0, 1, 2, 3], {})
+    eager._init()
+    for s in eager.streams:
+        s.fill_ahead()
+    eager._fill_pending = False
+    saved = None
+    for i in range(60):
+        a, b = next(lazy), next(eager)
+        assert_batches_equal(a, b, f"batch {i}")
+        if i == 0:
+            saved = jround(lazy.get_state())
+    restored = HostIterator(spec, [0, 1, 2, 3], saved["shards"])
+    fresh = HostIterator(spec, [0, 1, 2, 3], {})
+    take(fresh, 1)
+    for i in range(40):
+        assert_batches_equal(next(restored), next(fresh), f"after restore, batch {i}")
+    for it in (lazy, eager, restored, fresh):
+        it.close()
+
+
+def test_shards_built_side_by_side_in_shard_order(tmp_path):
+    """The streams come back in shard order, each at its own shard, built on separate threads;
+    an error in one shard's build is raised (the first in shard order) and the others closed."""
+    from data.host import build_streams, initial_stream_state
+    c = _chunk_sizes(tmp_path)
+    spec = _spec(c)
+    enc = BatchEncoder(spec.tokenizer_json, 2)
+    seen = set()
+    import data.host as host
+    real = host.make_shard_stream
+
+    def recording(spec, v, encoder, state, times=None):
+        seen.add(threading.current_thread().name)
+        return real(spec, v, encoder, state, times)
+
+    host.make_shard_stream = recording
+    try:
+        states = {str(v): initial_stream_state(spec) for v in range(4)}
+        streams = build_streams(spec, [0, 1, 2, 3], enc, states, zero_times())
+        assert [s.shard for s in streams] == [0, 1, 2, 3]
+        assert all(name.startswith("shard-build") for name in seen) and len(seen) >= 2
+        for s in streams:
+            s.close()
+        bad = dict(states)
+        bad["2"] = {**initial_stream_state(spec), "emitted": 10**6}
+        with pytest.raises(ValueError, match="virtual shard 2: state has 1000000 rows emitted"):
+            build_streams(spec, [0, 1, 2, 3], enc, bad, zero_times())
+    finally:
+        host.make_shard_stream = real
+        enc.close()
