@@ -80,6 +80,8 @@ def write_docs(root, kind, n_files=4, docs_per_file=9, seed=0, text_key="story",
             t = doc_text(rng, f"{f}-{i}", rng.randint(3, max_words))
             if i % 3 == 1:   # characters the array scanner must not take for structure
                 t += ' "quoted ] } {", a \\ backslash\nand a new line'
+            if i % 3 == 2:   # more `},` in a string than the scanner's fast path tries: the exact scan
+                t += " {a}, {b}], {c}, {d}, {e}, {f}, end"
             recs.append({text_key: t, "instruction": {"prompt": "p", "words": ["a", "b"]}, "n": i})
             texts[(path, i + 1)] = t
         write_records(path, kind, recs)
