@@ -403,3 +403,28 @@ def test_converter_output_equals_the_json_gz_output(tmp_path, kind):
     ref = _converted_records(os.path.join(str(tmp_path / "ref"), "*", "*.json.gz"), tmp_path / "outref", "story")
     assert len(got) == len(texts) and got == ref
     assert np.frombuffer(got[0], np.uint16).size > 3
+
+
+# ---------------------------------------------------------------- the issue's run, through train.py
+CLI = ["train.steps=2", "train.log_every=2", "checkpoint.every=0", "optimizer.warmup_steps=1",
+       "model.max_seq_len=64", "data.seq_len=32", "data.global_batch_size=8", "data.eval.holdout_files=0",
+       "train.eval_every=0"]
+
+
+@pytest.mark.slow
+def test_cli_tinystories_arrays_train_and_a_csv_stops_before_compile(tmp_path):
+    """`train.py "data.paths='DIR/*.json'" data.text_key=story` on TinyStories-shaped files (JSON
+    arrays of objects) trains; the same run over a directory holding a CSV stops in one line, before
+    anything is compiled."""
+    from test_train import read_metrics, run_cli
+    write_docs(tmp_path / "ts", "array.json", n_files=4, docs_per_file=30)
+    r = run_cli(tmp_path, *CLI, f"data.paths='{tmp_path}/ts/*/part.json'", "data.text_key=story",
+                "data.num_workers=1")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [row["step"] for row in read_metrics(tmp_path / "run")] == [2]
+    (tmp_path / "ts" / "0001" / "stories.csv").write_text("id,story,source\n1,once upon a time,gpt\n")
+    bad = run_cli(tmp_path / "ts", *CLI, f"data.paths='{tmp_path}/ts/*/*'", "data.text_key=story")
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr, bad.stderr[-3000:]
+    [line] = [ln for ln in bad.stderr.splitlines() if ln.strip()]
+    assert f"{tmp_path}/ts/0001/stories.csv is not read: " in line and "CSV text" in line, line
+    assert not (tmp_path / "ts" / "run" / "metrics.jsonl").exists()
