@@ -10,11 +10,14 @@ one run (each format measured in rounds, in alternating order, so a drift of the
 falls on all of them):
   stream_tok_s         per format: tokens/s of the whole host pipeline (in-process, one shard per
                        file), --batches batches after the first
-  stream_vs_json_gz    per format: stream_tok_s / that of the .json.gz lines
-  restore_s            per format: restore -> first batch at the second document and near the
+  stream_vs_json_gz    per format: the median over rounds of its rate / the .json.gz lines' rate
+                       in the same round
+  restore_s            per format: restore -> first batch (pipeline built, first window read and
+                       tokenized; best of --reps) at the second document and 1000 documents before the
                        end of each file (a window-start state there, as a saved state would be)
   end_vs_start         per format: restore_s at the end / at the start
-  peak_rss_mb          per format: peak RSS of a fresh process streaming --batches batches
+  peak_rss_mb          per format: peak RSS of a fresh process streaming --batches batches, counted
+                       from after its imports (VmHWM reset)
   rss_vs_json_gz_mb    per format: peak_rss_mb - that of the .json.gz lines
 """
 from __future__ import annotations
@@ -24,6 +27,7 @@ import glob
 import gzip
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -92,8 +96,9 @@ def stream_rate(cfg, batches: int) -> float:
 
 
 def states_at(files: list[str], record: int | None) -> dict:
-    """A window-start state of every shard (shard v = file v) at `record` (None: 200 before the
-    end), positions found by reading the file with its reader (preparation, not timed)."""
+    """A window-start state of every shard (shard v = file v) at `record` (None: 1000 before the
+    end, beyond the first window's read-ahead), positions found by reading the file with its
+    reader (preparation, not timed)."""
     from data import formats, gzseek
     from data.shard import initial_shard_state
     out = {}
@@ -107,7 +112,7 @@ def states_at(files: list[str], record: int | None) -> dict:
                 break
             off += n
         rec.close()
-        k = record if record is not None else len(offs) - 200
+        k = record if record is not None else len(offs) - 1000
         point = None
         if path.endswith(".gz"):
             finder = gzseek.PointFinder(path)
@@ -132,12 +137,24 @@ def restore_s(cfg, states: dict, reps: int) -> float:
     return best
 
 
+def _rss_child(pattern: str, args: dict) -> None:
+    """In a fresh process: the peak RSS of streaming, from after the imports (VmHWM reset through
+    /proc/self/clear_refs, so the imports' own peak does not hide the reader's), printed in MB."""
+    import argparse
+
+    import data  # noqa: F401 - the imports' memory is not the reader's
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    a = argparse.Namespace(**args)
+    stream_rate(config(pattern, a, len(glob.glob(pattern))), a.batches)
+    with open("/proc/self/status") as f:
+        hwm = next(int(ln.split()[1]) for ln in f if ln.startswith("VmHWM:"))
+    print(hwm / 1024)
+
+
 def peak_rss_mb(pattern: str, args) -> float:
-    code = ("import resource, sys; sys.path.insert(0, %r); from scripts.bench.bench_formats import *; "
-            "import argparse; a = argparse.Namespace(**%r); import glob; "
-            "stream_rate(config(%r, a, len(glob.glob(%r))), a.batches); "
-            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)"
-            % (REPO, vars(args), pattern, pattern))
+    code = (f"import sys; sys.path.insert(0, {REPO!r}); from scripts.bench.bench_formats import _rss_child; "
+            f"_rss_child({pattern!r}, {vars(args)!r})")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return float(out.stdout.strip().splitlines()[-1])
 
@@ -165,8 +182,11 @@ def main():
             rates[k].append(stream_rate(cfgs[k], args.batches))
             print(f"round {r} {k}: {rates[k][-1]:,.0f} tokens/s", flush=True)
     rate = {k: sum(v) / len(v) for k, v in rates.items()}
+    # per round, each format against the .json.gz run of the same round; the median over rounds
+    ratio = {k: statistics.median(a / b for a, b in zip(v, rates["json.gz lines"], strict=True))
+             for k, v in rates.items()}
     res = {"stream_tok_s": {k: round(v) for k, v in rate.items()},
-           "stream_vs_json_gz": {k: round(v / rate["json.gz lines"], 3) for k, v in rate.items()},
+           "stream_vs_json_gz": {k: round(v, 3) for k, v in ratio.items()},
            "restore_s": {}, "end_vs_start": {}, "peak_rss_mb": {}}
     for k, p in pats.items():
         files = sorted(glob.glob(p))
