@@ -476,7 +476,8 @@ class ParquetRecords(_ColumnRecords):
         self._setup(path, text_key, off, schema, sizes)
 
     def _load(self, g: int):
-        return self.pf.read_row_group(g, columns=[self.text_key]).column(0)
+        # one thread: the tokenizer has the cores; a column of one row group is one decode job
+        return self.pf.read_row_group(g, columns=[self.text_key], use_threads=False).column(0)
 
     def close(self) -> None:
         self.pf.close()
