@@ -46,8 +46,9 @@ class SourceConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    paths: tuple[str, ...]          # globs, plain paths, @file-lists (data/listing.py), or a directory
-                                    # written by scripts/prepare_data.py; () with sources
+    paths: tuple[str, ...]          # globs, plain paths, @file-lists (data/listing.py) of files in any
+                                    # format of data/formats.py, a Hugging Face save_to_disk directory,
+                                    # or a directory written by scripts/prepare_data.py; () with sources
     tokenizer: str                  # tokenizer.json path, a directory holding it, or a hub id
     seq_len: int
     global_batch_size: int
