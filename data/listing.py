@@ -50,6 +50,9 @@ def list_paths(patterns, setting: str = "data.paths") -> Listing:
         if p.startswith("@"):
             files.update(walker.list_file(p[1:], setting))
             continue
+        if "://" in p:
+            raise ValueError(f"{setting}: {p!r} is a URL; URLs (gs://, s3://, hf://) are not read yet: mount "
+                             "the bucket (gcsfuse) or download the files, and give their local paths")
         found = walker.expand(os.path.expanduser(p))
         if not found and not glob.has_magic(p) and os.path.isdir(os.path.expanduser(p)):
             found = _converted_dir(p, setting)
