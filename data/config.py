@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from data import formats
 from data.autoworkers import check_num_workers, check_ram_budget, is_auto
 from data.listing import list_paths
 from data.tokenizer import load_tokenizer, tokenizer_file, tokenizer_hash
@@ -45,8 +46,9 @@ class SourceConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    paths: tuple[str, ...]          # globs, plain paths, @file-lists (data/listing.py), or a directory
-                                    # written by scripts/prepare_data.py; () with sources
+    paths: tuple[str, ...]          # globs, plain paths, @file-lists (data/listing.py) of files in any
+                                    # format of data/formats.py, a Hugging Face save_to_disk directory,
+                                    # or a directory written by scripts/prepare_data.py; () with sources
     tokenizer: str                  # tokenizer.json path, a directory holding it, or a hub id
     seq_len: int
     global_batch_size: int
@@ -130,8 +132,8 @@ def check_sources(cfg: DataConfig) -> None:
         if not src.weight > 0 or src.weight == float("inf"):
             raise ValueError(f"{where}.weight={src.weight}: must be a finite number > 0")
         if not src.paths:
-            raise ValueError(f"{where}.paths is empty: give one or more globs of .json.gz/"
-                             ".jsonl/.jsonl.zst files")
+            raise ValueError(f"{where}.paths is empty: give one or more globs of files ("
+                             f"{formats.READ_FORMATS})")
 
 
 def check_shards(cfg: DataConfig, process_count: int, n_files: int | None) -> None:
@@ -162,9 +164,8 @@ def check_shards(cfg: DataConfig, process_count: int, n_files: int | None) -> No
 def validate_settings(cfg: DataConfig, process_count: int) -> None:
     """The checks that need no file: run before the (possibly long) listing."""
     if not cfg.paths and not cfg.sources:
-        raise ValueError("data.paths is empty: give one or more globs of .json.gz/.jsonl/"
-                         ".jsonl.zst files, or @a-file-listing-them.txt (or a mixture under "
-                         "data.sources)")
+        raise ValueError("data.paths is empty: give one or more globs of files, or @a-file-listing-"
+                         f"them.txt (or a mixture under data.sources); read: {formats.READ_FORMATS}")
     try:
         tokenizer_file(cfg.tokenizer)
     except FileNotFoundError as e:
@@ -213,7 +214,8 @@ def check_files(cfg: DataConfig, process_count: int, files, tokenizer=None) -> N
         if not fs:
             raise ValueError(f"{where} matches no file")
         info = records.describe(fs)
-        if info is None:
+        if info is None:   # text: a file that is no format read here fails now, in one line
+            formats.check_readable(fs, where)
             continue
         tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.tokenizer)
         info.check(tokenizer_hash(tok), cfg.tokenizer)

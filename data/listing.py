@@ -1,4 +1,5 @@
-"""The run's file list: `data.paths` (globs, plain paths, `@list` files) -> sorted file paths.
+"""The run's file list: `data.paths` (globs, plain paths, `@list` files, directories) -> sorted file
+paths.
 
 A bucket mounted with gcsfuse holds thousands of files, and every uncached metadata call
 (stat, lookup) is a bucket request. `list_paths` therefore costs at most one metadata call
@@ -13,6 +14,8 @@ Entries of a pattern list:
   @/mnt/rp/train_files.txt    a text file of paths, one per line (blank lines and `#`
                               comments skipped; relative paths are relative to the list
                               file's directory); entries are literal, never globs
+  /data/tok_dir               a directory written by scripts/prepare_data.py, or a Hugging Face
+                              datasets `save_to_disk` directory (its Arrow files, data/formats.py)
 """
 from __future__ import annotations
 
@@ -49,6 +52,9 @@ def list_paths(patterns, setting: str = "data.paths") -> Listing:
         if p.startswith("@"):
             files.update(walker.list_file(p[1:], setting))
             continue
+        if "://" in p:
+            raise ValueError(f"{setting}: {p!r} is a URL; URLs (gs://, s3://, hf://) are not read yet: mount "
+                             "the bucket (gcsfuse) or download the files, and give their local paths")
         found = walker.expand(os.path.expanduser(p))
         if not found and not glob.has_magic(p) and os.path.isdir(os.path.expanduser(p)):
             found = _converted_dir(p, setting)
@@ -59,15 +65,48 @@ def list_paths(patterns, setting: str = "data.paths") -> Listing:
 
 
 def _converted_dir(path: str, setting: str) -> list[str]:
-    """A directory written by scripts/prepare_data.py stands for the ArrayRecord files its
-    manifest lists (read from the manifest: no walk, no stat)."""
+    """A directory stands for the files it describes, read from its own metadata (no walk, no
+    stat): the ArrayRecord parts of a directory written by scripts/prepare_data.py (its
+    manifest), or the Arrow files of a Hugging Face `save_to_disk` directory (its state.json)."""
     from data import records  # array_record is imported only for converted corpora
 
-    if not records.is_converted_dir(path):
-        raise ValueError(f"{setting}: {path!r} is a directory without {records.MANIFEST}: give globs "
-                         "of .json.gz/.jsonl/.jsonl.zst files or a directory written by "
-                         "scripts/prepare_data.py")
-    return records.part_files(path)
+    if records.is_converted_dir(path):
+        return records.part_files(path)
+    hf = _hf_saved_dir(path, setting)
+    if hf is not None:
+        return hf
+    raise ValueError(f"{setting}: {path!r} is a directory, neither written by scripts/prepare_data.py "
+                     f"({records.MANIFEST}) nor by Hugging Face datasets' save_to_disk (state.json): "
+                     "give globs of its files instead (e.g. DIR/*.parquet, DIR/**/*.json.gz)")
+
+
+def _hf_saved_dir(path: str, setting: str) -> list[str] | None:
+    """The Arrow files of a `datasets` save_to_disk directory, in its own order (None: not one).
+    A DatasetDict directory (dataset_dict.json) names its splits: one of them must be chosen."""
+    import json
+
+    dict_file = os.path.join(path, "dataset_dict.json")
+    if os.path.isfile(dict_file):
+        try:
+            with open(dict_file) as f:
+                splits = json.load(f).get("splits", [])
+        except (OSError, ValueError):
+            splits = []
+        raise ValueError(f"{setting}: {path!r} is a Hugging Face DatasetDict: give one of its splits, "
+                         f"e.g. {os.path.join(path, splits[0] if splits else 'train')!r} "
+                         f"(splits: {', '.join(splits) or 'none listed'})")
+    state = os.path.join(path, "state.json")
+    try:
+        with open(state) as f:
+            files = [d["filename"] for d in json.load(f)["_data_files"]]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{setting}: {state} is not a readable save_to_disk state ({type(e).__name__}: "
+                         f"{e})") from None
+    if not files:
+        raise ValueError(f"{setting}: {state} lists no data file")
+    return [os.path.join(path, f) for f in files]
 
 
 class _Walker:

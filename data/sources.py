@@ -1,27 +1,28 @@
-"""Line readers for .json.gz / .jsonl / .jsonl.zst, and bad-record handling.
+"""A virtual shard's documents from its files, whatever their format, and bad-record handling.
 
 A `ShardReader` reads the files (or parts of files) of one virtual shard: a seeded per-epoch
 order, a few open at once ("slots") interleaved document by document, documents longer than
-`PIECE_CHARS` cut into pieces. Its position is a small JSON dict (epoch, next part in the
-order, per slot: part, line, piece, byte offset of the line, and for a .gz slot deep in its
-file a seek point, see data/gzseek.py). A restore reopens each slot's file at its offset:
-.jsonl by a seek, .json.gz from the seek point (a bounded re-read, ~3 MB of text at most),
-.jsonl.zst by decompressing from the start (zstd frames are not indexed).
+`PIECE_CHARS` cut into pieces. Files are read through data/formats.py's record readers (JSON
+lines, JSON arrays, Parquet, Arrow: one interface, so nothing here depends on the format).
+Its position is a small JSON dict (epoch, next part in the order, per slot: part, record,
+piece, the record's position in the file, for a .gz slot deep in its file a seek point (see
+data/gzseek.py), and the file's format). A restore reopens each slot's file at its position:
+.jsonl / .json by a seek, .json.gz from the seek point (a bounded re-read, ~3 MB of text at
+most), .jsonl.zst by decompressing from the start (zstd frames are not indexed), Parquet by
+reading the one row group holding the row.
 
-A part is the lines `line % split == residue` of a file: with fewer files than virtual
-shards, `split` shards read the same file and each parses only its own lines (decompression
-is ~100x cheaper than tokenization).
+A part is the records `record % split == residue` of a file: with fewer files than virtual
+shards, `split` shards read the same file and each parses only its own records
+(decompression is ~100x cheaper than tokenization).
 """
 from __future__ import annotations
 
-import io
 import time
 import zlib
 
 import numpy as np
-import orjson
 
-from data import gzseek
+from data import formats, gzseek
 from data.timing import zero_times
 
 # Documents longer than this (characters) are tokenized in pieces, cut at whitespace.
@@ -29,8 +30,9 @@ PIECE_CHARS = 100_000
 # The first few bad records of each shard are named (file:line: kind).
 MAX_BAD_EXAMPLES = 5
 
-BAD_KINDS = ("malformed_json", "invalid_utf8", "missing_key", "non_string_text",
-             "empty_text", "truncated_file", "corrupt_file", "empty_file", "unreadable_file")
+BAD_KINDS = ("malformed_json", "invalid_utf8", "missing_key", "non_string_text", "null_text",
+             "empty_text", "truncated_file", "corrupt_file", "empty_file", "unreadable_file",
+             "unrecognized_file")
 
 
 class BadDataError(ValueError):
@@ -43,28 +45,6 @@ class BadDataError(ValueError):
 class NoValidDocumentError(BadDataError):
     """A virtual shard (or a held-out file) whose files hold no valid document at all: raised
     when its first window is read, i.e. at start-up, not when the shard first comes round."""
-
-
-def open_lines(path: str, off: int = 0, point: list | None = None):
-    """Binary file object yielding lines from uncompressed byte `off`, decompressing by
-    extension (`point`: a .gz seek point at or before off, see data/gzseek.py)."""
-    if path.endswith(".gz"):
-        return gzseek.open_gz_at(path, point, off)
-    if path.endswith(".zst") or path.endswith(".zstd"):
-        import zstandard
-        fh = open(path, "rb")
-        reader = zstandard.ZstdDecompressor().stream_reader(fh, read_across_frames=True,
-                                                            closefd=True)
-        fh = io.BufferedReader(reader, buffer_size=1 << 20)
-        while off > 0:   # no frame index: re-read from the start
-            got = len(fh.read(min(off, 1 << 20)))
-            if not got:
-                break
-            off -= got
-        return fh
-    fh = open(path, "rb", buffering=1 << 20)
-    fh.seek(off)
-    return fh
 
 
 def split_pieces(text: str, piece_chars: int = PIECE_CHARS) -> list[str]:
@@ -83,26 +63,6 @@ def split_pieces(text: str, piece_chars: int = PIECE_CHARS) -> list[str]:
         out.append(text[start:end])
         start = end
     return out
-
-
-def parse_line(line: bytes, text_key: str):
-    """-> (text, None) or (None, bad_kind)."""
-    try:
-        rec = orjson.loads(line)
-    except orjson.JSONDecodeError:
-        try:
-            line.decode("utf-8")
-        except UnicodeDecodeError:
-            return None, "invalid_utf8"
-        return None, "malformed_json"
-    if not isinstance(rec, dict) or text_key not in rec:
-        return None, "missing_key"
-    text = rec[text_key]
-    if not isinstance(text, str):
-        return None, "non_string_text"
-    if not text.strip():
-        return None, "empty_text"
-    return text, None
 
 
 class BadRecords:
@@ -129,40 +89,41 @@ def epoch_file_order(n_files: int, seed: int, shard: int, epoch: int) -> list[in
 
 
 class _Slot:
-    __slots__ = ("order_idx", "line", "piece", "off", "point", "fh", "pieces", "line_len",
-                 "finder", "recheck")
+    __slots__ = ("order_idx", "line", "piece", "off", "point", "fmt", "rec", "pieces",
+                 "line_len", "finder", "recheck")
 
     def __init__(self, order_idx: int, line: int = 0, piece: int = 0, off: int = 0,
-                 point: list | None = None):
+                 point: list | None = None, fmt: str | None = None):
         self.order_idx = order_idx   # index into the epoch's part order
-        self.line = line             # 0-based index of the current (next unread) line
-        self.piece = piece           # pieces of the current line's document already emitted
-        self.off = off               # uncompressed byte offset of line `line`
+        self.line = line             # 0-based index of the current (next unread) record
+        self.piece = piece           # pieces of the current record's document already emitted
+        self.off = off               # the record's position (data/formats.py: a byte offset, a row)
         self.point = point           # .gz seek point at or before off (None: from the start)
-        self.fh = None               # open file positioned at line `line` (+1 if pieces set)
+        self.fmt = fmt               # the file's format once opened (data/formats.py)
+        self.rec = None              # open record reader positioned at record `line` (+1 if pieces)
         self.pieces = None           # the current document's pieces when piece > 0
-        self.line_len = 0            # bytes of that document's line
+        self.line_len = 0            # how far that document's record moves the position
         self.finder = None           # gzseek.PointFinder, once a .gz slot needs points
         self.recheck = off           # refresh `point` once off reaches this
 
-    def advance(self, n_bytes: int) -> None:
+    def advance(self, n: int) -> None:
         self.line += 1
-        self.off += n_bytes
+        self.off += n
 
     def state(self, path: str) -> list:
-        """[part, line, piece, offset, seek point]; the point is refreshed every half
+        """[part, line, piece, offset, seek point, format]; the point is refreshed every half
         spacing of reading, so a restore re-reads at most ~1.5 spacings."""
         if self.off >= self.recheck and path.endswith(".gz"):
             if self.finder is None:
                 self.finder = gzseek.PointFinder(path, self.point)
             self.point = self.finder.point_before(self.off)
             self.recheck = self.off + gzseek.SPACING // 2
-        return [self.order_idx, self.line, self.piece, self.off, self.point]
+        return [self.order_idx, self.line, self.piece, self.off, self.point, self.fmt]
 
     def close(self) -> None:
-        if self.fh is not None:
-            self.fh.close()
-            self.fh = None
+        if self.rec is not None:
+            self.rec.close()
+            self.rec = None
         if self.finder is not None:
             self.finder.close()
             self.finder = None
@@ -212,7 +173,9 @@ class ShardReader:
         self.epoch = int(st["epoch"])
         self.next = int(st["next"])
         self.order = None
-        self.slots = [_Slot(int(a), int(b), int(c), int(d), e) for a, b, c, d, e in st["slots"]]
+        # a slot saved before formats were recorded (5 fields) is sniffed again when opened
+        self.slots = [_Slot(int(sl[0]), int(sl[1]), int(sl[2]), int(sl[3]), sl[4],
+                            sl[5] if len(sl) > 5 else None) for sl in st["slots"]]
         self.rr = int(st["rr"])
         self._epoch_docs = int(st.get("edocs", 0))
 
@@ -239,14 +202,19 @@ class ShardReader:
         return self.residues[self._order()[slot.order_idx]]
 
     def _open(self, slot: _Slot) -> bool:
-        """Opens the slot's file at its line's offset. False when unreadable."""
+        """Opens the slot's file at its record's position. False when unreadable."""
         path = self._path(slot)
         try:
-            slot.fh = open_lines(path, slot.off, slot.point)
-        except (OSError, EOFError, ValueError, zlib.error) as e:  # the line was reached before
+            slot.rec = formats.open_records(path, self.text_key, slot.off, slot.point, slot.fmt)
+        except formats.FileProblem as e:   # the whole file: named at the file, once
+            if self._residue(slot) == 0:
+                self.bad.add(path, 0, e.kind, e.detail)
+            return False
+        except (OSError, EOFError, ValueError, zlib.error) as e:  # the record was reached before
             if self._residue(slot) == 0:   # the file's other parts skip it silently
                 self.bad.add(path, slot.line + 1, "unreadable_file", type(e).__name__)
             return False
+        slot.fmt = slot.rec.fmt
         return True
 
     def _finish_slot(self, i: int) -> None:
@@ -290,13 +258,13 @@ class ShardReader:
             s = self.slots[i]
             if s.piece > 0:
                 if s.pieces is None:  # restored mid-document: re-read that one line
-                    if s.fh is None and not self._open(s):
+                    if s.rec is None and not self._open(s):
                         self._finish_slot(i)
                         continue
-                    raw = s.fh.readline()
-                    text, _ = parse_line(raw, self.text_key)
+                    raw, n = s.rec.next()
+                    text, _ = s.rec.parse(raw)
                     s.pieces = split_pieces(text)
-                    s.line_len = len(raw)
+                    s.line_len = n
                 k = s.piece
                 text = s.pieces[k]
                 did = self._doc_id(s)
@@ -309,51 +277,59 @@ class ShardReader:
                 else:
                     s.piece += 1
                 return text, did, False, last
-            if s.fh is None and not self._open(s):
+            if s.rec is None and not self._open(s):
                 self._finish_slot(i)
                 continue
             path = self._path(s)
             t0 = time.perf_counter()
             try:
-                raw = s.fh.readline()
-            except EOFError as e:   # the compressed stream ends before its end marker
+                raw, n = s.rec.next()
+            except EOFError as e:   # the compressed stream (or the JSON array) ends too early
                 if self._residue(s) == 0:   # named once, not by each part of the file
                     self.bad.add(path, s.line + 1, "truncated_file", str(e) or type(e).__name__)
                 self._finish_slot(i)
                 continue
+            except formats.FileProblem as e:
+                if self._residue(s) == 0:
+                    self.bad.add(path, s.line + 1, e.kind, e.detail)
+                self._finish_slot(i)
+                continue
             except Exception as e:  # noqa: BLE001 - any decoder's error: gzip's BadGzipFile
-                # (not gzip, bad CRC), zlib.error, zstandard.ZstdError, an OSError of the mount
+                # (not gzip, bad CRC), zlib.error, zstandard.ZstdError, pyarrow's ArrowInvalid
+                # (a damaged row group), an OSError of the mount
                 if self._residue(s) == 0:
                     self.bad.add(path, s.line + 1, "corrupt_file", f"{type(e).__name__}: {e}")
                 self._finish_slot(i)
                 continue
             t1 = time.perf_counter()
             self.times["read"] += t1 - t0
-            if not raw:
+            if n == 0:
                 if s.line == 0 and self._residue(s) == 0:
                     self.bad.add(path, 0, "empty_file")
                 self._finish_slot(i)
                 continue
             if self.split > 1 and s.line % self.split != self._residue(s):
-                s.advance(len(raw))   # another shard's line: not parsed here
+                s.advance(n)   # another shard's record: not parsed here
                 continue
-            if not raw.strip():  # blank line: not a record
-                s.advance(len(raw))
-                continue
-            text, kind = parse_line(raw, self.text_key)
+            text, kind = s.rec.parse(raw)
             self.times["parse"] += time.perf_counter() - t1
             if kind is not None:
-                self.bad.add(path, s.line + 1, kind)
-                s.advance(len(raw))
+                detail = formats.missing_key_detail(raw, self.text_key) \
+                    if kind == "missing_key" and len(self.bad.examples) < MAX_BAD_EXAMPLES else ""
+                self.bad.add(path, s.line + 1, kind, detail)
+                s.advance(n)
+                continue
+            if text is None:   # a blank line: no record
+                s.advance(n)
                 continue
             self._epoch_docs += 1
             did = self._doc_id(s)
             if len(text) > PIECE_CHARS:
                 s.pieces = split_pieces(text)
                 s.piece = 1
-                s.line_len = len(raw)
+                s.line_len = n
                 return s.pieces[0], did, True, False
-            s.advance(len(raw))
+            s.advance(n)
             self.rr = (self.rr + 1) % len(self.slots)
             return text, did, True, True
 

@@ -2,8 +2,8 @@
 the stage bounding it (what Grain's debug mode prints for its own stages, for ours).
 
 Stages, and the thread each runs on (a stage can bound the pipeline only through its thread):
-  read      reading + decompression (readline)       the reader thread of each input process
-  parse     JSON parsing (parse_line)                 the reader thread
+  read      reading + decompression (a record)      the reader thread of each input process
+  parse     JSON parsing (a record's parse)          the reader thread
   tokenize  inside the tokenizer pool's task          the tokenizer threads
   pack      packing rows, copying them into slabs    the reader thread
   ipc       receiving the workers' slabs (this        the host's feed thread

@@ -33,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding
 from data.tasks import ON_BAD_LINE, Example, PackedRows, Request, RequestEncoder, TaskSpec, pack_requests, read_task
 from model import sharding as shd
 from model.llama import LlamaConfig
-from model.step import _abstract_model, _as_cfg, batch_sharding, token_losses
+from model.step import abstract_model, as_cfg, batch_sharding, token_losses
 
 log = logging.getLogger(__name__)
 ROW_KEYS = ("inputs", "targets", "segment_ids", "positions")
@@ -87,8 +87,8 @@ def _not_mapping(t, i):
 
 def make_score_step(model_cfg, mesh: Mesh, rules, param_shardings):
     """jitted (params, rows) -> (log p(target) [b, t] fp32, target is the argmax [b, t] bool), replicated."""
-    cfg = _as_cfg(model_cfg)
-    graphdef, _ = _abstract_model(cfg)
+    cfg = as_cfg(model_cfg)
+    graphdef, _ = abstract_model(cfg)
     b_sh = batch_sharding(mesh, rules)
 
     def step(params, rows):
@@ -108,7 +108,7 @@ class Scorer:
     lm_eval adapter's common engine. `batch_rows` must divide over the mesh's batch shards."""
 
     def __init__(self, model_cfg, mesh: Mesh, rules, param_shardings, *, seq_len: int, batch_rows: int):
-        cfg = _as_cfg(model_cfg)
+        cfg = as_cfg(model_cfg)
         if seq_len > cfg.max_seq_len:
             raise ValueError(f"eval.seq_len={seq_len} exceeds model.max_seq_len={cfg.max_seq_len}")
         ways = mesh.shape["data"] * mesh.shape["fsdp"]

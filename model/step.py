@@ -27,12 +27,12 @@ TrainState = dict  # {"params": pytree, "opt_state": optax state, "step": int32[
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 
 
-def _as_cfg(model_cfg) -> LlamaConfig:
+def as_cfg(model_cfg) -> LlamaConfig:
     return model_cfg if isinstance(model_cfg, LlamaConfig) else LlamaConfig.from_mapping(model_cfg)
 
 
 @functools.lru_cache(maxsize=16)
-def _abstract_model(cfg: LlamaConfig):
+def abstract_model(cfg: LlamaConfig):
     """(graphdef, abstract Param state) of the model; shapes only, nothing allocated."""
     model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
     return nnx.split(model, nnx.Param)[:2]
@@ -40,14 +40,14 @@ def _abstract_model(cfg: LlamaConfig):
 
 def model_from_params(model_cfg, params) -> Llama:
     """A Llama module around `params` (plain dict of arrays): for generation/export tools."""
-    cfg = _as_cfg(model_cfg)
-    graphdef, _ = _abstract_model(cfg)
+    cfg = as_cfg(model_cfg)
+    graphdef, _ = abstract_model(cfg)
     return nnx.merge(graphdef, params)  # merge accepts the plain dict of arrays
 
 
 def param_shardings(cfg: LlamaConfig, mesh: Mesh, rules) -> Any:
     """NamedSharding per parameter (same nesting as the params dict), from logical names."""
-    _, abstract = _abstract_model(cfg)
+    _, abstract = abstract_model(cfg)
 
     def one(v: nnx.Variable):
         names = v.get_metadata().get("out_sharding") or (None,) * v.ndim
@@ -78,7 +78,7 @@ def _init_fn(cfg: LlamaConfig, tx: optax.GradientTransformation):
 
 def abstract_train_state(model_cfg, tx, mesh: Mesh, rules):
     """(TrainState of jax.ShapeDtypeStruct carrying .sharding, state shardings)."""
-    cfg = _as_cfg(model_cfg)
+    cfg = as_cfg(model_cfg)
     abstract = jax.eval_shape(_init_fn(cfg, tx), jax.random.key(0))
     shardings = _state_shardings(cfg, tx, mesh, rules, abstract)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
@@ -87,7 +87,7 @@ def abstract_train_state(model_cfg, tx, mesh: Mesh, rules):
 
 def init_train_state(model_cfg, tx, mesh: Mesh, rules, seed: int):
     """Fresh TrainState, created already sharded (each device computes only its shards)."""
-    cfg = _as_cfg(model_cfg)
+    cfg = as_cfg(model_cfg)
     _, shardings = abstract_train_state(cfg, tx, mesh, rules)
     init = jax.jit(_init_fn(cfg, tx), out_shardings=shardings)
     # The key is a host-side constant; the random draws happen inside the sharded init.
@@ -157,8 +157,8 @@ def make_train_step(model_cfg, tx, mesh: Mesh, rules, state_shardings, z_loss: f
     global batches whose activations do not fit at once; the result equals one big step.
     loss_chunk: see model_token_losses.
     """
-    cfg = _as_cfg(model_cfg)
-    graphdef, _ = _abstract_model(cfg)
+    cfg = as_cfg(model_cfg)
+    graphdef, _ = abstract_model(cfg)
     b_sh = batch_sharding(mesh, rules)
     rep = shd.replicated(mesh)
     grad_fn = jax.value_and_grad(
@@ -203,8 +203,8 @@ def make_train_step(model_cfg, tx, mesh: Mesh, rules, state_shardings, z_loss: f
 
 def make_eval_step(model_cfg, mesh: Mesh, rules, state_shardings, loss_chunk: int = 0) -> Callable:
     """jitted (params, batch) -> {"loss_sum", "n_tokens"} over loss_mask tokens."""
-    cfg = _as_cfg(model_cfg)
-    graphdef, _ = _abstract_model(cfg)
+    cfg = as_cfg(model_cfg)
+    graphdef, _ = abstract_model(cfg)
     b_sh = batch_sharding(mesh, rules)
 
     def step(params, batch):
@@ -248,7 +248,7 @@ def build_program(model_cfg, tx, mesh_cfg: Mapping, *, global_batch: int, z_loss
     Raises ValueError naming the setting when the batch does not split over the mesh's batch
     shards or the microbatches; nothing is allocated or compiled here.
     """
-    cfg = _as_cfg(model_cfg)
+    cfg = as_cfg(model_cfg)
     mesh = shd.make_mesh(mesh_cfg, devices)
     batch_ways = mesh.shape["data"] * mesh.shape["fsdp"]
     if global_batch % batch_ways:

@@ -3,8 +3,8 @@
   python scripts/prepare_data.py --paths '/mnt/rp/*/en_head.json.gz' \
       --tokenizer data/sample/tokenizer.json --out /mnt/rp_tok
 
-Reads what the streaming path reads (.json.gz, .jsonl, .jsonl.zst; the text under
---text-key) with its bad-record policy: a bad record is skipped, counted by kind and named
+Reads what the streaming path reads (JSON lines, JSON arrays, Parquet, Arrow: data/formats.py;
+the text under --text-key) with its bad-record policy: a bad record is skipped, counted by kind and named
 (file:line) in the summary; with --strict the first one stops the run, naming file:line.
 Documents are tokenized on all cores (a thread per core, the tokenizer releases the GIL) and
 stored as bare token ids (uint16 for vocabularies under 65,536, else uint32; no EOS/BOS: the
@@ -32,9 +32,9 @@ import os
 import sys
 import time
 
-from data import records
+from data import formats, records
 from data.listing import list_paths
-from data.sources import BAD_KINDS, MAX_BAD_EXAMPLES, BadRecords, open_lines, parse_line, split_pieces
+from data.sources import BAD_KINDS, MAX_BAD_EXAMPLES, BadRecords, split_pieces
 from data.state import files_hash
 from data.tokenizer import BatchEncoder, available_cores, load_tokenizer, set_thread_env, tokenizer_hash
 
@@ -70,7 +70,8 @@ class BadRecordStop(SystemExit):
 
 def documents(path: str, text_key: str, bad: BadRecords, strict: bool, progress):
     """(text pieces) per valid document of one file, in file order; bad records counted (or,
-    strict, raised) by the streaming path's rules (data/sources.py)."""
+    strict, raised) by the streaming path's rules (data/sources.py), whatever the file's format
+    (data/formats.py)."""
     def report(line_no, kind, detail=""):
         if strict:
             raise BadRecordStop(f"prepare_data: bad record at {path}:{line_no}: {kind}"
@@ -79,36 +80,45 @@ def documents(path: str, text_key: str, bad: BadRecords, strict: bool, progress)
         bad.add(path, line_no, kind, detail)
 
     try:
-        fh = open_lines(path)
+        rec = formats.open_records(path, text_key)
+    except formats.FileProblem as e:
+        report(0, e.kind, e.detail)
+        return
     except OSError as e:
         report(0, "unreadable_file", type(e).__name__)
         return
-    raw_file = getattr(fh, "fileobj", None) or fh   # compressed bytes read: the bar's unit
-    with fh:
+    raw_file = rec.raw_file   # compressed bytes read: the bar's unit (None: columnar files)
+    try:
         line_no = 0
         while True:
             try:
-                raw = fh.readline()
+                raw, n = rec.next()
             except (EOFError, OSError, ValueError) as e:
-                report(line_no + 1, "truncated_file", type(e).__name__)
+                report(line_no + 1, "truncated_file", str(e) or type(e).__name__)
                 return
-            if not raw:
+            except formats.FileProblem as e:
+                report(line_no + 1, e.kind, e.detail)
+                return
+            if n == 0:
                 if line_no == 0:
                     report(0, "empty_file")
                 return
             line_no += 1
-            if line_no % 256 == 0:
+            if line_no % 256 == 0 and raw_file is not None:
                 try:
                     progress(raw_file.tell())
                 except (OSError, ValueError):
                     pass
-            if not raw.strip():
-                continue
-            text, kind = parse_line(raw, text_key)
+            text, kind = rec.parse(raw)
             if kind is not None:
-                report(line_no, kind)
+                report(line_no, kind, formats.missing_key_detail(raw, text_key)
+                       if kind == "missing_key" else "")
+                continue
+            if text is None:   # a blank line
                 continue
             yield split_pieces(text)
+    finally:
+        rec.close()
 
 
 class _Chunk:

@@ -244,7 +244,7 @@ def document_texts(docs: list[dict], tokenizer, chars: int) -> None:
     """Sets docs[i]["text"] to the first `chars` characters of each document: text documents
     are read from their file (one pass per file, up to the last line wanted), records are read
     by index and their first tokens decoded."""
-    from data.sources import open_lines, parse_line
+    from data import formats
 
     by_file: dict = {}
     for d in docs:
@@ -266,13 +266,19 @@ def document_texts(docs: list[dict], tokenizer, chars: int) -> None:
             continue
         wanted = {d["line"] - 1 for d in ds}
         found = {}
-        with open_lines(path) as fh:
-            for i, raw in enumerate(fh):
+        rec = formats.open_records(path, sub.text_key)
+        try:
+            i = 0
+            while len(found) < len(wanted):
+                raw, n = rec.next()
+                if n == 0:
+                    break
                 if i in wanted:
-                    text, kind = parse_line(raw, sub.text_key)
+                    text, kind = rec.parse(raw)
                     found[i] = text[:chars + 1] if text is not None else f"<{kind}>"
-                    if len(found) == len(wanted):
-                        break
+                i += 1
+        finally:
+            rec.close()
         for d in ds:
             d["text"] = found.get(d["line"] - 1, "<line not found: the file changed since the run?>")
 

@@ -76,18 +76,24 @@ class RssSampler:
 
 def load_texts(files, text_key, max_chars):
     """The corpus documents in file order, up to max_chars characters."""
-    from data.sources import open_lines, parse_line
+    from data.formats import open_records
     texts, n_chars = [], 0
     for f in files:
-        with open_lines(f) as fh:
-            for line in fh:
-                text, bad = parse_line(line, text_key)
-                if bad:
+        rec = open_records(f, text_key)
+        try:
+            while True:
+                raw, n = rec.next()
+                if n == 0:
+                    break
+                text, bad = rec.parse(raw)
+                if text is None:
                     continue
                 texts.append(text)
                 n_chars += len(text)
                 if n_chars >= max_chars:
                     return texts
+        finally:
+            rec.close()
     return texts
 
 

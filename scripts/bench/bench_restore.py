@@ -38,9 +38,9 @@ def rchar() -> int:
 
 def line_offset(path: str, line: int) -> int:
     """Byte offset of 0-based `line` (reads the file from its start: preparation only)."""
-    from data.sources import open_lines
+    from data.formats import open_bytes
     off = 0
-    with open_lines(path) as fh:
+    with open_bytes(path) as fh:
         for _ in range(line):
             off += len(fh.readline())
     return off

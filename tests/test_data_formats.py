@@ -1,0 +1,436 @@
+"""Input formats other than JSON lines (data/formats.py): JSON arrays (.json, .json.gz), Parquet,
+Arrow (Hugging Face save_to_disk), the .jsonl.zstd / .json.zst endings; each read exactly once per
+epoch on 1 and 2 hosts, restored exactly, converted like the same documents as .json.gz, its bad
+input named (lenient and strict), and a file of no format read here refused in one line.
+Fixtures are written by pyarrow (and `datasets` where installed), not by hand-made bytes.
+
+    pytest tests/test_data_formats.py -q
+"""
+import dataclasses
+import gzip
+import json
+import os
+import random
+
+import numpy as np
+import pytest
+
+import data
+from data import formats
+from data.pipeline import state_counters
+from tests.data_helpers import (
+    TOKENIZER,
+    assert_batches_equal,
+    cfg,
+    doc_text,
+    doc_tokens,
+    jround,
+    rows_of,
+    take,
+    write_corpus,
+)
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+# ext -> how write_docs stores a file's records
+FORMATS = {
+    "array.json": ".json", "array.json.gz": ".json.gz", "lines.json": ".json",
+    "lines.jsonl.zstd": ".jsonl.zstd", "lines.json.zst": ".json.zst",
+    "parquet": ".parquet", "arrow": ".arrow",
+}
+
+
+def write_records(path: str, kind: str, recs: list[dict], row_group: int = 4) -> None:
+    """recs (dicts) into one file of `kind` (a FORMATS key)."""
+    if kind.startswith("array"):
+        raw = json.dumps(recs, indent=1).encode()   # pretty-printed, as dataset dumps often are
+        opener = gzip.open if path.endswith(".gz") else open
+        with opener(path, "wb") as f:
+            f.write(raw)
+    elif kind.startswith("lines"):
+        raw = b"".join(json.dumps(r).encode() + b"\n" for r in recs)
+        if ".zst" in path:
+            import zstandard
+            raw = zstandard.ZstdCompressor().compress(raw)
+        with open(path, "wb") as f:
+            f.write(raw)
+    elif kind == "parquet":
+        pq.write_table(pa.Table.from_pylist(recs), path, row_group_size=row_group)
+    elif kind == "arrow":
+        table = pa.Table.from_pylist(recs)
+        with pa.OSFile(path, "wb") as sink, pa.ipc.new_stream(sink, table.schema) as w:
+            for batch in table.to_batches(max_chunksize=row_group):
+                w.write_batch(batch)
+    else:
+        raise AssertionError(kind)
+
+
+def write_docs(root, kind, n_files=4, docs_per_file=9, seed=0, text_key="story", max_words=60):
+    """TinyStories-like records (text under `story`, with a nested object beside it) in n_files
+    files root/NNNN/part<ext>; returns {(path, record_1based): text}."""
+    rng = random.Random(seed)
+    texts = {}
+    for f in range(n_files):
+        d = os.path.join(str(root), f"{f:04d}")
+        os.makedirs(d, exist_ok=True)
+        path = os.path.join(d, "part" + FORMATS[kind])
+        recs = []
+        for i in range(docs_per_file):
+            t = doc_text(rng, f"{f}-{i}", rng.randint(3, max_words))
+            if i % 3 == 1:   # characters the array scanner must not take for structure
+                t += ' "quoted ] } {", a \\ backslash\nand a new line'
+            if i % 3 == 2:   # more `},` in a string than the scanner's fast path tries: the exact scan
+                t += " {a}, {b}], {c}, {d}, {e}, {f}, end"
+            recs.append({text_key: t, "instruction": {"prompt": "p", "words": ["a", "b"]}, "n": i})
+            texts[(path, i + 1)] = t
+        write_records(path, kind, recs)
+    return texts
+
+
+def fcfg(root, **kw):
+    kw.setdefault("text_key", "story")
+    kw.setdefault("paths", (os.path.join(str(root), "*", "part*"),))
+    return cfg(root, **kw)
+
+
+def expected_tokens(text):
+    from data.tokenizer import load_tokenizer
+    tok = load_tokenizer(TOKENIZER)
+    return tok.encode(text, add_special_tokens=False).ids + [tok.token_to_id("</s>")]
+
+
+# ---------------------------------------------------------------- exactly once per epoch
+@pytest.mark.parametrize("kind", list(FORMATS))
+@pytest.mark.parametrize("P", [1, 2])
+def test_exactly_once_per_epoch(tmp_path, kind, P):
+    # 3 files over 4 shards: files are split across shards as well
+    texts = write_docs(tmp_path, kind, n_files=3)
+    files = sorted({p for p, _ in texts})
+    c = fcfg(tmp_path, num_shards=4, global_batch_size=4, shuffle_window=4)
+    data.check_files(c, P, data.list_files(c))
+    # every batch takes one row (33 tokens) of each shard; the biggest shard (two of the six parts)
+    # must pass two epochs
+    n_batches = int(2.6 * sum(len(expected_tokens(t)) for t in texts.values()) / 3 / 33) + 24
+    rows = []
+    for h in range(P):
+        it = data.make_host_iterator(c, h, P, debug=True)
+        rows += rows_of(take(it, n_batches))   # one host batch per global batch
+    epochs = {}
+    for (e, f, rec), toks in doc_tokens(rows, len(files)).items():
+        epochs.setdefault(e, {})[(files[f], rec + 1)] = toks
+    assert max(epochs) >= 2
+    for e in (0, 1):
+        assert set(epochs[e]) == set(texts), f"{kind} epoch {e}: documents missing or extra"
+        for key, toks in epochs[e].items():
+            assert sorted(toks) == sorted(expected_tokens(texts[key])), f"{kind} {key}"
+    state = state_counters(it.get_state())
+    assert not state["bad"], state["badex"]
+
+
+def test_formats_are_told_by_content(tmp_path):
+    write_docs(tmp_path / "a", "array.json", n_files=1)
+    write_docs(tmp_path / "l", "lines.json", n_files=1)
+    write_docs(tmp_path / "p", "parquet", n_files=1)
+    found = {formats.sniff(os.path.join(str(tmp_path), k, "0000", "part" + ext)): k
+             for k, ext in (("a", ".json"), ("l", ".json"), ("p", ".parquet"))}
+    assert found == {"array": "a", "lines": "l", "parquet": "p"}
+    # names that say nothing: Parquet by its magic bytes, gzip'd JSON lines by content
+    os.rename(tmp_path / "p" / "0000" / "part.parquet", tmp_path / "p" / "0000" / "shard-0")
+    assert formats.sniff(str(tmp_path / "p" / "0000" / "shard-0")) == "parquet"
+    with gzip.open(tmp_path / "noext", "wb") as f:
+        f.write(b'{"story": "x"}\n')
+    assert formats.sniff(str(tmp_path / "noext")) == "lines"
+
+
+# ---------------------------------------------------------------- restore
+@pytest.mark.parametrize("kind", ["array.json", "array.json.gz", "parquet", "arrow"])
+def test_restore_sweep(tmp_path, kind):
+    write_docs(tmp_path, kind, n_files=2, docs_per_file=30)
+    c = fcfg(tmp_path, num_shards=2, files_per_stream=2, shuffle_window=3, seq_len=16,
+             global_batch_size=4)
+    it = data.make_host_iterator(c, 0, 1)
+    states, batches = [], []
+    for _ in range(50):
+        states.append(jround(it.get_state()))
+        batches.append(next(it))
+    slots = [s for st in states for sh in st["shards"].values() for s in sh["start"]["reader"]["slots"]]
+    assert max(s[3] for s in slots) > 0 and {s[5] for s in slots} == {kind.split(".")[0]}
+    r = data.make_host_iterator(c, 0, 1)
+    next(r)
+    for k in range(0, 50, 3):
+        r.set_state(states[k])
+        for j in range(k, min(k + 2, 50)):
+            assert_batches_equal(next(r), batches[j], f"{kind}: restore at {k}, batch {j}")
+
+
+@pytest.mark.parametrize("kind", ["array.json", "parquet"])
+def test_elastic_restore_2_hosts_to_1(tmp_path, kind):
+    from data.state import merge_host_states
+    write_docs(tmp_path, kind, n_files=4, docs_per_file=12)
+    c = fcfg(tmp_path, num_shards=4, shuffle_window=4, seq_len=16, global_batch_size=4)
+    ref = [b for b in take(data.make_host_iterator(c, 0, 1, debug=True), 14)]
+    states = []
+    for h in range(2):
+        it = data.make_host_iterator(c, h, 2, debug=True)
+        take(it, 5)
+        states.append(jround(it.get_state()))
+    it1 = data.make_host_iterator(c, 0, 1, shard_states=merge_host_states(states), debug=True)
+    for j in range(5, 14):
+        assert_batches_equal(next(it1), ref[j], f"{kind}: batch {j} after 2 hosts -> 1")
+
+
+def _rchar() -> int:
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("rchar")).split()[1])
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="needs Linux /proc/self/io")
+@pytest.mark.parametrize("kind", ["array.json", "parquet"])
+def test_restore_deep_in_a_big_file_reads_a_bounded_amount(tmp_path, kind):
+    """A restore near the end of a big file reads about what one near its start reads: a seek
+    (JSON array) or one row group (Parquet), never the file up to the position."""
+    rng = random.Random(3)
+    recs = [{"story": f"doc {i}: " + " ".join(rng.choice("abcdefghij") * rng.randint(2, 9)
+                                              for _ in range(100))} for i in range(1000)]
+    (tmp_path / "0000").mkdir()
+    path = str(tmp_path / "0000" / ("part" + FORMATS[kind]))
+    write_records(path, kind, recs, row_group=100)
+    size = os.path.getsize(path)
+    c = fcfg(tmp_path, num_shards=1, files_per_stream=1, seq_len=512, global_batch_size=8,
+             shuffle_window=2)
+    it = data.make_host_iterator(c, 0, 1)
+    states = [jround(it.get_state())]
+    batches = []
+    for _ in range(400):
+        batches.append(next(it))
+        states.append(jround(it.get_state()))
+    deep_slot = states[-2]["shards"]["0"]["start"]["reader"]["slots"][0]
+    assert deep_slot[1] > 600, "the run must go deep into the file"
+
+    def restore_bytes(k):
+        before = _rchar()
+        r = data.make_host_iterator(c, 0, 1)
+        r.set_state(states[k])
+        b = next(r)
+        return _rchar() - before, b
+
+    shallow, b0 = restore_bytes(1)
+    deep, b1 = restore_bytes(399)
+    assert_batches_equal(b0, batches[1])
+    assert_batches_equal(b1, batches[399])
+    assert deep - shallow < size // 4, f"deep restore read {deep} bytes, shallow {shallow} (file {size})"
+
+
+# ---------------------------------------------------------------- bad input
+def _bad_corpus(root, case):
+    """A good file and a bad one (`case`); -> (bad path, where it is named, kind)."""
+    os.makedirs(root / "d", exist_ok=True)
+    good = [{"story": f"good document {i} " + "text " * 150} for i in range(8)]
+    ext = ".parquet" if case.startswith("parquet") else ".json"
+    write_records(str(root / "d" / ("a" + ext)), "parquet" if ext == ".parquet" else "array.json", good)
+    bad = str(root / "d" / ("b" + ext))
+    if case == "array_cut_mid_object":
+        raw = json.dumps(good[:4]).encode()
+        with open(bad, "wb") as f:
+            f.write(raw[: raw.index(b'"story"', 300) + 12])
+        return bad, f"{bad}:2: truncated_file", "truncated_file"
+    if case == "array_malformed_element":
+        with open(bad, "wb") as f:
+            f.write(b'[{"story": "fine one"}, {"story": "bad" "json"}, {"story": "fine two"}]')
+        return bad, f"{bad}:2: malformed_json", "malformed_json"
+    if case == "array_wrong_key":     # the TinyStories mistake: text_key names no key of theirs
+        write_records(bad, "array.json", [{"text": "x", "summary": "y"}] * 3)
+        return bad, f"{bad}:1: missing_key (no 'story'; its keys: text, summary", "missing_key"
+    if case == "parquet_truncated":
+        write_records(bad, "parquet", good)
+        raw = open(bad, "rb").read()
+        with open(bad, "wb") as f:
+            f.write(raw[: len(raw) // 2])
+        return bad, f"{bad}:0: corrupt_file (not a readable Parquet file", "corrupt_file"
+    if case == "parquet_missing_column":
+        pq.write_table(pa.table({"content": ["x", "y"]}), bad)
+        return bad, f"{bad}:0: missing_key (no column 'story'; its columns: content", "missing_key"
+    if case == "parquet_null":
+        pq.write_table(pa.table({"story": ["fine", None, "also fine"]}), bad)
+        return bad, f"{bad}:2: null_text", "null_text"
+    if case == "parquet_not_text":
+        pq.write_table(pa.table({"story": [1, 2]}), bad)
+        return bad, f"{bad}:0: non_string_text (column 'story' holds int64", "non_string_text"
+    raise AssertionError(case)
+
+
+BAD_CASES = ["array_cut_mid_object", "array_malformed_element", "array_wrong_key", "parquet_truncated",
+             "parquet_missing_column", "parquet_null", "parquet_not_text"]
+
+
+@pytest.mark.parametrize("case", BAD_CASES)
+def test_bad_input_lenient(tmp_path, case):
+    bad, where, kind = _bad_corpus(tmp_path, case)
+    c = fcfg(tmp_path, paths=(str(tmp_path / "d" / "*"),), num_shards=1)
+    it = data.make_host_iterator(c, 0, 1)
+    take(it, 10)
+    cnt = state_counters(it.get_state())
+    assert set(cnt["bad"]) == {kind}, cnt
+    assert cnt["badex"][0].startswith(where), cnt["badex"]
+
+
+@pytest.mark.parametrize("case", BAD_CASES)
+def test_bad_input_strict(tmp_path, case):
+    bad, where, kind = _bad_corpus(tmp_path, case)
+    c = fcfg(tmp_path, paths=(str(tmp_path / "d" / "*"),), num_shards=1, strict=True)
+    it = data.make_host_iterator(c, 0, 1)
+    with pytest.raises(data.BadDataError) as e:
+        take(it, 20)
+    msg = str(e.value)
+    assert "\n" not in msg and where in msg, msg
+
+
+def test_tinystories_with_the_wrong_text_key_names_the_keys(tmp_path):
+    """The issue's TinyStories run: arrays of objects with the text under `story`, read with the
+    default text_key. The one line names the keys the records do have."""
+    write_docs(tmp_path, "array.json", n_files=1)
+    c = fcfg(tmp_path, text_key="raw_content", num_shards=1)
+    with pytest.raises(data.NoValidDocumentError, match=r"missing_key \(no 'raw_content'; its keys: story, "
+                                                        r"instruction, n \(set data.text_key\)\)"):
+        next(data.make_host_iterator(c, 0, 1))
+
+
+# ---------------------------------------------------------------- files of no format read here
+@pytest.mark.parametrize("name,content,looks", [
+    ("notes.json", json.dumps({"data": [{"story": "x"}]}, indent=2).encode(),
+     "one JSON document spread over several lines"),
+    ("table.csv", b"id,story,source\n1,once upon a time,gpt\n", "CSV text (first line 'id,story,source')"),
+    ("x.json.gz", gzip.compress(b"just some words\n"), "plain text (first line 'just some words')"),
+    ("blob.bin", bytes(range(256)) * 4, "binary data (first bytes 00 01 02"),
+])
+def test_unreadable_file_fails_in_one_line_before_anything_starts(tmp_path, name, content, looks):
+    write_docs(tmp_path, "parquet", n_files=2)
+    bad = tmp_path / "0001" / name
+    bad.write_bytes(content)
+    c = cfg(tmp_path, paths=(os.path.join(str(tmp_path), "*", "*"),), text_key="story")
+    with pytest.raises(ValueError) as e:
+        data.validate(c, 1, 1)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"data.paths: {bad} is not read: ")
+    assert looks in msg and "Parquet (.parquet)" in msg and "JSON arrays of objects" in msg, msg
+
+
+def test_a_later_unreadable_file_is_a_bad_record(tmp_path):
+    """Validation reads the start of one file per file-name ending (not every file of a bucket): a
+    later file of an ending already seen that holds no JSON records is named when it is read."""
+    write_docs(tmp_path, "array.json", n_files=2)
+    bad = tmp_path / "0001" / "zz.json"
+    bad.write_bytes(json.dumps({"data": [{"story": "x"}]}, indent=2).encode())
+    c = cfg(tmp_path, paths=(os.path.join(str(tmp_path), "*", "*"),), text_key="story", num_shards=1)
+    data.validate(c, 1, 1)
+    it = data.make_host_iterator(c, 0, 1)
+    take(it, 10)
+    cnt = state_counters(it.get_state())
+    assert cnt["bad"] == {"unrecognized_file": 1}
+    assert cnt["badex"][0].startswith(f"{bad}:0: unrecognized_file (not JSON lines nor a JSON array")
+    with pytest.raises(data.BadDataError, match=f"{bad}:0: unrecognized_file"):
+        take(data.make_host_iterator(dataclasses.replace(c, strict=True), 0, 1), 10)
+
+
+def test_a_url_is_refused_in_one_line(tmp_path):
+    with pytest.raises(ValueError, match=r"^data.paths: 'gs://bucket/rp/\*/en_head.json.gz' is a URL; URLs "
+                                         r"\(gs://, s3://, hf://\) are not read yet: mount the bucket"):
+        data.list_files(cfg(tmp_path, paths=("gs://bucket/rp/*/en_head.json.gz",)))
+
+
+# ---------------------------------------------------------------- Hugging Face save_to_disk
+def _save_to_disk(root, texts_per_file):
+    """A `datasets` save_to_disk directory: with `datasets` installed, written by it; otherwise
+    the same layout written by pyarrow (Arrow IPC stream files + state.json + dataset_info.json)."""
+    flat = [t for ts in texts_per_file for t in ts]
+    try:
+        import datasets
+    except ImportError:
+        datasets = None
+    if datasets is not None:
+        datasets.Dataset.from_dict({"story": flat}).save_to_disk(
+            str(root), num_shards=len(texts_per_file))
+        return
+    os.makedirs(root)
+    names = []
+    for i, ts in enumerate(texts_per_file):
+        names.append(f"data-{i:05d}-of-{len(texts_per_file):05d}.arrow")
+        write_records(str(root / names[-1]), "arrow", [{"story": t} for t in ts])
+    (root / "state.json").write_text(json.dumps({"_data_files": [{"filename": n} for n in names]}))
+    (root / "dataset_info.json").write_text("{}")
+
+
+def test_hf_save_to_disk_directory(tmp_path):
+    rng = random.Random(5)
+    per_file = [[doc_text(rng, f"{f}-{i}", 30) for i in range(10)] for f in range(3)]
+    _save_to_disk(tmp_path / "ds", per_file)
+    c = cfg(tmp_path, paths=(str(tmp_path / "ds"),), text_key="story", num_shards=2,
+            global_batch_size=2, shuffle_window=0)
+    files = data.list_files(c)
+    assert len(files) == 3 and all(f.endswith(".arrow") for f in files)
+    data.validate(c, 1, 1)
+    rows = rows_of(take(data.make_host_iterator(c, 0, 1, debug=True), 60))
+    got = {(f, rec) for (e, f, rec) in doc_tokens(rows, 3) if e == 0}
+    assert got == {(f, i) for f in range(3) for i in range(10)}
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(ValueError, match="neither written by scripts/prepare_data.py"):
+        data.list_files(cfg(tmp_path, paths=(str(tmp_path / "plain"),)))
+
+
+# ---------------------------------------------------------------- the converter
+def _converted_records(src_glob, out, text_key):
+    from array_record.python.array_record_module import ArrayRecordReader
+
+    from data import records
+    from tests.test_data_records import convert
+    assert convert(src_glob, out, "--text-key", text_key) == 0
+    docs = []
+    for part in records.part_files(str(out)):
+        r = ArrayRecordReader(part, "readahead_buffer_size:0")
+        docs += r.read(list(range(r.num_records())))
+        r.close()
+    return docs
+
+
+@pytest.mark.parametrize("kind", ["array.json", "array.json.gz", "parquet"])
+def test_converter_output_equals_the_json_gz_output(tmp_path, kind):
+    texts = write_docs(tmp_path / "in", kind, n_files=2, docs_per_file=7)
+    ref_texts = write_corpus(tmp_path / "ref", n_files=2, docs_per_file=7, text_key="story")
+    # the same documents as .json.gz lines, file by file and in order
+    by_file = {}
+    for (path, _), t in sorted(texts.items()):
+        by_file.setdefault(os.path.basename(os.path.dirname(path)), []).append(t)
+    for path, _ in ref_texts:
+        d = os.path.basename(os.path.dirname(path))
+        with gzip.open(path, "wb") as f:
+            f.write(b"".join(json.dumps({"story": t}).encode() + b"\n" for t in by_file[d]))
+    got = _converted_records(os.path.join(str(tmp_path / "in"), "*", "part*"), tmp_path / "out", "story")
+    ref = _converted_records(os.path.join(str(tmp_path / "ref"), "*", "*.json.gz"), tmp_path / "outref", "story")
+    assert len(got) == len(texts) and got == ref
+    assert np.frombuffer(got[0], np.uint16).size > 3
+
+
+# ---------------------------------------------------------------- the issue's run, through train.py
+CLI = ["train.steps=2", "train.log_every=2", "checkpoint.every=0", "optimizer.warmup_steps=1",
+       "model.max_seq_len=64", "data.seq_len=32", "data.global_batch_size=8", "data.eval.holdout_files=0",
+       "train.eval_every=0"]
+
+
+@pytest.mark.slow
+def test_cli_tinystories_arrays_train_and_a_csv_stops_before_compile(tmp_path):
+    """`train.py "data.paths='DIR/*.json'" data.text_key=story` on TinyStories-shaped files (JSON
+    arrays of objects) trains; the same run over a directory holding a CSV stops in one line, before
+    anything is compiled."""
+    from test_train import read_metrics, run_cli
+    write_docs(tmp_path / "ts", "array.json", n_files=4, docs_per_file=30)
+    r = run_cli(tmp_path, *CLI, f"data.paths='{tmp_path}/ts/*/part.json'", "data.text_key=story",
+                "data.num_workers=1")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [row["step"] for row in read_metrics(tmp_path / "run")] == [2]
+    (tmp_path / "ts" / "0001" / "stories.csv").write_text("id,story,source\n1,once upon a time,gpt\n")
+    bad = run_cli(tmp_path / "ts", *CLI, f"data.paths='{tmp_path}/ts/*/*'", "data.text_key=story")
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr, bad.stderr[-3000:]
+    [line] = [ln for ln in bad.stderr.splitlines() if ln.strip()]
+    assert f"{tmp_path}/ts/0001/stories.csv is not read: " in line and "CSV text" in line, line
+    assert not (tmp_path / "ts" / "run" / "metrics.jsonl").exists()
