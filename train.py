@@ -30,7 +30,23 @@ class ConfigError(ValueError):
 
 
 def train(cfg: DictConfig) -> dict:
-    """Runs (or resumes) the training run described by `cfg`; returns a summary dict."""
+    """Runs (or resumes) the training run described by `cfg`; returns a summary dict.
+
+    A checkpoint step that does not restore has been moved aside on every host when
+    DamagedCheckpoint arrives here (model/checkpoint.py): the run starts again, from the newest
+    step that restores (each pass moves one step, so this ends)."""
+    from model.checkpoint import DamagedCheckpoint
+
+    while True:
+        try:
+            return run(cfg)
+        except DamagedCheckpoint as e:
+            if e.moved_to is None:
+                raise
+
+
+def run(cfg: DictConfig) -> dict:
+    """One start of the run: config checks, hosts, files, restore, the loop (train() above)."""
     # Imports here keep `python train.py --help` and config errors fast.
     import jax
 
@@ -52,6 +68,8 @@ def train(cfg: DictConfig) -> dict:
     try:
         if cfg.train.steps <= 0:
             raise ValueError(f"train.steps={cfg.train.steps} must be positive")
+        if cfg.checkpoint.get("on_damaged", "fall_back") not in ("fall_back", "stop"):
+            raise ValueError(f"checkpoint.on_damaged={cfg.checkpoint.on_damaged} must be fall_back or stop")
         model_cfg, tx, schedule = model_and_optimizer(cfg)
         # data.paths may be one glob or a list: DataConfig takes either.
         data_cfg = data_lib.DataConfig.from_mapping({**data_map, "tokenizer": cfg.tokenizer.path})
@@ -92,7 +110,9 @@ def train(cfg: DictConfig) -> dict:
     # checkpoint directory behind.
     try:
         resume = find_resume(cfg.checkpoint)
-        meta, saved_data_states = restore_meta_and_data(resume) if resume is not None else ({}, None)
+        on_damaged = cfg.checkpoint.get("on_damaged", "fall_back")
+        meta, saved_data_states = (restore_meta_and_data(resume, on_damaged=on_damaged)
+                                   if resume is not None else ({}, None))
         saved_listing = None if cfg.checkpoint.allow_data_change else meta.get("files")
         listing = data_lib.run_listing(data_cfg.patterns(), eval_paths, saved_listing,
                                        from_process_0=distributed.from_process_0)
@@ -322,6 +342,7 @@ def main(cfg: DictConfig) -> None:
 
     quiet_cpu_start()           # before anything imports JAX
     from data import BadDataError
+    from model.checkpoint import DamagedCheckpoint
 
     try:
         train(cfg)
@@ -333,6 +354,10 @@ def main(cfg: DictConfig) -> None:
         # file and line in its message; it arrives from an input worker process as itself, and
         # the traceback would bury that one line under Grain's and our frames.
         print(f"data error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except DamagedCheckpoint as e:
+        # checkpoint.on_damaged=stop, or no step left that restores: the line says which step and why.
+        print(f"checkpoint error: {e}", file=sys.stderr)
         sys.exit(1)
 
 
