@@ -289,6 +289,7 @@ def restore_all(ckpt, abstract):
     return resume, meta, states, ckpt.restore_state(resume, abstract)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(DAMAGE))
 def test_damaged_step_is_named_moved_aside_and_the_previous_one_restores(kind, setup, tmp_path, capsys):
     tx, mesh, rules, state = setup
@@ -347,6 +348,11 @@ def test_only_damage_moves_a_step():
     assert damage_reason(Exception("UNAVAILABLE: connection reset by peer")) is None
     assert damage_reason(ValueError("PERMISSION_DENIED: gs://bucket")) is None
     assert damage_reason(RuntimeError("something else")) is None
+    # Another optimizer or model than the one saved: the step is fine, the target is not.
+    assert damage_reason(ValueError("Requested shape: (2, 128) is not compatible with the stored shape: (4, 128)")) \
+        is None
+    assert damage_reason(ValueError("User-provided restore item and on-disk value metadata tree structures do not "
+                                    "match")) is None
     chunk = Exception("Encountered error while reading array index")
     chunk.__cause__ = ValueError('OUT_OF_RANGE: Error reading "params.w/0.0" [source locations=...]')
     assert damage_reason(chunk) == 'OUT_OF_RANGE: Error reading "params.w/0.0"'
