@@ -53,7 +53,6 @@ def run(cfg: DictConfig) -> dict:
     import data as data_lib
     from model import distributed
     from model import flops as flops_lib
-    from model import step as step_lib
     from model.checkpoint import Checkpointer, check_fingerprint, find_resume, restore_meta_and_data
     from model.meters import IntervalMeter, MetricsLogger, Profiler
     from model.optimizer import resolve_warmup
@@ -128,7 +127,7 @@ def run(cfg: DictConfig) -> dict:
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
 
     # ------------------------------------------------------------------ model, optimizer, shardings
-    mesh, rules, abstract_state = program.mesh, program.rules, program.abstract_state
+    abstract_state = program.abstract_state
     batch_sharding = program.batch_sharding
     fingerprint = {"data": data_lib.fingerprint(data_cfg, tokenizer=tokenizer, files=train_files),
                    "model": OmegaConf.to_container(cfg.model, resolve=True)}
@@ -200,7 +199,7 @@ def run(cfg: DictConfig) -> dict:
             if is_main:
                 print(f"Resuming from {resume.describe()} at step {start_step}", flush=True)
         elif cfg.checkpoint.init_from:
-            state, _ = step_lib.init_train_state(model_cfg, tx, mesh, rules, cfg.seed)
+            state = program.init_state(cfg.seed)
             try:
                 state["params"] = ckpt.restore_params(cfg.checkpoint.init_from, abstract_state["params"],
                                                       model=fingerprint["model"])
@@ -210,7 +209,7 @@ def run(cfg: DictConfig) -> dict:
             if is_main:
                 print(f"Initialised parameters from {cfg.checkpoint.init_from}; starting at step 0", flush=True)
         else:
-            state, _ = step_lib.init_train_state(model_cfg, tx, mesh, rules, cfg.seed)
+            state = program.init_state(cfg.seed)
             start_step = 0
             if is_main:
                 print(f"Starting a new run in {run_dir}", flush=True)
@@ -332,7 +331,8 @@ def build_program(cfg: DictConfig, model_cfg, tx, devices=None):
 
     return step_lib.build_program(model_cfg, tx, cfg.mesh, global_batch=int(cfg.data.global_batch_size),
                                   z_loss=float(cfg.train.z_loss), microbatches=int(cfg.train.microbatches),
-                                  loss_chunk=int(cfg.train.loss_chunk), devices=devices)
+                                  loss_chunk=int(cfg.train.loss_chunk), devices=devices,
+                                  spikes=step_lib.SpikeConfig.from_mapping(cfg.train.get("spikes")))
 
 
 # ====================================================================== CLI

@@ -97,9 +97,27 @@ class Checkpointer:
         """Arrays straight into the shardings carried by `abstract_state`'s ShapeDtypeStructs,
         whatever mesh or process count wrote them (Orbax reads only each device's slices).
         A damaged step raises DamagedCheckpoint on every host (module docstring)."""
+        abstract_state = dict(abstract_state)
+        window = abstract_state.pop("spikes", None)
         args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
-        return guard_damage(resume, lambda: self._restore(resume, args)["state"], item="state",
-                            on_damaged=self.cfg.get("on_damaged", "fall_back"))
+        state = guard_damage(resume, lambda: self._restore(resume, args)["state"], item="state",
+                             on_damaged=self.cfg.get("on_damaged", "fall_back"))
+        if window is not None:
+            state["spikes"] = self._spike_window(resume, window)
+        return state
+
+    def _spike_window(self, resume: ResumePoint, abstract):
+        """train.spikes' window as the step's meta holds it; an empty one when the step was saved
+        without spike skipping or with another window length (the rule warms up again)."""
+        meta = self._restore(resume, ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"] or {}
+        saved = meta.get("spikes")
+        if not saved or len(saved.get("losses", [])) != abstract["losses"].shape[0]:
+            saved = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), abstract)
+            if jax.process_index() == 0:
+                print("train.spikes: the checkpoint holds no loss window of this length; starting an empty one",
+                      flush=True)
+        return jax.tree.map(lambda a, v: jax.make_array_from_callback(
+            a.shape, a.sharding, lambda idx: np.asarray(v, a.dtype)[idx]), abstract, saved)
 
     def restore_params(self, path: str, abstract_params, model: Mapping | None = None):
         """checkpoint.init_from: parameters only (the optimizer state is never read).
@@ -133,6 +151,12 @@ class Checkpointer:
     def save(self, step: int, state, data_state: dict, meta: dict) -> None:
         """Starts an asynchronous save (returns once the arrays are copied off the devices and
         this process's data state is written); call on every process at the same step."""
+        if "spikes" in state:
+            # The loss window travels in the meta (a few hundred floats, fetched once per save), so
+            # the arrays of a step are the same with spike skipping on or off.
+            state = dict(state)
+            meta = {**meta, "spikes": jax.tree.map(lambda a: np.asarray(a).tolist(),
+                                                   jax.device_get(state.pop("spikes")))}
         saved = self.manager.save(step, force=True, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), data=DataStateSave(data_state), meta=ocp.args.JsonSave(meta)))
         if not saved:     # force=True: only a read-only manager skips
@@ -193,17 +217,21 @@ class DamagedCheckpoint(RuntimeError):
         self.moved_to = moved_to
 
 
-# Status codes that say nothing about the files: a transient or a setup problem, never a
+# What says nothing about the files: a transient or a setup problem, or a restore target that
+# differs from what was saved (another optimizer, a model the fingerprint let through): never a
 # reason to move a step aside.
 _NOT_DAMAGE = ("RESOURCE_EXHAUSTED", "UNAVAILABLE", "DEADLINE_EXCEEDED", "PERMISSION_DENIED", "UNAUTHENTICATED",
-               "CANCELLED", "ABORTED")
+               "CANCELLED", "ABORTED", "not compatible with the stored shape", "tree structure", "do not match")
+# Evidence of damage without a status code: Orbax's wrapper of a failed TensorStore read, our
+# data-state reader's errors, a file that vanished.
+_DAMAGE_TEXT = ("Encountered error while reading", "is not JSON", "incomplete data state")
 _STATUS = re.compile(r"\b(OUT_OF_RANGE|NOT_FOUND|DATA_LOSS|INVALID_ARGUMENT|FAILED_PRECONDITION|UNKNOWN): "
                      r"([^\[\n]*)")
 
 
 def damage_reason(exc: BaseException) -> str | None:
-    """One line saying why a restore failed when the failure is the files' (missing, truncated,
-    unparsable), else None (the error is raised as it is)."""
+    """One line saying why a restore failed when there is evidence that the files are at fault
+    (missing, truncated, unparsable), else None: the error is raised as it is."""
     chain, e = [], exc
     while e is not None and len(chain) < 8:
         chain.append(e)
@@ -216,9 +244,9 @@ def damage_reason(exc: BaseException) -> str | None:
     for x in chain:
         if isinstance(x, json.JSONDecodeError):
             return f"unparsable JSON ({x})"
-    if any(isinstance(x, (ValueError, KeyError, OSError)) for x in chain) or "TensorStore" in text:
+    if any(isinstance(x, FileNotFoundError) for x in chain) or any(t in text for t in _DAMAGE_TEXT):
         first = next((line for line in text.splitlines() if line.strip()), type(exc).__name__)
-        return f"{type(exc).__name__}: {first}"[:300]
+        return first[:300]
     return None
 
 
