@@ -194,15 +194,18 @@ def restore_meta_and_data(resume: ResumePoint, on_damaged: str | None = None) ->
     Returns (meta, [data state of process 0, 1, ...] as saved, or None if absent). With
     `on_damaged` (checkpoint.on_damaged; every process must call), an item that does not
     restore raises DamagedCheckpoint on every host (module docstring)."""
-    def read(item, args):
-        with _read_only_manager(resume.directory) as manager:
+    with _read_only_manager(resume.directory) as manager:
+        if on_damaged is None:
+            restored = manager.restore(resume.step, args=ocp.args.Composite(
+                meta=ocp.args.JsonRestore(), data=DataStateRestore()))
+            return dict(restored["meta"] or {}), restored["data"]
+
+        def read(item, args):
             return manager.restore(resume.step, args=ocp.args.Composite(**{item: args}))[item]
 
-    if on_damaged is None:
-        return dict(read("meta", ocp.args.JsonRestore()) or {}), read("data", DataStateRestore())
-    # One item at a time, so that the line names the one that failed.
-    meta = guard_damage(resume, lambda: read("meta", ocp.args.JsonRestore()), item="meta", on_damaged=on_damaged)
-    states = guard_damage(resume, lambda: read("data", DataStateRestore()), item="data", on_damaged=on_damaged)
+        # One item at a time, so that the line names the one that failed.
+        meta = guard_damage(resume, lambda: read("meta", ocp.args.JsonRestore()), item="meta", on_damaged=on_damaged)
+        states = guard_damage(resume, lambda: read("data", DataStateRestore()), item="data", on_damaged=on_damaged)
     return dict(meta or {}), states
 
 
