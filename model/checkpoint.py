@@ -194,18 +194,15 @@ def restore_meta_and_data(resume: ResumePoint, on_damaged: str | None = None) ->
     Returns (meta, [data state of process 0, 1, ...] as saved, or None if absent). With
     `on_damaged` (checkpoint.on_damaged; every process must call), an item that does not
     restore raises DamagedCheckpoint on every host (module docstring)."""
-    with _read_only_manager(resume.directory) as manager:
-        if on_damaged is None:
-            restored = manager.restore(resume.step, args=ocp.args.Composite(
-                meta=ocp.args.JsonRestore(), data=DataStateRestore()))
-            return dict(restored["meta"] or {}), restored["data"]
-
-        def read(item, args):
+    def read(item, args):
+        with _read_only_manager(resume.directory) as manager:
             return manager.restore(resume.step, args=ocp.args.Composite(**{item: args}))[item]
 
-        # One item at a time, so that the line names the one that failed.
-        meta = guard_damage(resume, lambda: read("meta", ocp.args.JsonRestore()), item="meta", on_damaged=on_damaged)
-        states = guard_damage(resume, lambda: read("data", DataStateRestore()), item="data", on_damaged=on_damaged)
+    if on_damaged is None:
+        return dict(read("meta", ocp.args.JsonRestore()) or {}), read("data", DataStateRestore())
+    # One item at a time, so that the line names the one that failed.
+    meta = guard_damage(resume, lambda: read("meta", ocp.args.JsonRestore()), item="meta", on_damaged=on_damaged)
+    states = guard_damage(resume, lambda: read("data", DataStateRestore()), item="data", on_damaged=on_damaged)
     return dict(meta or {}), states
 
 
@@ -244,12 +241,12 @@ def damage_reason(exc: BaseException) -> str | None:
         return None
     if (m := _STATUS.search(text)) is not None:
         return f"{m.group(1)}: {m.group(2).strip()}"[:300]
+    if any(isinstance(x, FileNotFoundError) for x in chain) or any(t in text for t in _DAMAGE_TEXT):
+        first = next((line for line in text.splitlines() if line.strip()), type(exc).__name__)
+        return first[:300]          # ours name the file ("process_1-of-2.json is not JSON (...)")
     for x in chain:
         if isinstance(x, json.JSONDecodeError):
             return f"unparsable JSON ({x})"
-    if any(isinstance(x, FileNotFoundError) for x in chain) or any(t in text for t in _DAMAGE_TEXT):
-        first = next((line for line in text.splitlines() if line.strip()), type(exc).__name__)
-        return first[:300]
     return None
 
 
