@@ -31,14 +31,29 @@ class ConfigError(ValueError):
 
 
 def train(cfg: DictConfig) -> dict:
-    """Runs (or resumes) the training run described by `cfg`; returns a summary dict."""
+    """Runs (or resumes) the training run described by `cfg`; returns a summary dict.
+
+    A checkpoint step that does not restore has been moved aside on every host when
+    DamagedCheckpoint arrives here (model/checkpoint.py): the run starts again, from the newest
+    step that restores (each pass moves one step, so this ends)."""
+    from model.checkpoint import DamagedCheckpoint
+
+    while True:
+        try:
+            return run(cfg)
+        except DamagedCheckpoint as e:
+            if e.moved_to is None:
+                raise
+
+
+def run(cfg: DictConfig) -> dict:
+    """One start of the run: config checks, hosts, files, restore, the loop (train() above)."""
     # Imports here keep `python train.py --help` and config errors fast.
     import jax
 
     import data as data_lib
     from model import distributed
     from model import flops as flops_lib
-    from model import step as step_lib
     from model.checkpoint import Checkpointer, check_fingerprint, find_resume, restore_meta_and_data
     from model.evaluate import TaskEvaluator, TasksConfig
     from model.meters import IntervalMeter, MetricsLogger, Profiler
@@ -54,6 +69,8 @@ def train(cfg: DictConfig) -> dict:
     try:
         if cfg.train.steps <= 0:
             raise ValueError(f"train.steps={cfg.train.steps} must be positive")
+        if cfg.checkpoint.get("on_damaged", "fall_back") not in ("fall_back", "stop"):
+            raise ValueError(f"checkpoint.on_damaged={cfg.checkpoint.on_damaged} must be fall_back or stop")
         model_cfg, tx, schedule = model_and_optimizer(cfg)
         # data.paths may be one glob or a list: DataConfig takes either.
         data_cfg = data_lib.DataConfig.from_mapping({**data_map, "tokenizer": cfg.tokenizer.path})
@@ -95,7 +112,9 @@ def train(cfg: DictConfig) -> dict:
     # checkpoint directory behind.
     try:
         resume = find_resume(cfg.checkpoint)
-        meta, saved_data_states = restore_meta_and_data(resume) if resume is not None else ({}, None)
+        on_damaged = cfg.checkpoint.get("on_damaged", "fall_back")
+        meta, saved_data_states = (restore_meta_and_data(resume, on_damaged=on_damaged)
+                                   if resume is not None else ({}, None))
         saved_listing = None if cfg.checkpoint.allow_data_change else meta.get("files")
         listing = data_lib.run_listing(data_cfg.patterns(), eval_paths, saved_listing,
                                        from_process_0=distributed.from_process_0)
@@ -111,7 +130,7 @@ def train(cfg: DictConfig) -> dict:
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
 
     # ------------------------------------------------------------------ model, optimizer, shardings
-    mesh, rules, abstract_state = program.mesh, program.rules, program.abstract_state
+    abstract_state = program.abstract_state
     batch_sharding = program.batch_sharding
     fingerprint = {"data": data_lib.fingerprint(data_cfg, tokenizer=tokenizer, files=train_files),
                    "model": OmegaConf.to_container(cfg.model, resolve=True)}
@@ -183,7 +202,7 @@ def train(cfg: DictConfig) -> dict:
             if is_main:
                 print(f"Resuming from {resume.describe()} at step {start_step}", flush=True)
         elif cfg.checkpoint.init_from:
-            state, _ = step_lib.init_train_state(model_cfg, tx, mesh, rules, cfg.seed)
+            state = program.init_state(cfg.seed)
             try:
                 state["params"] = ckpt.restore_params(cfg.checkpoint.init_from, abstract_state["params"],
                                                       model=fingerprint["model"])
@@ -193,7 +212,7 @@ def train(cfg: DictConfig) -> dict:
             if is_main:
                 print(f"Initialised parameters from {cfg.checkpoint.init_from}; starting at step 0", flush=True)
         else:
-            state, _ = step_lib.init_train_state(model_cfg, tx, mesh, rules, cfg.seed)
+            state = program.init_state(cfg.seed)
             start_step = 0
             if is_main:
                 print(f"Starting a new run in {run_dir}", flush=True)
@@ -324,7 +343,8 @@ def build_program(cfg: DictConfig, model_cfg, tx, devices=None):
 
     return step_lib.build_program(model_cfg, tx, cfg.mesh, global_batch=int(cfg.data.global_batch_size),
                                   z_loss=float(cfg.train.z_loss), microbatches=int(cfg.train.microbatches),
-                                  loss_chunk=int(cfg.train.loss_chunk), devices=devices)
+                                  loss_chunk=int(cfg.train.loss_chunk), devices=devices,
+                                  spikes=step_lib.SpikeConfig.from_mapping(cfg.train.get("spikes")))
 
 
 # ====================================================================== CLI
@@ -334,6 +354,7 @@ def main(cfg: DictConfig) -> None:
 
     quiet_cpu_start()           # before anything imports JAX
     from data import BadDataError
+    from model.checkpoint import DamagedCheckpoint
 
     try:
         train(cfg)
@@ -347,6 +368,10 @@ def main(cfg: DictConfig) -> None:
         # file and line in its message; it arrives from an input worker process as itself, and
         # the traceback would bury that one line under Grain's and our frames.
         print(f"data error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except DamagedCheckpoint as e:
+        # checkpoint.on_damaged=stop, or no step left that restores: the line says which step and why.
+        print(f"checkpoint error: {e}", file=sys.stderr)
         sys.exit(1)
 
 

@@ -26,12 +26,25 @@ Resume order (`find_resume`; train.py applies init_from):
      pre-training, a new data mix);
   4. from scratch.
 Errors a user can fix (a missing resume_from, a fingerprint mismatch) are ValueErrors.
+
+Damaged steps. A visible step can still fail to restore: a truncated or missing array file (a
+half-written object on a bucket, a bad disk), an unreadable data-state JSON, a meta that does
+not parse. `Checkpointer.restore_state` and `restore_meta_and_data(..., on_damaged=...)` turn
+such a failure on any host into `DamagedCheckpoint` on every host (they agree with one tiny
+all-gather before anyone acts): the step is named in one line with the reason and, with
+checkpoint.on_damaged=fall_back, moved aside by process 0 (`<step>.damaged-<UTC time>` beside
+it, never deleted; Orbax no longer sees it as a step), so that the run starts again from the
+newest step that restores (train.py). Nothing is read twice when nothing is damaged: the guard
+is a try around the one restore. Errors that say nothing about the files (out of memory, an
+unreachable or forbidden bucket) are raised as they are: a step is moved aside only on evidence.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping
+import re
+import time
+from collections.abc import Callable, Mapping
 
 import jax
 import numpy as np
@@ -39,6 +52,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 ITEMS = ("state", "data", "meta")
+ON_DAMAGED = ("fall_back", "stop")
 
 # Model settings that change how a step runs but not what the state holds: a run may resume
 # with another attention kernel, remat policy, compute dtype or context limit.
@@ -77,12 +91,33 @@ class Checkpointer:
 
     # ---------------------------------------------------------------- restore
     def restore_meta_and_data(self, resume: ResumePoint) -> tuple[dict, list[dict] | None]:
-        return restore_meta_and_data(resume)
+        return restore_meta_and_data(resume, on_damaged=self.cfg.get("on_damaged", "fall_back"))
 
     def restore_state(self, resume: ResumePoint, abstract_state):
         """Arrays straight into the shardings carried by `abstract_state`'s ShapeDtypeStructs,
-        whatever mesh or process count wrote them (Orbax reads only each device's slices)."""
-        return self._restore(resume, ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))["state"]
+        whatever mesh or process count wrote them (Orbax reads only each device's slices).
+        A damaged step raises DamagedCheckpoint on every host (module docstring)."""
+        abstract_state = dict(abstract_state)
+        window = abstract_state.pop("spikes", None)
+        args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
+        state = guard_damage(resume, lambda: self._restore(resume, args)["state"], item="state",
+                             on_damaged=self.cfg.get("on_damaged", "fall_back"))
+        if window is not None:
+            state["spikes"] = self._spike_window(resume, window)
+        return state
+
+    def _spike_window(self, resume: ResumePoint, abstract):
+        """train.spikes' window as the step's meta holds it; an empty one when the step was saved
+        without spike skipping or with another window length (the rule warms up again)."""
+        meta = self._restore(resume, ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"] or {}
+        saved = meta.get("spikes")
+        if not saved or len(saved.get("losses", [])) != abstract["losses"].shape[0]:
+            saved = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), abstract)
+            if jax.process_index() == 0:
+                print("train.spikes: the checkpoint holds no loss window of this length; starting an empty one",
+                      flush=True)
+        return jax.tree.map(lambda a, v: jax.make_array_from_callback(
+            a.shape, a.sharding, lambda idx: np.asarray(v, a.dtype)[idx]), abstract, saved)
 
     def restore_params(self, path: str, abstract_params, model: Mapping | None = None):
         """checkpoint.init_from: parameters only (the optimizer state is never read).
@@ -116,6 +151,12 @@ class Checkpointer:
     def save(self, step: int, state, data_state: dict, meta: dict) -> None:
         """Starts an asynchronous save (returns once the arrays are copied off the devices and
         this process's data state is written); call on every process at the same step."""
+        if "spikes" in state:
+            # The loss window travels in the meta (a few hundred floats, fetched once per save), so
+            # the arrays of a step are the same with spike skipping on or off.
+            state = dict(state)
+            meta = {**meta, "spikes": jax.tree.map(lambda a: np.asarray(a).tolist(),
+                                                   jax.device_get(state.pop("spikes")))}
         saved = self.manager.save(step, force=True, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), data=DataStateSave(data_state), meta=ocp.args.JsonSave(meta)))
         if not saved:     # force=True: only a read-only manager skips
@@ -145,16 +186,111 @@ def find_resume(ccfg: Mapping) -> ResumePoint | None:
     return None
 
 
-def restore_meta_and_data(resume: ResumePoint) -> tuple[dict, list[dict] | None]:
+def restore_meta_and_data(resume: ResumePoint, on_damaged: str | None = None) -> tuple[dict, list[dict] | None]:
     """The small items, read before anything else: the meta holds the run's file list (so a
     resumed run does not list its bucket again), and the input pipeline can start from the
     data states while the arrays restore.
 
-    Returns (meta, [data state of process 0, 1, ...] as saved, or None if absent)."""
-    with _read_only_manager(resume.directory) as manager:
-        restored = manager.restore(resume.step, args=ocp.args.Composite(
-            meta=ocp.args.JsonRestore(), data=DataStateRestore()))
-    return dict(restored["meta"] or {}), restored["data"]
+    Returns (meta, [data state of process 0, 1, ...] as saved, or None if absent). With
+    `on_damaged` (checkpoint.on_damaged; every process must call), an item that does not
+    restore raises DamagedCheckpoint on every host (module docstring)."""
+    def read(item, args):
+        with _read_only_manager(resume.directory) as manager:
+            return manager.restore(resume.step, args=ocp.args.Composite(**{item: args}))[item]
+
+    if on_damaged is None:
+        return dict(read("meta", ocp.args.JsonRestore()) or {}), read("data", DataStateRestore())
+    # One item at a time, so that the line names the one that failed.
+    meta = guard_damage(resume, lambda: read("meta", ocp.args.JsonRestore()), item="meta", on_damaged=on_damaged)
+    states = guard_damage(resume, lambda: read("data", DataStateRestore()), item="data", on_damaged=on_damaged)
+    return dict(meta or {}), states
+
+
+# ---------------------------------------------------------------- damaged steps
+class DamagedCheckpoint(RuntimeError):
+    """A step that did not restore, raised on every host alike. `moved_to`: where the step now
+    lies (train.py starts again from the newest step that restores); None: the run stops
+    (checkpoint.on_damaged=stop, a resume_from step, or no step left that could restore)."""
+
+    def __init__(self, message: str, moved_to: str | None = None):
+        super().__init__(message)
+        self.moved_to = moved_to
+
+
+# What says nothing about the files: a transient or a setup problem, or a restore target that
+# differs from what was saved (another optimizer, a model the fingerprint let through): never a
+# reason to move a step aside.
+_NOT_DAMAGE = ("RESOURCE_EXHAUSTED", "UNAVAILABLE", "DEADLINE_EXCEEDED", "PERMISSION_DENIED", "UNAUTHENTICATED",
+               "CANCELLED", "ABORTED", "not compatible with the stored shape", "tree structure", "do not match")
+# Evidence of damage without a status code: Orbax's wrapper of a failed TensorStore read, our
+# data-state reader's errors, a file that vanished.
+_DAMAGE_TEXT = ("Encountered error while reading", "is not JSON", "incomplete data state")
+_STATUS = re.compile(r"\b(OUT_OF_RANGE|NOT_FOUND|DATA_LOSS|INVALID_ARGUMENT|FAILED_PRECONDITION|UNKNOWN): "
+                     r"([^\[\n]*)")
+
+
+def damage_reason(exc: BaseException) -> str | None:
+    """One line saying why a restore failed when there is evidence that the files are at fault
+    (missing, truncated, unparsable), else None: the error is raised as it is."""
+    chain, e = [], exc
+    while e is not None and len(chain) < 8:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    text = "\n".join(str(x) for x in chain)
+    if any(isinstance(x, MemoryError) for x in chain) or any(code in text for code in _NOT_DAMAGE):
+        return None
+    if (m := _STATUS.search(text)) is not None:
+        return f"{m.group(1)}: {m.group(2).strip()}"[:300]
+    if any(isinstance(x, FileNotFoundError) for x in chain) or any(t in text for t in _DAMAGE_TEXT):
+        first = next((line for line in text.splitlines() if line.strip()), type(exc).__name__)
+        return first[:300]          # ours name the file ("process_1-of-2.json is not JSON (...)")
+    for x in chain:
+        if isinstance(x, json.JSONDecodeError):
+            return f"unparsable JSON ({x})"
+    return None
+
+
+def guard_damage(resume: ResumePoint, read: Callable, *, item: str, on_damaged: str):
+    """read()'s result, or DamagedCheckpoint on every process when read() failed on any one of
+    them for a reason in the files (damage_reason). Every process must call it for the same step.
+
+    The hosts agree (one all-gather) before anyone acts, so none loads a step another found
+    damaged; process 0 alone moves the step aside, and every host waits for the move before
+    it looks for the next step."""
+    from model.distributed import max_over_hosts
+
+    reason, result = None, None
+    try:
+        result = read()
+    except Exception as e:  # noqa: BLE001 - classified just below; anything else is re-raised
+        reason = damage_reason(e)
+        if reason is None:
+            raise
+    if not max_over_hosts(int(reason is not None)):
+        return result
+    where = f"{resume.directory}/{resume.step}"
+    seen = (f"{item}: {reason}" if reason is not None else "on another host")
+    if jax.process_count() > 1 and reason is not None:
+        seen = f"process {jax.process_index()}, {seen}"
+    head = f"checkpoint {where} did not restore ({seen})"
+    if on_damaged == "stop" or resume.source != "latest":
+        why = ("checkpoint.on_damaged=stop" if on_damaged == "stop"
+               else f"{resume.source} is another run's: it is never moved; point it at another step")
+        raise DamagedCheckpoint(f"{head}; stopping ({why})")
+    # One name on every host: process 0's clock, agreed like the decision.
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(max_over_hosts(int(time.time()))))
+    target = epath.Path(resume.directory) / f"{resume.step}.damaged-{stamp}"
+    if jax.process_index() == 0:
+        epath.Path(where).rename(target)
+    max_over_hosts(0)           # nobody looks for the next step before the move is done
+    left = complete_steps(resume.directory)
+    if not left:
+        raise DamagedCheckpoint(f"{head}: moved aside to {target}; no other step in {resume.directory} restores "
+                                "(start again to train from scratch)")
+    message = f"{head}: moved aside to {target}; resuming from step {left[-1]}"
+    if reason is not None or jax.process_index() == 0:
+        print(message, flush=True)
+    raise DamagedCheckpoint(message, moved_to=str(target))
 
 
 def complete_steps(directory: str) -> list[int]:
@@ -274,7 +410,13 @@ class DataStateHandler(ocp.CheckpointHandler):
             return None
         if len(counts) != 1 or sorted(found) != list(range(counts.pop())):
             raise ValueError(f"incomplete data state in {directory}: {sorted(f.name for f in found.values())}")
-        return [json.loads(found[i].read_text()) for i in range(len(found))]
+        states = []
+        for i in range(len(found)):
+            try:
+                states.append(json.loads(found[i].read_text()))
+            except json.JSONDecodeError as e:       # the line must name the file
+                raise ValueError(f"{found[i].name} is not JSON ({e})") from e
+        return states
 
     def metadata(self, directory):
         return None

@@ -92,6 +92,13 @@ class IntervalMeter:
             **{f"data/{k}": v for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)},
             **{f"data/bad_{k}": v for k, v in stats.get("bad_records", {}).items()},
         }
+        if any(float(m.get("z_loss", 0.0)) for m in fetched):
+            # train.z_loss > 0: the z-loss term's mean (the `loss` column is the cross-entropy alone).
+            row["z_loss"] = float(np.mean([float(m["z_loss"]) for m in fetched]))
+        if "skipped" in fetched[-1]:
+            # train.spikes: updates skipped in this interval and since the run began.
+            row["skipped_steps"] = int(sum(float(m["skipped"]) for m in fetched))
+            row["skipped_total"] = int(fetched[-1]["skipped_total"])
         if stats.get("stage_s"):
             # Where the input time went in this interval (this host), and the stage bounding it.
             from data import timing

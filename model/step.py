@@ -6,7 +6,11 @@ the parameters' logical axis names plus the rules give its shardings, and
 ever holds a whole parameter tree, and the same abstract tree is Orbax's restore target.
 
 TrainState is a plain dict {"params": nested dict of arrays, "opt_state": optax state,
-"step": int32 scalar}: Orbax StandardSave handles it without any Flax types.
+"step": int32 scalar}: Orbax StandardSave handles it without any Flax types. With loss-spike
+skipping on (train.spikes, SpikeConfig) it also holds "spikes", the trailing window of losses
+the step decides on, on the device: no host round trip per step. The checkpoint keeps that
+window in the step's meta, not among the arrays (model/checkpoint.py), so turning spike
+skipping on or off never changes what a checkpoint's arrays are.
 """
 from __future__ import annotations
 
@@ -56,6 +60,59 @@ def param_shardings(cfg: LlamaConfig, mesh: Mesh, rules) -> Any:
     return nnx.to_pure_dict(jax.tree.map(one, abstract, is_leaf=lambda x: isinstance(x, nnx.Variable)))
 
 
+# ----------------------------------------------------------------------------- loss spikes
+
+
+@dataclasses.dataclass(frozen=True)
+class SpikeConfig:
+    """train.spikes: skip the update of a step whose loss is above mean + k * std of the
+    trailing `window` losses of updated steps (OLMo-core's and MaxText's rule), once the window
+    holds `min_steps` of them. A non-finite loss is always skipped. The step still counts (its
+    batch is consumed); parameters and optimizer state stay as they were."""
+
+    window: int = 128
+    k: float = 6.0
+    min_steps: int = 32
+
+    @classmethod
+    def from_mapping(cls, m: Mapping | None) -> SpikeConfig | None:
+        """None when absent or enabled=false; ValueError naming the key when a value is wrong."""
+        m = dict(m or {})
+        if not m.pop("enabled", False):
+            return None
+        unknown = set(m) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"train.spikes: unknown keys {sorted(unknown)} (window, k, min_steps)")
+        c = cls(window=int(m.get("window", cls.window)), k=float(m.get("k", cls.k)),
+                min_steps=int(m.get("min_steps", cls.min_steps)))
+        if c.window < 2 or not 2 <= c.min_steps <= c.window or c.k <= 0:
+            raise ValueError(f"train.spikes: need window >= 2, 2 <= min_steps <= window and k > 0 (got {c})")
+        return c
+
+
+def spike_window_init(window: int) -> dict:
+    """An empty window: losses (ring buffer), seen (losses written), skipped (total), run (in a row)."""
+    return {"losses": jnp.zeros((window,), jnp.float32), "seen": jnp.zeros((), jnp.int32),
+            "skipped": jnp.zeros((), jnp.int32), "run": jnp.zeros((), jnp.int32)}
+
+
+def spike_decision(window: dict, loss, spikes: SpikeConfig):
+    """(skip: bool[], the next window) for this step's `loss`; pure jnp, runs inside the step.
+    A skipped loss does not enter the window, so a spike does not widen the band for the next."""
+    w = window["losses"].shape[0]
+    count = jnp.minimum(window["seen"], w)
+    valid = jnp.arange(w) < count
+    n = jnp.maximum(count, 1).astype(jnp.float32)
+    mean = jnp.where(valid, window["losses"], 0.0).sum() / n
+    std = jnp.sqrt(jnp.where(valid, jnp.square(window["losses"] - mean), 0.0).sum() / n)
+    loss = loss.astype(jnp.float32)
+    skip = ~jnp.isfinite(loss) | ((count >= spikes.min_steps) & (loss > mean + spikes.k * std))
+    losses = jnp.where(skip, window["losses"], window["losses"].at[window["seen"] % w].set(loss))
+    return skip, {"losses": losses, "seen": window["seen"] + (~skip).astype(jnp.int32),
+                  "skipped": window["skipped"] + skip.astype(jnp.int32),
+                  "run": jnp.where(skip, window["run"] + 1, 0).astype(jnp.int32)}
+
+
 def _state_shardings(cfg, tx, mesh, rules, abstract_state):
     p_sh = param_shardings(cfg, mesh, rules)
     rep = shd.replicated(mesh)
@@ -64,32 +121,38 @@ def _state_shardings(cfg, tx, mesh, rules, abstract_state):
     opt_sh = optax.tree_map_params(
         tx, lambda _, s: s, abstract_state["opt_state"], p_sh,
         transform_non_params=lambda _: rep, is_leaf=lambda x: isinstance(x, NamedSharding))
-    return {"params": p_sh, "opt_state": opt_sh, "step": rep}
+    shardings = {"params": p_sh, "opt_state": opt_sh, "step": rep}
+    if "spikes" in abstract_state:
+        shardings["spikes"] = jax.tree.map(lambda _: rep, abstract_state["spikes"])
+    return shardings
 
 
-def _init_fn(cfg: LlamaConfig, tx: optax.GradientTransformation):
+def _init_fn(cfg: LlamaConfig, tx: optax.GradientTransformation, spikes: SpikeConfig | None = None):
     def init(key):
         model = Llama(cfg, rngs=nnx.Rngs(params=key))
         params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-        return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+        state = {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+        if spikes is not None:
+            state["spikes"] = spike_window_init(spikes.window)
+        return state
 
     return init
 
 
-def abstract_train_state(model_cfg, tx, mesh: Mesh, rules):
+def abstract_train_state(model_cfg, tx, mesh: Mesh, rules, spikes: SpikeConfig | None = None):
     """(TrainState of jax.ShapeDtypeStruct carrying .sharding, state shardings)."""
     cfg = as_cfg(model_cfg)
-    abstract = jax.eval_shape(_init_fn(cfg, tx), jax.random.key(0))
+    abstract = jax.eval_shape(_init_fn(cfg, tx, spikes), jax.random.key(0))
     shardings = _state_shardings(cfg, tx, mesh, rules, abstract)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
     return abstract, shardings
 
 
-def init_train_state(model_cfg, tx, mesh: Mesh, rules, seed: int):
+def init_train_state(model_cfg, tx, mesh: Mesh, rules, seed: int, spikes: SpikeConfig | None = None):
     """Fresh TrainState, created already sharded (each device computes only its shards)."""
     cfg = as_cfg(model_cfg)
-    _, shardings = abstract_train_state(cfg, tx, mesh, rules)
-    init = jax.jit(_init_fn(cfg, tx), out_shardings=shardings)
+    _, shardings = abstract_train_state(cfg, tx, mesh, rules, spikes)
+    init = jax.jit(_init_fn(cfg, tx, spikes), out_shardings=shardings)
     # The key is a host-side constant; the random draws happen inside the sharded init.
     return init(jax.random.key(seed)), shardings
 
@@ -150,12 +213,14 @@ def loss_fn(params, graphdef, batch, z_loss: float, denom=None, loss_chunk: int 
 
 
 def make_train_step(model_cfg, tx, mesh: Mesh, rules, state_shardings, z_loss: float = 0.0,
-                    microbatches: int = 1, loss_chunk: int = 0) -> Callable:
+                    microbatches: int = 1, loss_chunk: int = 0, spikes: SpikeConfig | None = None) -> Callable:
     """jitted (state, batch) -> (new_state, metrics); `state` is donated.
 
     microbatches > 1 accumulates gradients over that many slices of the batch (lax.scan), for
     global batches whose activations do not fit at once; the result equals one big step.
-    loss_chunk: see model_token_losses.
+    loss_chunk: see model_token_losses. spikes: skip the update of a spike (SpikeConfig); the
+    state must then hold "spikes" (init_train_state(..., spikes)); metrics gain "skipped" (0/1),
+    "skipped_total" and "skipped_in_a_row". Without it the step is exactly what it was.
     """
     cfg = as_cfg(model_cfg)
     graphdef, _ = abstract_model(cfg)
@@ -195,7 +260,16 @@ def make_train_step(model_cfg, tx, mesh: Mesh, rules, state_shardings, z_loss: f
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         metrics = dict(metrics, grad_norm=optax.tree.norm(grads), param_norm=optax.tree.norm(params))
-        return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+        new_state = {"params": params, "opt_state": opt_state, "step": state["step"] + 1}
+        if spikes is not None:
+            # Decided here, on the device: a select per array, no host round trip.
+            skip, new_state["spikes"] = spike_decision(state["spikes"], metrics["loss"], spikes)
+            keep = lambda old, new: jnp.where(skip, old, new)  # noqa: E731
+            new_state["params"] = jax.tree.map(keep, state["params"], params)
+            new_state["opt_state"] = jax.tree.map(keep, state["opt_state"], opt_state)
+            metrics = dict(metrics, skipped=skip.astype(jnp.float32), skipped_total=new_state["spikes"]["skipped"],
+                           skipped_in_a_row=new_state["spikes"]["run"])
+        return new_state, metrics
 
     return jax.jit(step, in_shardings=(state_shardings, {k: b_sh for k in BATCH_KEYS}),
                    out_shardings=(state_shardings, rep), donate_argnums=(0,))
@@ -234,6 +308,7 @@ class Program:
     batch_sharding: NamedSharding
     train_step: Callable         # (state, batch) -> (state, metrics); state donated
     eval_step: Callable          # (params, batch) -> {"loss_sum", "n_tokens"}
+    init_state: Callable         # seed -> a fresh TrainState in its shardings
 
     def abstract_batch(self, global_batch: int, seq_len: int) -> dict:
         """The global batch as the input pipeline delivers it: int32 [global_batch, seq_len] per key."""
@@ -242,7 +317,8 @@ class Program:
 
 
 def build_program(model_cfg, tx, mesh_cfg: Mapping, *, global_batch: int, z_loss: float, microbatches: int,
-                  loss_chunk: int = 0, devices: Sequence[jax.Device] | None = None) -> Program:
+                  loss_chunk: int = 0, spikes: SpikeConfig | None = None,
+                  devices: Sequence[jax.Device] | None = None) -> Program:
     """The run's Program over `devices` (default: every process's devices).
 
     Raises ValueError naming the setting when the batch does not split over the mesh's batch
@@ -258,10 +334,11 @@ def build_program(model_cfg, tx, mesh_cfg: Mapping, *, global_batch: int, z_loss
         raise ValueError(f"train.microbatches={microbatches} does not divide the "
                          f"{global_batch // batch_ways} rows per batch shard")
     rules = shd.rules_from_cfg(mesh_cfg)
-    abstract_state, state_shardings = abstract_train_state(cfg, tx, mesh, rules)
+    abstract_state, state_shardings = abstract_train_state(cfg, tx, mesh, rules, spikes)
     return Program(
         mesh=mesh, rules=rules, abstract_state=abstract_state, state_shardings=state_shardings,
         batch_sharding=batch_sharding(mesh, rules),
         train_step=make_train_step(cfg, tx, mesh, rules, state_shardings, z_loss=z_loss, microbatches=microbatches,
-                                   loss_chunk=loss_chunk),
-        eval_step=make_eval_step(cfg, mesh, rules, state_shardings, loss_chunk=loss_chunk))
+                                   loss_chunk=loss_chunk, spikes=spikes),
+        eval_step=make_eval_step(cfg, mesh, rules, state_shardings, loss_chunk=loss_chunk),
+        init_state=lambda seed: init_train_state(cfg, tx, mesh, rules, seed, spikes)[0])

@@ -5,6 +5,7 @@
 Whole runs (kills, preemption, other process counts) are in tests/test_resume.py.
 """
 import json
+import os
 from pathlib import Path
 
 import jax
@@ -15,7 +16,16 @@ from omegaconf import OmegaConf
 
 from model import sharding as shd
 from model import step as step_lib
-from model.checkpoint import Checkpointer, DataStateHandler, check_fingerprint, fingerprint_diffs, split_step_dir
+from model.checkpoint import (
+    Checkpointer,
+    DamagedCheckpoint,
+    DataStateHandler,
+    check_fingerprint,
+    complete_steps,
+    damage_reason,
+    fingerprint_diffs,
+    split_step_dir,
+)
 from model.llama import LlamaConfig
 from model.optimizer import make_optimizer
 
@@ -254,3 +264,96 @@ def test_allow_data_change_accepts_data_only():
 def test_runtime_only_model_settings_may_change():
     now = changed(model={"remat": "full", "attention": "splash", "dtype": "bfloat16"})
     assert check_fingerprint(FP, now, allow_data_change=False) == []
+
+
+# ---------------------------------------------------------------- damaged steps
+def _largest_array_file(step_dir):
+    return max((step_dir / "state").glob("ocdbt.process_*/d/*"), key=lambda p: p.stat().st_size)
+
+
+# Each kind of file a step holds, damaged the way a half-written object or a bad disk leaves it.
+DAMAGE = {
+    "array_chunk_truncated": lambda d: os.truncate(_largest_array_file(d), 1000),
+    "array_chunk_missing": lambda d: _largest_array_file(d).unlink(),
+    "array_manifest_missing": lambda d: (d / "state" / "manifest.ocdbt").unlink(),
+    "array_metadata_unparsable": lambda d: (d / "state" / "_METADATA").write_text('{"tree_metadata": {'),
+    "data_state_unparsable": lambda d: (d / "data" / "process_0-of-1.json").write_text('{"shards": {"0'),
+    "meta_unparsable": lambda d: (d / "meta" / "metadata").write_text("{not json"),
+}
+
+
+def restore_all(ckpt, abstract):
+    """What train.py reads of a resumed step, in its order."""
+    resume = ckpt.find_resume()
+    meta, states = ckpt.restore_meta_and_data(resume)
+    return resume, meta, states, ckpt.restore_state(resume, abstract)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", sorted(DAMAGE))
+def test_damaged_step_is_named_moved_aside_and_the_previous_one_restores(kind, setup, tmp_path, capsys):
+    tx, mesh, rules, state = setup
+    ckpt = Checkpointer(ccfg(tmp_path / "ckpt"))
+    ckpt.save(2, state, {"s": 2}, META)
+    ckpt.save(4, jax.tree.map(lambda x: x + 1, state), {"s": 4}, META)
+    ckpt.close()
+    DAMAGE[kind](tmp_path / "ckpt" / "4")
+    abstract, _ = step_lib.abstract_train_state(MODEL, tx, mesh, rules)
+
+    ckpt = Checkpointer(ccfg(tmp_path / "ckpt"))
+    with pytest.raises(DamagedCheckpoint) as e:
+        restore_all(ckpt, abstract)
+    ckpt.close()
+    moved = [p.name for p in (tmp_path / "ckpt").iterdir() if ".damaged-" in p.name]
+    assert len(moved) == 1 and moved[0].startswith("4.damaged-"), moved
+    assert e.value.moved_to == str(tmp_path / "ckpt" / moved[0])
+    lines = [line for line in capsys.readouterr().out.splitlines() if "did not restore" in line]
+    assert len(lines) == 1 and f"{tmp_path / 'ckpt'}/4 did not restore (" in lines[0], lines
+    assert "resuming from step 2" in lines[0]
+    item = kind.split("_")[0]
+    assert f"({ {'array': 'state', 'data': 'data', 'meta': 'meta'}[item]}: " in lines[0], lines[0]
+
+    # The next start restores step 2, every item of it, and saves on past the moved step.
+    ckpt = Checkpointer(ccfg(tmp_path / "ckpt"))
+    resume, meta, states, restored = restore_all(ckpt, abstract)
+    assert (resume.step, meta, states) == (2, META, [{"s": 2}])
+    assert_tree_equal(restored, host_copy(state))
+    ckpt.save(4, state, {"s": 4}, META)
+    ckpt.close()
+    assert complete_steps(str(tmp_path / "ckpt")) == [2, 4]
+    assert (tmp_path / "ckpt" / moved[0]).is_dir()         # never deleted
+
+
+def test_damaged_step_with_on_damaged_stop_stays_in_place(setup, tmp_path):
+    tx, mesh, rules, state = setup
+    ckpt = Checkpointer(ccfg(tmp_path / "ckpt"))
+    ckpt.save(2, state, {"s": 2}, META)
+    ckpt.save(4, state, {"s": 4}, META)
+    ckpt.close()
+    DAMAGE["array_chunk_truncated"](tmp_path / "ckpt" / "4")
+    abstract, _ = step_lib.abstract_train_state(MODEL, tx, mesh, rules)
+    ckpt = Checkpointer(ccfg(tmp_path / "ckpt", on_damaged="stop"))
+    with pytest.raises(DamagedCheckpoint) as e:
+        restore_all(ckpt, abstract)
+    ckpt.close()
+    assert e.value.moved_to is None
+    msg = str(e.value)
+    assert "\n" not in msg and "/4 did not restore (state: " in msg and "checkpoint.on_damaged=stop" in msg, msg
+    assert complete_steps(str(tmp_path / "ckpt")) == [2, 4]
+
+
+def test_only_damage_moves_a_step():
+    """Errors that say nothing about the files are raised as they are, never a reason to move."""
+    assert damage_reason(MemoryError()) is None
+    assert damage_reason(Exception("UNAVAILABLE: connection reset by peer")) is None
+    assert damage_reason(ValueError("PERMISSION_DENIED: gs://bucket")) is None
+    assert damage_reason(RuntimeError("something else")) is None
+    # Another optimizer or model than the one saved: the step is fine, the target is not.
+    assert damage_reason(ValueError("Requested shape: (2, 128) is not compatible with the stored shape: (4, 128)")) \
+        is None
+    assert damage_reason(ValueError("User-provided restore item and on-disk value metadata tree structures do not "
+                                    "match")) is None
+    chunk = Exception("Encountered error while reading array index")
+    chunk.__cause__ = ValueError('OUT_OF_RANGE: Error reading "params.w/0.0" [source locations=...]')
+    assert damage_reason(chunk) == 'OUT_OF_RANGE: Error reading "params.w/0.0"'
+    assert damage_reason(json.JSONDecodeError("Expecting value", "{", 1)).startswith("unparsable JSON")

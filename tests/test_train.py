@@ -188,6 +188,8 @@ def test_a_run_shorter_than_the_warmup_just_works(tmp_path, capsys):
      "data.paths: cannot read the file list @/nonexistent/train_files.txt"),
     # An explicit decay shorter than the warmup is a mistake, not a smoke run.
     (["train.steps=5", "optimizer.decay_steps=20"], "optimizer.warmup_steps=30 must be below optimizer.decay_steps=20"),
+    (["checkpoint.on_damaged=ignore"], "checkpoint.on_damaged=ignore must be fall_back or stop"),
+    (["train.spikes.enabled=true", "train.spikes.min_steps=1"], "train.spikes: need window >= 2, 2 <= min_steps"),
 ])
 def test_bad_config_fails_fast_with_one_line(tmp_path, overrides, needle):
     result = run_cli(tmp_path, *overrides)

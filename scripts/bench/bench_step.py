@@ -25,7 +25,8 @@ import yaml  # noqa: E402
 from model import flops, sharding, step  # noqa: E402
 from model.llama import LlamaConfig  # noqa: E402
 
-CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+# scripts/bench/ -> the repository root
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
 
 
 def load_yaml(group: str, name: str) -> dict:
