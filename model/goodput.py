@@ -57,6 +57,12 @@ def read_events(path: Path) -> list[dict]:
     return out
 
 
+def _last_byte(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1)
+
+
 # ====================================================================== the ledger (pure)
 class Life:
     """One process life's events, folded as they come (O(1) per event)."""
@@ -242,6 +248,8 @@ class EventLog:
         self._lives = split_lives(read_events(path))
         # One write per event, line-buffered: a SIGKILL loses at most the event being written.
         self._file = open(path, "a", buffering=1)
+        if self._file.tell() and _last_byte(path) != b"\n":
+            self._file.write("\n")         # a line cut short by a kill stays a line of its own
         for e in buffered:
             self._write(e)
 
