@@ -235,8 +235,8 @@ def train(cfg: DictConfig) -> dict:
             batch_log = data_lib.BatchLog(run_dir / f"debug_batches.p{process_index}.jsonl")
             cleanup.callback(batch_log.close)
         step = start_step
-        # The exit event (clean, preempted, crash), the goodput row and summary; before the logger closes.
-        cleanup.push(events.on_exit(lambda: step, preempted, logger))
+        # On the way out: the exit event (clean, preempted, crash) and the goodput summary.
+        cleanup.push(events.on_exit(lambda: step, preempted))
         auto_row = {}           # data.num_workers=auto's figures, logged with the next row
         last = {}
         while step < cfg.train.steps:

@@ -81,6 +81,8 @@ class Life:
         self.sums = dict.fromkeys(("productive", "data_wait", "stall", "eval", "checkpoint"), 0.0)
         self.pending = {"eval": 0.0, "checkpoint": 0.0}     # since the last interval
         self.intervals = []         # (first step, last step, productive, data_wait, stall) per interval
+        self.steps = 0              # steps in the intervals
+        self._lost = {}             # lost(resumed_at), computed once for a finished life
 
     def add(self, e: dict) -> None:
         kind, t = e.get("event"), float(e.get("t", self.last_t))
@@ -109,6 +111,7 @@ class Life:
                 self.sums[k] += v
             step = int(e["step"])
             self.intervals.append((self.mark_step + 1, step, productive, wait, stall))
+            self.steps += step - self.mark_step
             self.pending = {"eval": 0.0, "checkpoint": 0.0}
             self.mark, self.mark_step, self.last_step = t, step, step
         elif kind == "exit":
@@ -135,7 +138,7 @@ class Life:
             take = min(tail, self.pending[k])
             out[k] += take
             tail -= take
-        steps = sum(b - a + 1 for a, b, *_ in self.intervals)
+        steps = self.steps
         extra = max(0, (self.last_step or 0) - self.mark_step)
         if steps and extra:
             take = min(tail, extra * self.sums["productive"] / steps)
@@ -147,6 +150,8 @@ class Life:
     def lost(self, resumed_at: int) -> tuple[int, dict]:
         """Steps after `resumed_at` that this life trained (and the next one trains again), and
         their seconds by part (taken pro rata from the intervals holding them)."""
+        if resumed_at in self._lost:
+            return self._lost[resumed_at]
         seconds = {"productive": 0.0, "data_wait": 0.0, "stall": 0.0}
         steps = 0
         for first, last, productive, wait, stall in self.intervals:
@@ -156,6 +161,7 @@ class Life:
                 steps += overlap
                 for k, v in (("productive", productive), ("data_wait", wait), ("stall", stall)):
                     seconds[k] += v * overlap / n
+        self._lost[resumed_at] = steps, seconds
         return steps, seconds
 
 
@@ -289,29 +295,25 @@ class EventLog:
             self.add("eval", t=now, step=row["step"], seconds=eval_s)
         return {**row, **metrics(self.breakdown())}
 
-    def on_exit(self, last_step, preempted, logger=None):
+    def on_exit(self, last_step, preempted):
         """An ExitStack.push callback: the exit event (clean, preempted or crash with the
-        exception's type), then the run's goodput row and the three-line summary.
-        last_step(): the last completed step; `preempted.fired` tells a preemption."""
+        exception's type) and the three-line summary. last_step(): the last completed step;
+        `preempted.fired` tells a preemption. (The metrics rows carry goodput/* up to the last
+        row; the exit's own figures are in the summary and the event log, so metrics.jsonl keeps
+        one row per logged step.)"""
         def hook(exc_type, exc, tb):
             reason = "crash" if exc_type else ("preempted" if preempted.fired else "clean")
-            self.exit(reason, step=last_step(), error=exc_type.__name__ if exc_type else None, logger=logger)
+            self.exit(reason, step=last_step(), error=exc_type.__name__ if exc_type else None)
             return False
         return hook
 
-    def exit(self, reason: str, *, step: int | None, error: str | None = None, logger=None) -> None:
-        """reason: clean | preempted | crash | hang (the hang watchdog calls this itself)."""
+    def exit(self, reason: str, *, step: int | None, error: str | None = None) -> None:
+        """reason: clean | preempted | crash | hang (a hang watchdog calls this itself)."""
         if not self.enabled or self._file is None:
             return
         saved = self._lives[-1].saved if self._lives else None
         self.add("exit", reason=reason, step=step, saved=saved, **({"error": error} if error else {}))
-        b = self.breakdown()
-        if logger is not None and step is not None:
-            try:
-                logger.log({"step": step, **metrics(b)})
-            except Exception:  # noqa: BLE001 - the exit's own error matters more
-                pass
-        print(summary(b), flush=True)
+        print(summary(self.breakdown()), flush=True)
         self._file.close()
         self._file = None
         self.enabled = False
