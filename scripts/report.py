@@ -208,10 +208,12 @@ CSS = """body{font-family:sans-serif;margin:2em;max-width:1400px}img{max-width:1
 .grid{display:grid;grid-template-columns:repeat(auto-fit,minmax(560px,1fr));gap:1em}
 table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:2px 8px;text-align:right}
 th{background:#f0f0f0}td:first-child{text-align:left}pre{background:#f6f6f6;padding:.5em}"""
-# The page reports whether every plot decoded: body[data-plots] = "N/N" (headless browser tests read it).
-CHECK_JS = """window.addEventListener('load',function(){var im=document.querySelectorAll('img.plot'),ok=0;
-for(var i=0;i<im.length;i++){if(im[i].complete&&im[i].naturalWidth>0)ok++;}
-document.body.setAttribute('data-plots',ok+'/'+im.length);});"""
+# The page reports whether every plot decoded, body[data-plots] = "N/N", and where each one
+# is drawn, body[data-rects] = "x,y,w,h;..." (page pixels): headless browser tests read them.
+CHECK_JS = """window.addEventListener('load',function(){var im=document.querySelectorAll('img.plot'),ok=0,r=[];
+for(var i=0;i<im.length;i++){if(im[i].complete&&im[i].naturalWidth>0)ok++;var b=im[i].getBoundingClientRect();
+r.push([b.left+window.scrollX,b.top+window.scrollY,b.width,b.height].map(Math.round).join(','));}
+document.body.setAttribute('data-plots',ok+'/'+im.length);document.body.setAttribute('data-rects',r.join(';'));});"""
 
 
 def render(run_dir: Path, rows, events, now: float | None = None) -> str:

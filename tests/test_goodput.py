@@ -10,6 +10,7 @@ SIGKILL mid-run and started again, with a slow evaluation and a planted slow inp
 """
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -208,18 +209,21 @@ def check_report_in_chromium(run_dir, tmp_path):
     dom = subprocess.run(flags + ["--dump-dom", out.as_uri()], capture_output=True, text=True, timeout=120)
     assert 'data-plots="4/4"' in dom.stdout, dom.stdout[-500:] + dom.stderr[-2000:]
     assert "Uncaught" not in dom.stderr, dom.stderr[-2000:]
+    rects = [tuple(map(int, r.split(","))) for r in re.search(r'data-rects="([^"]*)"', dom.stdout)[1].split(";")]
     shot = tmp_path / "shot.png"
     subprocess.run(flags + [f"--screenshot={shot}", out.as_uri()], capture_output=True, timeout=120)
     from PIL import Image
 
     img = Image.open(shot).convert("L")
     assert img.size == (1400, 2400)
-    # Every plot drew: the four plot cells of the grid each hold many non-white pixels.
-    w, h = img.size
-    for box in [(0, 150, w // 2, 900), (w // 2, 150, w, 900), (0, 900, w // 2, 1600), (w // 2, 900, w, 1600)]:
-        cell = img.crop(box)
+    # Every plot drew: each one lies in the screenshot, is of a plot's size and holds ink (axes,
+    # lines, text) over at least 2% of its area, where a blank or broken image holds none.
+    assert len(rects) == 4
+    for x, y, w, h in rects:
+        assert w > 300 and h > 150 and x + w <= img.size[0] and y + h <= img.size[1], rects
+        cell = img.crop((x + 2, y + 2, x + w - 2, y + h - 2))
         dark = sum(1 for p in cell.getdata() if p < 200)
-        assert dark > 0.01 * cell.size[0] * cell.size[1], (box, dark)
+        assert dark > 0.02 * cell.size[0] * cell.size[1], ((x, y, w, h), dark)
     shutil.copy(shot, run_dir / "report_screenshot.png")
 
 
