@@ -249,3 +249,11 @@ def test_two_processes_name_the_slow_host(tmp_path):
     # One writer: process 0's single start and exit.
     kinds = [e["event"] for e in goodput.read_events(run_dir / goodput.EVENTS_FILE)]
     assert kinds.count("start") == 1 and kinds.count("exit") == 1
+    # The report's table of slowest hosts puts process 1 first.
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "report.py"), str(run_dir)], capture_output=True,
+                       text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    page = (run_dir / "report.html").read_text()
+    hosts = page[page.index("slowest host per interval"):]
+    assert hosts.index("process 1") < hosts.index("</table>"), hosts[:600]
+    assert "process 0" not in hosts[:hosts.index("</table>")] or hosts.index("process 1") < hosts.index("process 0")
