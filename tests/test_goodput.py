@@ -233,18 +233,22 @@ def test_two_processes_name_the_slow_host(tmp_path):
 
     run_dir = tmp_path / "multi"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update({SLOW_STAGE_ENV: "0.5@1", "PYTHONPATH": str(ROOT)})
+    env.update({SLOW_STAGE_ENV: f"{PLANTED_S}@1", "PYTHONPATH": str(ROOT)})     # process 1's input only
     result = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "launch_local.py"), "--processes", "2", "--devices-per-process", "2",
          "--log-dir", str(run_dir / "logs"), "--", f"hydra.run.dir={run_dir}", "mesh=fsdp", "data.seq_len=64",
-         "data.global_batch_size=8", "data.num_shards=4", "data.num_workers=0", "train.steps=6", "train.log_every=1",
+         "data.global_batch_size=8", "data.num_shards=4", "data.num_workers=0", "data.prefetch=1", "train.steps=10",
+         "train.log_every=1",
          "train.eval_every=0", "checkpoint.every=100", "logger.wandb.mode=disabled", "logger.progress_bar=false"],
         capture_output=True, text=True, env=env, timeout=600)
     logs = "\n".join(p.read_text() for p in sorted((run_dir / "logs").glob("*.log")))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:] + logs[-3000:]
     rows = [r for r in read_metrics(run_dir) if "interval_s" in r]
-    named = [r["host/slowest_data_wait"] for r in rows]
-    assert named.count(1) > len(named) / 2, named
+    # Once the batches made during the compile are used up, process 1 waits for every batch; the
+    # other host waits in the step's collectives, not for data.
+    named = [r["host/slowest_data_wait"] for r in rows if r["host/max_data_wait_s"] > 0.25 * PLANTED_S]
+    assert len(named) >= 3 and set(named) == {1}, [(r["host/slowest_data_wait"], r["host/max_data_wait_s"])
+                                                   for r in rows]
     assert all(r["host/max_data_wait_s"] >= r["host/min_data_wait_s"] for r in rows)
     # One writer: process 0's single start and exit.
     kinds = [e["event"] for e in goodput.read_events(run_dir / goodput.EVENTS_FILE)]
