@@ -52,7 +52,7 @@ def run(cfg: DictConfig) -> dict:
     import jax
 
     import data as data_lib
-    from model import distributed
+    from model import distributed, goodput
     from model import flops as flops_lib
     from model.checkpoint import Checkpointer, check_fingerprint, find_resume, restore_meta_and_data
     from model.evaluate import TaskEvaluator, TasksConfig
@@ -60,6 +60,8 @@ def run(cfg: DictConfig) -> dict:
     from model.optimizer import resolve_warmup
 
     t_start = time.perf_counter()
+    # The run's event log (model/goodput.py): a command's life counts from its process's start.
+    events = goodput.EventLog(from_process_start=__name__ == "__main__")
 
     # ------------------------------------------------------------------ config checks
     # Everything here is cheap: a bad setting fails in one line before any compile or spawn.
@@ -90,6 +92,7 @@ def run(cfg: DictConfig) -> dict:
         distributed.init_distributed(cfg.distributed)
     except ValueError as e:
         raise ConfigError(str(e)) from e
+    events.add("distributed")
     process_index, process_count = jax.process_index(), jax.process_count()
     is_main = process_index == 0
     if warmup_notice and is_main:
@@ -122,12 +125,14 @@ def run(cfg: DictConfig) -> dict:
         data_lib.check_files(data_cfg, process_count, train_files)
     except ValueError as e:
         raise ConfigError(str(e)) from e
+    events.add("listing")
 
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         # The resolved config documents the run; secrets never live in it (wandb reads its key
         # from the environment).
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    events.open(run_dir, enabled=is_main)
 
     # ------------------------------------------------------------------ model, optimizer, shardings
     abstract_state = program.abstract_state
@@ -196,6 +201,7 @@ def run(cfg: DictConfig) -> dict:
             batch_sharding, prefetch=data_cfg.prefetch)
         cleanup.callback(batches.close)
 
+        t_restore = time.time()
         if resume is not None:
             state = ckpt.restore_state(resume, abstract_state)
             start_step = int(jax.device_get(state["step"]))
@@ -217,6 +223,9 @@ def run(cfg: DictConfig) -> dict:
             if is_main:
                 print(f"Starting a new run in {run_dir}", flush=True)
 
+        events.add("restore", step=start_step, tier=resume.source if resume is not None else "init",
+                   seconds=time.time() - t_restore)
+
         # ------------------------------------------------------------------ jitted steps
         # Built with the program (build_program): jax.jit compiles at the first call.
         train_step = program.train_step
@@ -234,7 +243,7 @@ def run(cfg: DictConfig) -> dict:
             schedule=schedule, tokens_per_step=tokens_per_step,
             flops_per_step=flops_lib.flops_per_token(model_cfg, data_cfg.seq_len) * tokens_per_step,
             peak_total=peak * jax.device_count() if peak else None, device_count=jax.device_count(),
-            stop_on_nan=cfg.train.stop_on_nan, worst_over_hosts=distributed.max_over_hosts)
+            stop_on_nan=cfg.train.stop_on_nan, over_hosts=distributed.gather_over_hosts)
 
         logger = MetricsLogger(cfg, run_dir, enabled=is_main, start_step=start_step, wandb_id=wandb_id)
         cleanup.callback(logger.close)
@@ -252,6 +261,8 @@ def run(cfg: DictConfig) -> dict:
             batch_log = data_lib.BatchLog(run_dir / f"debug_batches.p{process_index}.jsonl")
             cleanup.callback(batch_log.close)
         step = start_step
+        # On the way out: the exit event (clean, preempted, crash) and the goodput summary.
+        cleanup.push(events.on_exit(lambda: step, preempted))
         auto_row = {}           # data.num_workers=auto's figures, logged with the next row
         last = {}
         while step < cfg.train.steps:
@@ -266,6 +277,7 @@ def run(cfg: DictConfig) -> dict:
                 # Keep compilation out of the throughput figures.
                 jax.block_until_ready(metrics)
                 meter.compiled(batches.stats())
+                events.add("compile", step=step)
                 if auto_workers is not None:
                     auto_workers.start(step, batches.stats()["wait_s"], meter.paused_s)
             if auto_workers is not None and auto_workers.due(step):
@@ -286,19 +298,22 @@ def run(cfg: DictConfig) -> dict:
                 if eval_now:
                     t0 = time.perf_counter()
                     row["eval_loss"] = held_out.loss(state["params"])
-                    meter.paused(time.perf_counter() - t0, kind="eval")
+                    row["eval_s"] = time.perf_counter() - t0
+                    meter.paused(row["eval_s"], kind="eval")
                 if tasks_now:
                     t0 = time.perf_counter()
                     row.update(tasks.evaluate(state["params"]))
+                    row["eval_s"] = row.get("eval_s", 0.0) + time.perf_counter() - t0
                     meter.paused(time.perf_counter() - t0, kind="eval")
                 row, auto_row = {**row, **auto_row}, {}
-                logger.log(row)
+                logger.log(events.row(row))
 
             stop = preempted.check(step)
             if ckpt.should_save(step, cfg.train.steps) or stop:
                 t0 = time.perf_counter()
                 ckpt.save(step, state, batches.consumed_state(), meta)
                 meter.paused(time.perf_counter() - t0, kind="save")
+                events.add("save", step=step, blocked_s=time.perf_counter() - t0)
                 if stop:
                     ckpt.wait()
                     if is_main:

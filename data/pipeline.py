@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 import threading
 import time
 
@@ -264,6 +265,25 @@ class _Handoff:
         self._space.set()
 
 
+# Tests plant a slow input stage on one host: "SECONDS" or "SECONDS@PROCESS" slows the h2d stage
+# by SECONDS a batch (on that process only). Read once when a prefetcher starts; unset, nothing
+# in the pipeline changes.
+SLOW_STAGE_ENV = "JAXPT_TEST_SLOW_H2D"
+
+
+def _planted_delay(to_global, spec: str):
+    import jax
+
+    seconds, _, process = spec.partition("@")
+    if process and int(process) != jax.process_index():
+        return to_global
+
+    def slowed(batch):
+        time.sleep(float(seconds))
+        return to_global(batch)
+    return slowed
+
+
 class DevicePrefetcher:
     """Background thread: host batch -> global jax.Array, `prefetch` batches ahead."""
 
@@ -290,6 +310,8 @@ class DevicePrefetcher:
         self._base = state_counters(self._base_state)
         self._stage_times = getattr(host_iterator, "stage_times", None)
         self._h2d = 0.0                      # seconds in _to_global (the "h2d" stage)
+        if os.environ.get(SLOW_STAGE_ENV):
+            self._to_global = _planted_delay(self._to_global, os.environ[SLOW_STAGE_ENV])
         self._times = self._base_times = self._times_now()
         # the stage seconds of the prefetchers this one follows (a new pipeline counts from 0)
         self._times_before = follows.stats()["stage_s"] if follows is not None else {}

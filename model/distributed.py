@@ -128,6 +128,19 @@ def max_over_hosts(value):
     return np.max(multihost_utils.process_allgather(x)).item()
 
 
+def gather_over_hosts(values):
+    """Every process's `values` (a short list of numbers; every process must call it), one row
+    per process in process order: one small all-gather. On one process, [values]."""
+    import jax
+
+    if jax.process_count() == 1:
+        return [list(values)]
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(np.asarray(values, np.float64))).tolist()
+
+
 class PreemptionFlag:
     """SIGTERM (a preempted VM, `scripts/tpu.py stop`) or JAX's preemption sync point on TPU:
     save at the current step, wait for the save, exit 0; the next start resumes.

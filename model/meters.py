@@ -18,18 +18,27 @@ from typing import Callable
 
 class IntervalMeter:
     """One log row per interval from the steps' device metrics and the input's statistics
-    (data/pipeline.py DevicePrefetcher.stats). `worst_over_hosts(x)` turns this host's data wait
-    into the slowest host's (the step runs at its pace; model/distributed.py max_over_hosts)."""
+    (data/pipeline.py DevicePrefetcher.stats). `over_hosts(values)` returns every host's values
+    (model/distributed.py gather_over_hosts): the row's data wait is the slowest host's (the step
+    runs at its pace), and on several hosts the row names the slowest one.
+
+    Stalls: an interval whose step time (data wait and saves left out) is over STALL_FACTOR x the
+    median of the last intervals' counts its excess as `stall_s`. Detected from the interval's
+    timing, so no step is ever synced to the host for it."""
+
+    STALL_FACTOR = 3.0
+    STALL_HISTORY = 50
 
     def __init__(self, *, schedule, tokens_per_step: int, flops_per_step: float, peak_total: float | None,
-                 device_count: int, stop_on_nan: bool, worst_over_hosts: Callable = lambda x: x):
+                 device_count: int, stop_on_nan: bool, over_hosts: Callable = lambda v: [v]):
         self.schedule = schedule
         self.tokens_per_step = tokens_per_step
         self.flops_per_step = flops_per_step
         self.peak_total = peak_total
         self.device_count = device_count
         self.stop_on_nan = stop_on_nan
-        self.worst_over_hosts = worst_over_hosts
+        self.over_hosts = over_hosts
+        self.step_history = []          # the last intervals' step times (data wait and saves left out)
         self.pending = []               # device metrics of the steps since the last row, fetched lazily
         self.paused_s = 0.0             # evaluations and saves since the start, never reset
         self._mark(time.perf_counter(), {})
@@ -70,7 +79,9 @@ class IntervalMeter:
                                      f"{losses.tolist()}")
         now = time.perf_counter()
         dt, n = now - self.t, self.steps
-        wait = self.worst_over_hosts(stats["wait_s"] - self.wait)
+        # One small all-gather per interval: (data wait, step time) of every host.
+        hosts = [tuple(v) for v in self.over_hosts([stats["wait_s"] - self.wait, dt / n if n else 0.0])]
+        wait = max(h[0] for h in hosts)
         tokens_per_s = n * self.tokens_per_step / dt if n and dt > 0 else None
         documents = stats.get("documents", 0)
         row = {
@@ -88,6 +99,9 @@ class IntervalMeter:
             "data_wait_frac": wait / dt if dt > 0 else 0.0,
             "documents_per_s": (documents - self.documents) / dt if dt > 0 else None,
             "checkpoint_save_s": self.save_s,
+            "interval_s": dt,
+            "data_wait_s": wait,
+            "stall_s": self._stall(dt - wait - self.save_s, n),
             "tokens_seen": step * self.tokens_per_step,
             **{f"data/{k}": v for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)},
             **{f"data/bad_{k}": v for k, v in stats.get("bad_records", {}).items()},
@@ -99,6 +113,13 @@ class IntervalMeter:
             # train.spikes: updates skipped in this interval and since the run began.
             row["skipped_steps"] = int(sum(float(m["skipped"]) for m in fetched))
             row["skipped_total"] = int(fetched[-1]["skipped_total"])
+        if len(hosts) > 1:
+            # Where the pod stalled: the host that waited longest for its input, and the slowest step.
+            slow_wait = max(range(len(hosts)), key=lambda i: hosts[i][0])
+            slow_step = max(range(len(hosts)), key=lambda i: hosts[i][1])
+            row.update({"host/slowest_data_wait": slow_wait, "host/max_data_wait_s": hosts[slow_wait][0],
+                        "host/min_data_wait_s": min(h[0] for h in hosts),
+                        "host/slowest_step": slow_step, "host/max_step_time_s": hosts[slow_step][1]})
         if stats.get("stage_s"):
             # Where the input time went in this interval (this host), and the stage bounding it.
             from data import timing
@@ -109,6 +130,22 @@ class IntervalMeter:
             row["data/bad_examples"] = "; ".join(stats["bad_examples"])
         self._mark(now, stats)
         return row
+
+
+    def _stall(self, busy_s: float, n: int) -> float:
+        """Seconds of this interval over STALL_FACTOR x the median step (0 when none)."""
+        if n <= 0:
+            return 0.0
+        per_step = busy_s / n
+        hist = self.step_history
+        stall = 0.0
+        if len(hist) >= 3:
+            median = sorted(hist)[len(hist) // 2]
+            if per_step > self.STALL_FACTOR * median:
+                stall = (per_step - median) * n
+        hist.append(per_step)
+        del hist[:-self.STALL_HISTORY]
+        return stall
 
 
 class MetricsLogger:
