@@ -78,6 +78,7 @@ def _loss_and_grads(cfg, batch, params=None):
     return params, fn, fn(params)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(ON_GPU, reason="checks the fallback where cuDNN cannot run")
 def test_cudnn_falls_back_to_the_reference_with_its_numbers_and_says_so_once(capfd):
     batch = _batch(t=32, cuts=(10, 20), vocab=CPU_CFG.vocab_size)
@@ -130,6 +131,7 @@ def test_cudnn_runs_the_kernel_and_matches_the_reference_loss_and_grads(capfd):
         assert rel < 3e-2, (jax.tree_util.keystr(path), rel)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["xla", pytest.param("cudnn", marks=needs_gpu)])
 def test_changing_one_packed_document_leaves_the_others_logits(impl):
     cfg = dataclasses.replace(CFG, attention=impl)

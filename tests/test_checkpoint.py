@@ -70,6 +70,7 @@ META = {"fingerprint": {"data": {"seq_len": 64}, "model": {"d_model": 128}}, "wa
 
 
 # ---------------------------------------------------------------- round trip
+@pytest.mark.slow
 def test_roundtrip_restores_into_another_sharding(setup, tmp_path):
     tx, mesh, rules, state = setup
     expected = host_copy(state)

@@ -152,6 +152,7 @@ def test_a_source_that_runs_out_starts_its_next_epoch(tmp_path):
 
 
 # ---------------------------------------------------------------- exact restore
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [0, 2])
 def test_restore_is_exact_at_every_point(tmp_path, workers):
     write_sources(tmp_path)
@@ -188,6 +189,7 @@ def test_restore_is_exact_at_every_point(tmp_path, workers):
 
 
 # ---------------------------------------------------------------- elastic restore
+@pytest.mark.slow
 @pytest.mark.parametrize("N1,N2", [(0, 0), (2, 1)])
 def test_elastic_restore_one_to_two_hosts_exactly_once_per_source(tmp_path, N1, N2):
     write_sources(tmp_path)

@@ -114,6 +114,7 @@ def run_phase(c, n, saved, P=1):
 
 
 # ---------------------------------------------------------------- re-weighting mid-epoch
+@pytest.mark.slow
 @pytest.mark.parametrize("P1,P2,N1,N2", [(1, 1, 0, 0), (2, 1, 0, 2)])
 def test_reweighted_mid_epoch_every_document_once(tmp_path, P1, P2, N1, N2):
     """web:books 1:1 for 8 batches, then 4:1 (on another host / worker count in the second

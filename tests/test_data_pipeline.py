@@ -26,6 +26,7 @@ def run_hosts(c, P, n_batches):
     return rows
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("P", [1, 2, 4])
 @pytest.mark.parametrize("packing", ["concat", "first_fit"])
 def test_exactly_once_per_epoch(tmp_path, P, packing):
@@ -292,6 +293,7 @@ def test_assemble_and_segments_match_a_per_token_reference():
                 assert (seg[r, t], pos[r, t]) == (s, p), (trial, r, t)
 
 
+@pytest.mark.slow
 def test_prefetch_handoff_keeps_order_and_stops_when_full():
     """The prefetcher's lock-free buffer: every item once and in order through producer and
     consumer racing at either side's pace (both sides wait in turn), never more than its size

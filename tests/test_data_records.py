@@ -137,6 +137,7 @@ def test_every_document_once_per_epoch(corpus, hosts):
 
 
 # ---------------------------------------------------------------- restore
+@pytest.mark.slow
 @pytest.mark.parametrize("workers,packing", [(0, "concat"), (0, "first_fit"), (2, "concat")])
 def test_exact_restore_sweep(corpus, workers, packing):
     _, out, _ = corpus
@@ -166,6 +167,7 @@ def test_exact_restore_sweep(corpus, workers, packing):
     assert len(json.dumps(states[-1])) < 8000, "the state must stay small"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("P1,N1,P2,N2,k1", [(2, 0, 1, 0, 40), (1, 2, 2, 0, 9), (2, 1, 4, 0, 77)])
 def test_elastic_restore(corpus, P1, N1, P2, N2, k1):
     _, out, _ = corpus
@@ -297,6 +299,7 @@ def test_tokenizer_mismatch_fails_in_one_line(corpus, tmp_path):
 
 
 # ---------------------------------------------------------------- a converted source in a mixture
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [0, 1])
 def test_converted_directory_mixes_with_text_and_resumes_exactly(corpus, tmp_path, workers):
     from data.mixture import source_of_doc_id

@@ -19,6 +19,7 @@ def reference(c, n, P=1, h=0, debug=False):
     return batches, states
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers,packing", [(0, "concat"), (0, "first_fit"),
                                              (2, "concat"), (2, "first_fit")])
 def test_restore_sweep(tmp_path, workers, packing):
@@ -77,6 +78,7 @@ def _check_prefix(per_shard_rows, canonical):
         assert rows == canonical[shard][:len(rows)], f"shard {shard}: lost/repeated rows"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("P1,N1,P2,N2,k1", [
     (2, 0, 1, 0, 7),      # 2 hosts -> 1
     (1, 0, 2, 0, 9),      # 1 host -> 2

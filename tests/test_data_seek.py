@@ -103,6 +103,7 @@ def _restore_read_bytes(c, state):
     return _rchar() - before, batch
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="needs Linux /proc/self/io")
 def test_restore_deep_in_gz_is_exact_and_reads_a_bounded_amount(tmp_path, small_spacing):
     rng = random.Random(1)
@@ -179,6 +180,7 @@ def _split_cfg(tmp_path, **kw):
     return cfg(tmp_path, **base)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [0, 2])
 def test_one_file_feeds_8_shards_on_2_hosts_exactly_once(tmp_path, workers):
     write_corpus(tmp_path, n_files=1, docs_per_file=64, max_words=40)
@@ -208,6 +210,7 @@ def test_one_file_feeds_8_shards_on_2_hosts_exactly_once(tmp_path, workers):
         "file_split"] == 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("P1,N1,P2,N2", [(2, 0, 1, 0), (2, 2, 1, 1), (1, 0, 2, 0)])
 def test_split_file_resume_exact_and_on_other_host_count(tmp_path, P1, N1, P2, N2):
     import dataclasses

@@ -16,6 +16,9 @@ from hydra import compose, initialize_config_dir
 import train as train_mod
 from model.llama import Llama, LlamaConfig
 
+# Module fixtures train real runs: the whole file belongs to the slow tier.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = dict(vocab_size=96, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=64,
              dtype="float32", remat="none")
@@ -62,6 +65,7 @@ def greedy_uncached(cfg, params, prompt, n_new):
     return seq[len(prompt):]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scan_layers, tie", [(True, False), (False, True)])
 def test_cached_greedy_equals_uncached(scan_layers, tie):
     cfg = LlamaConfig(**SMALL, scan_layers=scan_layers, tie_embeddings=tie)
@@ -73,6 +77,7 @@ def test_cached_greedy_equals_uncached(scan_layers, tie):
     assert len(set(want)) > 1  # not a degenerate constant continuation
 
 
+@pytest.mark.slow
 def test_decode_logits_match_forward_in_chunks():
     """Prefill + uneven chunks through the cache reproduce the training forward's logits."""
     cfg = LlamaConfig(**SMALL)
@@ -90,6 +95,7 @@ def test_decode_logits_match_forward_in_chunks():
     np.testing.assert_allclose(np.concatenate(pieces, axis=1), want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_sampling_temperature_top_p_and_vocab_padding():
     logits = jnp.log(jnp.asarray([[0.05, 0.6, 0.3, 0.05, 10.0]]))  # id 4 is vocabulary padding
     keys = jax.random.split(jax.random.key(0), 200)
@@ -115,6 +121,7 @@ def trained_run(tmp_path_factory):
     return run_dir
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["run", "checkpoints", "step"])
 def test_generate_cli_prints_prompt_and_continuation(trained_run, where, capsys):
     path = {"run": trained_run, "checkpoints": trained_run / "checkpoints",
@@ -129,6 +136,7 @@ def test_generate_cli_prints_prompt_and_continuation(trained_run, where, capsys)
     assert f"checkpoints/{step}:" in captured.err
 
 
+@pytest.mark.slow
 def test_generate_greedy_is_deterministic_and_bounded(trained_run, capsys):
     args = ["--checkpoint", str(trained_run), "--prompt", "Once", "--max-new-tokens", "300", "--temperature", "0"]
     with pytest.raises(ValueError, match="max_seq_len"):

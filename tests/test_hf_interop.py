@@ -22,6 +22,9 @@ from model import hf
 from model.llama import Llama, LlamaConfig
 from model.step import model_from_params
 
+# Module fixtures train real runs: the whole file belongs to the slow tier.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = str(ROOT / "data" / "sample" / "tokenizer.json")
 
@@ -79,6 +82,7 @@ def exported(tmp_path_factory):
     return base / "run", base / "hf", base / "imported"
 
 
+@pytest.mark.slow
 def test_export_import_round_trip_is_identity(exported):
     run, hf_dir, imported = exported
     cfg_a, params_a, _ = ckpt_lib.load_params(run)
@@ -121,6 +125,7 @@ def test_unsupported_hf_variants_are_refused():
 
 
 # ---------------------------------------------------------------- transformers loads the export
+@pytest.mark.slow
 @pytest.mark.parametrize("tie", [False, True])
 def test_exported_model_logits_match_transformers(tmp_path, tie):
     torch = pytest.importorskip("torch")

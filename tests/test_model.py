@@ -83,6 +83,7 @@ def _naive_attention(q, k, v, seg):
     return jnp.einsum("bnts,bsnh->btnh", p, v)
 
 
+@pytest.mark.slow
 def test_reference_attention_matches_naive():
     q, k, v, seg = _qkv(0)
     np.testing.assert_allclose(llama.attention_xla(q, k, v, seg), _naive_attention(q, k, v, seg), atol=1e-5)
@@ -99,6 +100,7 @@ IMPLS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", list(IMPLS))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_attention_impls_match_reference(impl, dtype):
@@ -117,6 +119,7 @@ def test_attention_impls_match_reference(impl, dtype):
     np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
 
 
+@pytest.mark.slow
 def test_splash_under_shard_map_matches_reference():
     """Splash on a fsdp=4 x tensor=2 mesh: batch and heads split, per-device kernels."""
     import yaml as _yaml
@@ -145,6 +148,7 @@ def _packed_example(vocab=128, lengths=(9, 14, 5, 4)):
     return docs, inputs, targets, seg, pos
 
 
+@pytest.mark.slow
 def test_packed_row_equals_documents_one_by_one():
     model = Llama(SMALL, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model, nnx.Param)
@@ -161,6 +165,7 @@ def test_packed_row_equals_documents_one_by_one():
     np.testing.assert_allclose(packed[0], np.concatenate(alone), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", [dict(remat="full"), dict(remat="dots"), dict(scan_layers=False, remat="full")])
 def test_scan_and_remat_do_not_change_loss_or_grads(variant):
     docs, inputs, targets, seg, pos = _packed_example(SMALL.vocab_size)
@@ -184,6 +189,7 @@ def test_scan_and_remat_do_not_change_loss_or_grads(variant):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), g, ref_g)
 
 
+@pytest.mark.slow
 def test_chunked_loss_equals_whole_sequence_loss_and_grads():
     # train.loss_chunk computes the same CE and z-loss (the lse path) per chunk of positions.
     rng = np.random.default_rng(0)
@@ -212,6 +218,7 @@ def test_chunked_loss_equals_whole_sequence_loss_and_grads():
         loss_and_grad(5)
 
 
+@pytest.mark.slow
 def test_bf16_compute_keeps_fp32_params_and_logits():
     cfg = dataclasses.replace(SMALL, dtype="bfloat16")
     model = Llama(cfg, rngs=nnx.Rngs(0))

@@ -56,6 +56,7 @@ def pod(tmp_path):
     pod.tpu("stop", "--grace-period", "10")
 
 
+@pytest.mark.slow
 def test_sync_run_logs_stop_resume_on_simulated_pod(pod, tmp_path):
     bucket = tmp_path / "bucket" / "ckpt"      # stands for gs://...: all workers write one checkpoint there
 

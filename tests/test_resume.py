@@ -26,6 +26,9 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
+# Module fixtures train real runs: the whole file belongs to the slow tier.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 # The script under test; an override lets a patched copy run these tests.
 TRAIN = Path(os.environ.get("JAXPT_TRAIN_SCRIPT", ROOT / "train.py"))
@@ -268,6 +271,7 @@ def assert_every_shard_continues_exactly(run_dirs_and_steps, straight_dir):
         assert got[shard] == want[shard], f"shard {shard}: rows lost, repeated or reordered"
 
 
+@pytest.mark.slow
 def test_two_processes_save_one_restores(straight, tmp_path):
     two, one = tmp_path / "two", tmp_path / "one"
     run(two, "data.num_workers=0", f"checkpoint.every={K}", f"train.steps={K}", processes=2)
@@ -285,6 +289,7 @@ def test_two_processes_save_one_restores(straight, tmp_path):
     assert abs(losses[-1] - straight_losses[-1]) < 0.5, (losses, straight_losses)
 
 
+@pytest.mark.slow
 def test_one_process_saves_two_restore(straight, tmp_path):
     two = tmp_path / "two"
     # The straight run's step-K checkpoint (1 process, 8 devices) continued by 2 x 2 devices.

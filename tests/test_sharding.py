@@ -59,6 +59,7 @@ def test_rules_parse_and_map():
         shd.mesh_axes_for("nope", rules)
 
 
+@pytest.mark.slow
 def test_init_is_sharded_and_abstract_state_matches():
     mesh, rules = shd.make_mesh(mesh_cfg("fsdp_tp")), shd.rules_from_cfg(mesh_cfg("fsdp_tp"))
     tx = optax.adamw(1e-3)
@@ -123,6 +124,7 @@ def test_train_step_matches_single_device(single_device, sizes):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), params, ref_params)
 
 
+@pytest.mark.slow
 def test_eval_step_agrees_with_train_loss():
     mesh, rules = shd.make_mesh(mesh_cfg("fsdp")), shd.rules_from_cfg(mesh_cfg("fsdp"))
     tx = optax.sgd(0.0)

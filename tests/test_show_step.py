@@ -31,6 +31,9 @@ import pytest
 
 from tests.test_resume import complete_steps, read_jsonl, rows_by_step, run
 
+# Module fixtures train real runs: the whole file belongs to the slow tier.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "show_step.py"
 SAMPLE = ROOT / "data" / "sample"
@@ -143,6 +146,7 @@ def mix_run(converted, tmp_path_factory):
 
 
 # ---------------------------------------------------------------- rows equal the run's rows
+@pytest.mark.slow
 def test_text_steps_before_and_after_a_resume_on_another_host_count(text_run):
     bases = assert_replays(text_run, range(1, 9))
     # checkpoint c holds the position after batch c: step c replays from the checkpoint before it
