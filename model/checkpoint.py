@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import os
 import re
 import time
 from collections.abc import Callable, Mapping
@@ -250,6 +252,25 @@ def damage_reason(exc: BaseException) -> str | None:
     return None
 
 
+class _SilenceDamagedReads(logging.Filter):
+    """Drops asyncio's "Task exception was never retrieved" reports of the reads of a step found
+    damaged: when one array of a step fails, Orbax leaves its sibling reads' errors unretrieved,
+    and asyncio prints each with a traceback when it is collected, after our one line has named
+    the step. Reports that name no damaged step pass as they are."""
+
+    def __init__(self):
+        super().__init__()
+        self.steps: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = str(record.msg)
+        return not (text.startswith("Task exception was never retrieved")
+                    and any(f"{step}/" in text for step in self.steps))
+
+
+_damaged_reads = _SilenceDamagedReads()
+
+
 def guard_damage(resume: ResumePoint, read: Callable, *, item: str, on_damaged: str):
     """read()'s result, or DamagedCheckpoint on every process when read() failed on any one of
     them for a reason in the files (damage_reason). Every process must call it for the same step.
@@ -269,6 +290,9 @@ def guard_damage(resume: ResumePoint, read: Callable, *, item: str, on_damaged: 
     if not max_over_hosts(int(reason is not None)):
         return result
     where = f"{resume.directory}/{resume.step}"
+    if _damaged_reads not in logging.getLogger("asyncio").filters:
+        logging.getLogger("asyncio").addFilter(_damaged_reads)
+    _damaged_reads.steps.add(where if "://" in where else os.path.abspath(where))
     seen = (f"{item}: {reason}" if reason is not None else "on another host")
     if jax.process_count() > 1 and reason is not None:
         seen = f"process {jax.process_index()}, {seen}"

@@ -33,7 +33,18 @@ CAUSES = ("startup", "restore", "data_wait", "checkpoint", "eval", "stall", "los
 
 
 def process_start_time() -> float:
-    """When this process was created (wall clock): the imports before train() count as start-up."""
+    """When this process was created (wall clock): the imports before train() count as start-up.
+
+    Read as the process's age on the boot clock (/proc/self/stat, in clock ticks) taken from now:
+    psutil's create_time() adds that age to a boot time rounded to whole seconds, so it can place a
+    restarted process up to a second early, before the last events of the life it follows."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])      # field 22, starttime
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+        return time.time() - max(0.0, age)
+    except (OSError, ValueError, IndexError, AttributeError):
+        pass
     try:
         import psutil
 
@@ -166,13 +177,23 @@ class Life:
 
 
 def split_lives(events: list[dict]) -> list[Life]:
+    """The lives of a log in its order (each life's process appends its own events in turn; a
+    sort by time could fold the last events of a killed life into the next one when its start
+    time is a little early). A start is never before the end of the life it follows."""
     lives = []
-    for e in sorted(events, key=lambda e: float(e.get("t", 0.0))):
-        if e.get("event") == "start":
-            lives.append(Life(e))
-        elif lives:
-            lives[-1].add(e)
+    for e in events:
+        fold(lives, e)
     return lives
+
+
+def fold(lives: list[Life], e: dict) -> None:
+    """Adds one event to the lives so far (a start opens the next life)."""
+    if e.get("event") == "start":
+        if lives:
+            e = {**e, "t": max(float(e["t"]), lives[-1].last_t)}
+        lives.append(Life(e))
+    elif lives:
+        lives[-1].add(e)
 
 
 def combine(lives: list[Life], now: float | None = None) -> dict:
@@ -260,10 +281,7 @@ class EventLog:
             self._write(e)
 
     def _write(self, e: dict) -> None:
-        if e["event"] == "start":
-            self._lives.append(Life(e))
-        elif self._lives:
-            self._lives[-1].add(e)
+        fold(self._lives, e)
         self._file.write(json.dumps(e) + "\n")
 
     def add(self, event: str, *, t: float | None = None, **fields) -> None:

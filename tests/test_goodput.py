@@ -70,11 +70,18 @@ def test_ledger_on_hand_built_lives():
     assert [sum(life["parts"].values()) for life in b["lives"]] == pytest.approx([40.0 + 10.0, 35.0])
 
 
-def test_ledger_of_a_run_in_progress_counts_to_now_and_is_order_free():
+def test_ledger_of_a_run_in_progress_counts_to_now_and_keeps_the_log_order():
     running = HAND_BUILT[:-1]
-    b = goodput.breakdown(list(reversed(running)), now=100.0)
+    b = goodput.breakdown(running, now=100.0)
     assert b["wall_s"] == 100.0 and b["lives"][-1]["reason"] == "running"
     assert sum(b["seconds"].values()) == pytest.approx(100.0)
+    # A restarted process whose start time reads early (before the killed life's last row) opens
+    # its life after that row: the killed life keeps its steps, so they count as lost.
+    early = [dict(e, t=35.0) if i == 9 else e for i, e in enumerate(HAND_BUILT)]
+    assert early[9]["event"] == "start"
+    b = goodput.breakdown(early)
+    assert b["lost_steps"] == 4 and b["seconds"]["lost"] == pytest.approx(16.0)
+    assert b["seconds"]["dead"] == 0.0 and sum(b["seconds"].values()) == pytest.approx(b["wall_s"])
     # A life that died during start-up is all start-up (it never compiled).
     b = goodput.breakdown(HAND_BUILT[:3] + [ev("start", 30.0), ev("compile", 40.0, step=1)])
     assert b["lives"][0]["parts"]["startup"] == 3.0 and b["seconds"]["dead"] == 27.0
