@@ -45,6 +45,7 @@ import json
 import logging
 import os
 import re
+import sys
 import time
 from collections.abc import Callable, Mapping
 
@@ -253,22 +254,43 @@ def damage_reason(exc: BaseException) -> str | None:
 
 
 class _SilenceDamagedReads(logging.Filter):
-    """Drops asyncio's "Task exception was never retrieved" reports of the reads of a step found
-    damaged: when one array of a step fails, Orbax leaves its sibling reads' errors unretrieved,
-    and asyncio prints each with a traceback when it is collected, after our one line has named
-    the step. Reports that name no damaged step pass as they are."""
+    """Drops the after-the-fact reports of a damaged step's sibling reads. When one array of a
+    step fails, Orbax leaves the other reads' errors behind: asyncio logs each unretrieved task
+    ("Task exception was never retrieved") and the interpreter reports each suspended read
+    coroutine it collects ("Exception ignored in: <coroutine ...>", through sys.unraisablehook),
+    both with a TensorStore traceback, after our one line has named the step. Reports that name
+    no damaged step pass as they are."""
 
     def __init__(self):
         super().__init__()
         self.steps: set[str] = set()
+        self._next_hook = None
+
+    def _names_damaged_step(self, text: str) -> bool:
+        return any(f"{step}/" in text for step in self.steps)
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = str(record.msg)
-        return not (text.startswith("Task exception was never retrieved")
-                    and any(f"{step}/" in text for step in self.steps))
+        return not (text.startswith("Task exception was never retrieved") and self._names_damaged_step(text))
+
+    def unraisable(self, report) -> None:
+        if not self._names_damaged_step(f"{report.exc_value}"):
+            self._next_hook(report)
+
+    def watch(self, step_dir: str) -> None:
+        self.steps.add(step_dir)
+        if self not in logging.getLogger("asyncio").filters:
+            logging.getLogger("asyncio").addFilter(self)
+        if self._next_hook is None:
+            self._next_hook, sys.unraisablehook = sys.unraisablehook, self.unraisable
 
 
 _damaged_reads = _SilenceDamagedReads()
+
+
+def silence_leftover_reads(step_dir: str) -> None:
+    """From now on, drop the leftover-read reports that name `step_dir` (a step found damaged)."""
+    _damaged_reads.watch(step_dir)
 
 
 def guard_damage(resume: ResumePoint, read: Callable, *, item: str, on_damaged: str):
@@ -290,9 +312,7 @@ def guard_damage(resume: ResumePoint, read: Callable, *, item: str, on_damaged: 
     if not max_over_hosts(int(reason is not None)):
         return result
     where = f"{resume.directory}/{resume.step}"
-    if _damaged_reads not in logging.getLogger("asyncio").filters:
-        logging.getLogger("asyncio").addFilter(_damaged_reads)
-    _damaged_reads.steps.add(where if "://" in where else os.path.abspath(where))
+    silence_leftover_reads(where if "://" in where else os.path.abspath(where))
     seen = (f"{item}: {reason}" if reason is not None else "on another host")
     if jax.process_count() > 1 and reason is not None:
         seen = f"process {jax.process_index()}, {seen}"
