@@ -239,11 +239,11 @@ class HostIterator(grain.DatasetIterator):
             self._fill_pending = True
 
     def close(self) -> None:
-        if self.streams:
-            for s in self.streams:
-                s.close()
-            if self.enc is not None:
-                self.enc.close()
+        for s in self.streams or ():
+            s.close()
+        if getattr(self, "enc", None) is not None:     # built even when a stream's build failed
+            self.enc.close()
+            self.enc = None
 
 
 def find_shard_states(state, out: dict | None = None) -> dict:

@@ -9,7 +9,7 @@ import time
 import grain
 import numpy as np
 
-from data.host import find_shard_states
+from data.host import HostIterator, find_shard_states
 from data.shard import STATE_MARK, STATE_VERSION, StreamSpec
 from data.timing import add_times, zero_times
 
@@ -38,7 +38,7 @@ class WorkerMergeIterDataset(grain.IterDataset):
 
 
 class WorkerMergeIterator(grain.DatasetIterator):
-    def __init__(self, workers: list, spec: StreamSpec, keep_row_shard: bool):
+    def __init__(self, workers: list, spec: StreamSpec, keep_row_shard: bool, head_start: bool = True):
         super().__init__(workers)
         self.spec = spec
         self.workers = list(workers)
@@ -51,18 +51,58 @@ class WorkerMergeIterator(grain.DatasetIterator):
         self._shards = None          # {shard: state} after the last batch handed out
         self._times = zero_times()   # this thread's stage timers: ipc, merge, worker_wait
         self._worker_times = [None] * len(self.workers)   # each worker's, from its last slab
+        self._pending = None         # the workers' first elements, on their way (futures)
+        self._head = None            # the rows of the batch handed out before the workers' first group
+        self._head_start = head_start
+
+    def _start_workers(self) -> None:
+        """Starts every worker process at once (each spawns and imports, ~1 s, before its first
+        row); their first elements arrive as futures."""
+        self._group_start = self._worker_states()
+        pool = concurrent.futures.ThreadPoolExecutor(len(self.workers), thread_name_prefix="worker-start")
+        self._pending = [pool.submit(next, w) for w in self.workers]
+        pool.shutdown(wait=False)
+        self._started = True
+
+    def _head_batch(self):
+        """The next batch made in this process while the workers start: the rows of every
+        host shard from the same shard states (the rows depend on a shard's state only, not on
+        which process makes them), so the first batch and the one after a restore do not wait
+        for the worker processes' spawn and imports. Whichever comes first is used: the
+        in-process batch, or the workers' first group (a host with many shards per worker may
+        build its windows faster in its workers). None: the workers' first group came first, or
+        the in-process build failed (the workers report the same data's errors themselves)."""
+        shards = self._shards if self._shards is not None else find_shard_states(self._group_start)
+        ids = [int(v) for v in shards]
+        made = concurrent.futures.Future()
+
+        def build():
+            it = HostIterator(self.spec, ids, shards)
+            try:
+                made.set_result(next(it))
+            except BaseException as e:  # noqa: BLE001 - reported through the future, never raised here
+                made.set_exception(e)
+            finally:
+                it.close()
+
+        threading.Thread(target=build, name="input-head-start", daemon=True).start()
+        while not made.done() and not all(f.done() for f in self._pending):
+            concurrent.futures.wait([made, *[f for f in self._pending if not f.done()]],
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+        if not made.done() or made.exception() is not None:
+            return None
+        return made.result()
 
     def _pull(self) -> None:
-        self._group_start = self._worker_states()
         t0, cpu0 = time.perf_counter(), time.thread_time()
-        if self._started:
-            els = [next(w) for w in self.workers]
+        if not self._started:
+            self._start_workers()
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            els = [f.result() for f in pending]
         else:
-            # All workers spawn and import at once (each takes ~1-2 s before its first row).
-            with concurrent.futures.ThreadPoolExecutor(len(self.workers)) as pool:
-                futs = [pool.submit(next, w) for w in self.workers]
-                els = [f.result() for f in futs]
-            self._started = True
+            self._group_start = self._worker_states()
+            els = [next(w) for w in self.workers]
         # Inside next(): receiving (this thread's CPU) and waiting for the workers (the rest).
         t1, ipc = time.perf_counter(), time.thread_time() - cpu0
         self._times["ipc"] += ipc
@@ -81,14 +121,39 @@ class WorkerMergeIterator(grain.DatasetIterator):
         self._pos = 0
         self._times["merge"] += time.perf_counter() - t1
 
+    def _check_head(self, g: int) -> None:
+        """The workers' rows at the head batch's place (g in their group) are the ones handed out."""
+        rows, self._head = self._head, None
+        if not np.array_equal(self._group["rows"][g], rows):
+            raise RuntimeError("input workers made other rows than this process made from the same shard "
+                               f"states (batch {g} of their first group): the data order is not a function "
+                               "of the shard states; please report this with the data config")
+
     def _worker_states(self) -> list:
         return [w.get_state() for w in self.workers]
 
     def __next__(self):
+        if self._group is None and not self._started and self._head_start:
+            self._start_workers()
+            slab = self._head_batch()
+            if slab is not None:
+                # Handed out now; the workers' first group holds the same rows at this position.
+                self._head = slab["rows"][0]
+                self._pos += 1
+                self._shards = slab["states"].value[0]
+                one = {"rows": slab["rows"][0], "row_shard": slab["row_shard"]}
+                if "doc_ids" in slab:
+                    one["doc_ids"] = slab["doc_ids"][0]
+                return slab_to_batch(one, self.keep_row_shard)
         if self._group is None:          # first batch, or after set_state: skip into the group
             skip = self._pos
             self._pull()
+            while skip > len(self._states):   # past this group: a state saved just after a head batch
+                skip -= len(self._states)     # that was the first of the next group
+                self._pull()
             self._pos = skip
+            if self._head is not None:
+                self._check_head(skip - 1)
         if self._pos >= len(self._states):
             self._pull()
         g = self._pos
@@ -135,6 +200,10 @@ class WorkerMergeIterator(grain.DatasetIterator):
             raise ValueError(f"saved input state is from {len(g['state'])} input workers, "
                              f"data.num_workers={len(self.workers)}: resume through "
                              "restore_host_iterator")
+        if self._pending is not None:      # first elements still on their way: they are of the old state
+            concurrent.futures.wait(self._pending)
+            self._pending = None
+        self._head = None
         for w, st in zip(self.workers, g["state"], strict=True):
             w.set_state(st)
         self._group_start = list(g["state"])
@@ -143,6 +212,9 @@ class WorkerMergeIterator(grain.DatasetIterator):
         self._shards = dict(state["shards"])
 
     def close(self) -> None:
+        if self._pending is not None:      # workers still starting: let them start, then stop them
+            concurrent.futures.wait(self._pending)
+            self._pending = None
         for w in self.workers:
             _close_draining(w)
 

@@ -118,3 +118,70 @@ def test_shards_built_side_by_side_in_shard_order(tmp_path):
     finally:
         host.make_shard_stream = real
         enc.close()
+
+
+def _small_worker_cfg(tmp_path):
+    write_corpus(tmp_path, n_files=4, docs_per_file=6, max_words=60, long_doc_chars=0)
+    return cfg(tmp_path, num_shards=4, num_workers=2, shuffle_window=5, seq_len=16, global_batch_size=4)
+
+
+def _run(c, n, host_states=None):
+    it = data.restore_host_iterator(c, 0, 1, host_states, debug=True)
+    states, batches = [jround(it.get_state())], []
+    for _ in range(n):
+        batches.append(next(it))
+        states.append(jround(it.get_state()))
+    it.close()
+    return batches, states
+
+
+@pytest.mark.slow
+def test_head_batch_made_while_workers_start_is_theirs(tmp_path, monkeypatch):
+    """With input workers, the first batch (fresh and after a restore) is made in this process
+    while the workers spawn; it, the batches after it and the saved states equal those of the
+    workers alone, and a restore from the state saved just after a head batch continues exactly."""
+    from data.workers import WorkerMergeIterator
+    c = _small_worker_cfg(tmp_path)
+    real = WorkerMergeIterator._head_batch
+    made = []
+
+    def counting(self):
+        slab = real(self)
+        made.append(slab is not None)
+        return slab
+
+    monkeypatch.setattr(WorkerMergeIterator, "_head_batch", lambda self: None)
+    ref, ref_states = _run(c, 24)
+    monkeypatch.setattr(WorkerMergeIterator, "_head_batch", counting)
+    got, states = _run(c, 24)
+    assert made == [True], made           # the head batch is this process's, not the workers'
+    for i, (a, b) in enumerate(zip(got, ref, strict=True)):
+        assert_batches_equal(a, b, f"batch {i}")
+    assert states == ref_states
+    for k in (1, 2, 9):                   # just after a head batch, and inside / across groups
+        made.clear()
+        after, _ = _run(c, 4, [states[k]])
+        assert made == [True], (k, made)
+        for j, b in enumerate(after):
+            assert_batches_equal(b, ref[k + j], f"restored at {k}, batch {k + j}")
+
+
+@pytest.mark.slow
+def test_workers_making_other_rows_than_the_head_batch_is_named(tmp_path, monkeypatch):
+    """The workers' first group is checked against the head batch handed out before it: rows
+    that differ (data order not a function of the shard states) stop with a clear error."""
+    import data.workers as workers
+    c = _small_worker_cfg(tmp_path)
+
+    class Shifted(HostIterator):
+        def __next__(self):
+            slab = super().__next__()
+            slab["rows"] = slab["rows"] + 1
+            return slab
+
+    monkeypatch.setattr(workers, "HostIterator", Shifted)
+    it = data.make_host_iterator(c, 0, 1)
+    next(it)
+    with pytest.raises(RuntimeError, match="input workers made other rows"):
+        take(it, 3)
+    it.close()
