@@ -58,6 +58,7 @@ def run(cfg: DictConfig) -> dict:
     from model.evaluate import TaskEvaluator, TasksConfig
     from model.meters import IntervalMeter, MetricsLogger, Profiler
     from model.optimizer import resolve_warmup
+    from model.watchdog import REPORTS_DIR, Watchdog, announce_last_hang
 
     t_start = time.perf_counter()
     # The run's event log (model/goodput.py): a command's life counts from its process's start.
@@ -71,6 +72,9 @@ def run(cfg: DictConfig) -> dict:
     try:
         if cfg.train.steps <= 0:
             raise ValueError(f"train.steps={cfg.train.steps} must be positive")
+        hang_timeout_s = cfg.train.get("hang_timeout_s")
+        if hang_timeout_s is not None and not float(hang_timeout_s) > 0:
+            raise ValueError(f"train.hang_timeout_s={hang_timeout_s} must be positive (null: automatic)")
         if cfg.checkpoint.get("on_damaged", "fall_back") not in ("fall_back", "stop"):
             raise ValueError(f"checkpoint.on_damaged={cfg.checkpoint.on_damaged} must be fall_back or stop")
         model_cfg, tx, schedule = model_and_optimizer(cfg)
@@ -149,6 +153,14 @@ def run(cfg: DictConfig) -> dict:
         cleanup.callback(preempted.restore)
         ckpt = Checkpointer(cfg.checkpoint)
         cleanup.callback(ckpt.close)
+        # Hung hosts (model/watchdog.py): armed from the first completed step, paused around
+        # work that is not a step; its reports go where every host writes (the checkpoint dir).
+        hang_reports = Path(str(ckpt.directory)) / REPORTS_DIR
+        if is_main and (line := announce_last_hang(hang_reports, process_count)):
+            print(line, flush=True)
+        watchdog = Watchdog(hang_timeout_s, run_dir=run_dir, reports_dir=hang_reports, process_index=process_index,
+                            on_hang=lambda last_step: events.exit("hang", step=last_step))
+        cleanup.callback(watchdog.close)
         wandb_id = None
         if resume is not None:
             # What the saved data position is worth on this data (data/resume.py).
@@ -263,6 +275,7 @@ def run(cfg: DictConfig) -> dict:
         step = start_step
         # On the way out: the exit event (clean, preempted, crash) and the goodput summary.
         cleanup.push(events.on_exit(lambda: step, preempted))
+        cleanup.push(watchdog.exit_hook)    # runs first: a failure caused by a peer's hang exits as one
         auto_row = {}           # data.num_workers=auto's figures, logged with the next row
         last = {}
         while step < cfg.train.steps:
@@ -280,10 +293,12 @@ def run(cfg: DictConfig) -> dict:
                 events.add("compile", step=step)
                 if auto_workers is not None:
                     auto_workers.start(step, batches.stats()["wait_s"], meter.paused_s)
+            watchdog.beat(step)
             if auto_workers is not None and auto_workers.due(step):
                 jax.block_until_ready(metrics)      # the measured steps have run, not just dispatched
-                batches, auto_row = auto_workers.switch(batches, step, meter.paused_s, restart=restart,
-                                                        announce=is_main)
+                with watchdog.paused():
+                    batches, auto_row = auto_workers.switch(batches, step, meter.paused_s, restart=restart,
+                                                            announce=is_main)
                 meta["num_workers"] = auto_workers.cfg.num_workers
                 cleanup.callback(batches.close)     # the one replaced is closing in the background
             profile.maybe_stop(step)
@@ -295,14 +310,17 @@ def run(cfg: DictConfig) -> dict:
                 row = {"step": step}
                 if log_now:
                     row = last = meter.row(step, batches.stats())
+                    watchdog.step_time(row["step_time_s"])
                 if eval_now:
                     t0 = time.perf_counter()
-                    row["eval_loss"] = held_out.loss(state["params"])
+                    with watchdog.paused():
+                        row["eval_loss"] = held_out.loss(state["params"])
                     row["eval_s"] = time.perf_counter() - t0
                     meter.paused(row["eval_s"], kind="eval")
                 if tasks_now:
                     t0 = time.perf_counter()
-                    row.update(tasks.evaluate(state["params"]))
+                    with watchdog.paused():
+                        row.update(tasks.evaluate(state["params"]))
                     row["eval_s"] = row.get("eval_s", 0.0) + time.perf_counter() - t0
                     meter.paused(time.perf_counter() - t0, kind="eval")
                 row, auto_row = {**row, **auto_row}, {}
@@ -311,14 +329,17 @@ def run(cfg: DictConfig) -> dict:
             stop = preempted.check(step)
             if ckpt.should_save(step, cfg.train.steps) or stop:
                 t0 = time.perf_counter()
-                ckpt.save(step, state, batches.consumed_state(), meta)
+                with watchdog.paused():
+                    ckpt.save(step, state, batches.consumed_state(), meta)
                 meter.paused(time.perf_counter() - t0, kind="save")
                 events.add("save", step=step, blocked_s=time.perf_counter() - t0)
                 if stop:
+                    watchdog.close()
                     ckpt.wait()
                     if is_main:
                         print(f"Preempted: saved step {step} to {ckpt.directory}; exiting", flush=True)
                     break
+        watchdog.close()        # the last save's wait is not a step
         ckpt.wait()
 
     summary = {
@@ -370,6 +391,7 @@ def main(cfg: DictConfig) -> None:
     quiet_cpu_start()           # before anything imports JAX
     from data import BadDataError
     from model.checkpoint import DamagedCheckpoint
+    from model.watchdog import EXIT_HANG, PeerHung
 
     try:
         train(cfg)
@@ -388,6 +410,10 @@ def main(cfg: DictConfig) -> None:
         # checkpoint.on_damaged=stop, or no step left that restores: the line says which step and why.
         print(f"checkpoint error: {e}", file=sys.stderr)
         sys.exit(1)
+    except PeerHung as e:
+        # Another host hung and left: every host exits with the hang's code, and restarts (model/watchdog.py).
+        print(f"hang: {e}", file=sys.stderr)
+        sys.exit(EXIT_HANG)
 
 
 if __name__ == "__main__":

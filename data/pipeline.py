@@ -266,20 +266,30 @@ class _Handoff:
 
 
 # Tests plant a slow input stage on one host: "SECONDS" or "SECONDS@PROCESS" slows the h2d stage
-# by SECONDS a batch (on that process only). Read once when a prefetcher starts; unset, nothing
-# in the pipeline changes.
+# by SECONDS a batch (on that process only); "...+N" spares the first N batches of the
+# prefetcher (a hang planted mid-run); with SLOW_ONCE_ENV=PATH set, only the first delay while
+# PATH does not exist yet (it is then created: a restarted run goes on). Read once when a
+# prefetcher starts; unset, nothing in the pipeline changes.
 SLOW_STAGE_ENV = "JAXPT_TEST_SLOW_H2D"
+SLOW_ONCE_ENV = "JAXPT_TEST_SLOW_ONCE"
 
 
 def _planted_delay(to_global, spec: str):
     import jax
 
+    spec, _, spared = spec.partition("+")
     seconds, _, process = spec.partition("@")
     if process and int(process) != jax.process_index():
         return to_global
+    count = [0]
+    once = os.environ.get(SLOW_ONCE_ENV)
 
     def slowed(batch):
-        time.sleep(float(seconds))
+        count[0] += 1
+        if count[0] > int(spared or 0) and not (once and os.path.exists(once)):
+            if once:
+                open(once, "w").close()
+            time.sleep(float(seconds))
         return to_global(batch)
     return slowed
 

@@ -155,7 +155,9 @@ class Life:
             take = min(tail, extra * self.sums["productive"] / steps)
             out["productive"] += take
             tail -= take
-        out["shutdown"] += tail
+        # A hang: from the last step to the watchdog's exit nothing trained; a stall, not a shutdown.
+        hung = self.exit is not None and self.exit.get("reason") == "hang"
+        out["stall" if hung else "shutdown"] += tail
         return out
 
     def lost(self, resumed_at: int) -> tuple[int, dict]:
@@ -320,7 +322,8 @@ class EventLog:
         row; the exit's own figures are in the summary and the event log, so metrics.jsonl keeps
         one row per logged step.)"""
         def hook(exc_type, exc, tb):
-            reason = "crash" if exc_type else ("preempted" if preempted.fired else "clean")
+            reason = (getattr(exc_type, "exit_reason", "crash") if exc_type
+                      else ("preempted" if preempted.fired else "clean"))
             self.exit(reason, step=last_step(), error=exc_type.__name__ if exc_type else None)
             return False
         return hook

@@ -19,6 +19,9 @@ mesh through jax.distributed: the same code path a TPU pod takes, minus the TPUs
   seconds) and the launcher exits with the failing process's exit code.
 * Ctrl-C / SIGTERM: SIGTERM is forwarded to every process (so train.py can checkpoint); whatever
   is still alive after --grace-period seconds is killed. A second Ctrl-C kills at once.
+* --restarts N: when a process exits with code 75 (train.py's hang watchdog, model/watchdog.py),
+  all processes are stopped and the job starts again (a new coordinator port, logs appended), up
+  to N times; the run resumes from its newest checkpoint.
 * Overrides are passed as argv lists (never through a shell), so any value is safe.
 """
 from __future__ import annotations
@@ -34,6 +37,7 @@ import threading
 import time
 from pathlib import Path
 
+from model.watchdog import EXIT_HANG
 from train import PROJECT_ROOT as REPO_ROOT  # the repo root (the project is installed)
 
 DISTRIBUTED_KEYS = ("coordinator_address", "num_processes", "process_id", "local_device_count")
@@ -135,7 +139,7 @@ def _set_parent_death_signal() -> None:
 # ----------------------------------------------------------------------------------------------
 class Launcher:
     def __init__(self, commands: list[list[str]], log_paths: list[Path], env: dict[str, str],
-                 grace_period: float, failure_grace: float, echo=sys.stdout.buffer):
+                 grace_period: float, failure_grace: float, echo=sys.stdout.buffer, append: bool = False):
         self.commands = commands
         self.log_paths = log_paths
         self.env = env
@@ -146,12 +150,13 @@ class Launcher:
         self.log_files = []
         self.threads: list[threading.Thread] = []
         self.signals: list[int] = []
+        self.append = append            # a restart appends to the logs of the lives before
 
     # -- process control ---------------------------------------------------------------------
     def start(self) -> None:
         for i, (cmd, log_path) in enumerate(zip(self.commands, self.log_paths, strict=False)):
             log_path.parent.mkdir(parents=True, exist_ok=True)
-            log = open(log_path, "wb")
+            log = open(log_path, "ab" if self.append else "wb")
             self.log_files.append(log)
             kwargs = dict(env=self.env, stdin=subprocess.DEVNULL, start_new_session=True,
                           preexec_fn=_set_parent_death_signal)
@@ -233,7 +238,9 @@ class Launcher:
             codes = [p.poll() for p in self.procs]
             failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
             if failed:
-                i = failed[0]
+                # A hang anywhere decides the exit code: the others fail because of it.
+                hung = [i for i in failed if exit_code(codes[i]) == EXIT_HANG]
+                i = (hung or failed)[0]
                 rc = exit_code(codes[i])
                 log(f"process {i} exited with code {rc}; stopping the others")
                 self._print_tail(i)
@@ -279,6 +286,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds between SIGTERM and SIGKILL on Ctrl-C/SIGTERM (default 30)")
     p.add_argument("--failure-grace", type=float, default=5.0,
                    help="seconds the survivors get after one process failed (default 5)")
+    p.add_argument("--restarts", type=int, default=0,
+                   help=f"start the job again, up to N times, when a process exits with code {EXIT_HANG} "
+                        "(train.py's hang watchdog); default 0")
     p.add_argument("overrides", nargs="*", help=argparse.SUPPRESS)
     return p
 
@@ -326,13 +336,19 @@ def main(argv: list[str] | None = None) -> int:
         log_dir = run_dir / "logs"
 
     P, D = args.processes, args.devices_per_process
-    commands = [[sys.executable, program, *args.overrides, *distributed_overrides(port, P, i, D)]
-                for i in range(P)]
     log_paths = [Path(log_dir) / f"process_{i}.log" for i in range(P)]
-    log(f"{P} processes x {D} CPU devices, coordinator localhost:{port}, logs in {log_dir}/")
-
-    launcher = Launcher(commands, log_paths, child_env(), args.grace_period, args.failure_grace)
-    rc = launcher.run()
+    for life in range(args.restarts + 1):
+        if life:
+            port = free_port()      # the last life's coordinator may still hold its port
+            log(f"a process exited with code {EXIT_HANG} (hang): restart {life} of {args.restarts}")
+        commands = [[sys.executable, program, *args.overrides, *distributed_overrides(port, P, i, D)]
+                    for i in range(P)]
+        log(f"{P} processes x {D} CPU devices, coordinator localhost:{port}, logs in {log_dir}/")
+        launcher = Launcher(commands, log_paths, child_env(), args.grace_period, args.failure_grace,
+                            append=life > 0)
+        rc = launcher.run()
+        if rc != EXIT_HANG or launcher.signals:
+            break
     if rc == 0:
         log("all processes finished")
     return rc

@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
+from model.watchdog import EXIT_HANG
 from train import PROJECT_ROOT as REPO_ROOT  # the repo root (the project is installed)
 
 PROGRAM = "train.py"
@@ -169,11 +170,19 @@ def _cd(remote_dir: str, must_exist: bool = True) -> str:
     return f"mkdir -p {rd} && cd {rd}"
 
 
-# Runs train.py inside the detached session and appends its exit code to the log, so that `logs`
-# tells a clean stop (code 0) from a crash or a kill. train.py runs as a child (its pid goes to
-# logs/train.pid, where `stop` sends SIGTERM); this wrapper stays to wait for it.
-_TRAIN_WRAPPER = ('"$@" & echo $! > logs/train.pid; wait $!; rc=$?; '
-                  'echo "=== $(date -u +%Y-%m-%dT%H:%M:%SZ) train.py exited with code $rc ==="; exit $rc')
+def train_wrapper(restarts: int) -> str:
+    """Runs train.py inside the detached session and appends its exit code to the log, so that
+    `logs` tells a clean stop (code 0) from a crash or a kill. train.py runs as a child (its pid
+    goes to logs/train.pid, where `stop` sends SIGTERM); this wrapper stays to wait for it, and
+    starts it again, up to `restarts` times, when it exits with EXIT_HANG (the hang watchdog:
+    model/watchdog.py). Every worker restarts on its own; the new processes meet again at
+    jax.distributed's start and resume from the newest checkpoint."""
+    n = int(restarts)
+    return ('n=0; while :; do "$@" & echo $! > logs/train.pid; wait $!; rc=$?; '
+            'echo "=== $(date -u +%Y-%m-%dT%H:%M:%SZ) train.py exited with code $rc ==="; '
+            f'if [ "$rc" -eq {EXIT_HANG} ] && [ "$n" -lt {n} ]; then n=$((n+1)); '
+            f'echo "=== restart $n of {n} (hang watchdog, exit code {EXIT_HANG}) ==="; continue; fi; '
+            'exit $rc; done')
 
 
 def run_script(args: argparse.Namespace, env: Sequence[EnvVar], reveal: bool) -> str:
@@ -188,8 +197,8 @@ def run_script(args: argparse.Namespace, env: Sequence[EnvVar], reveal: bool) ->
         'log="logs/worker_$(hostname).log"',
         'echo "=== $(date -u +%Y-%m-%dT%H:%M:%SZ) start ===" >> "$log"',
         # setsid: a session and process group of its own, which a dropped ssh does not reach.
-        " ".join(x for x in ("setsid nohup bash -c", shlex.quote(_TRAIN_WRAPPER), "jaxpt-train", py, PROGRAM,
-                             overrides) if x)
+        " ".join(x for x in ("setsid nohup bash -c", shlex.quote(train_wrapper(args.restarts)), "jaxpt-train",
+                             py, PROGRAM, overrides) if x)
         + ' >> "$log" 2>&1 < /dev/null &',
         "pid=$!",
     ]
@@ -480,6 +489,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="export NAME with its value from this machine's environment (masked as ***)")
     p.add_argument("--stale-grace", type=int, default=30,
                    help="seconds a stale train.py gets after SIGTERM before SIGKILL (default 30)")
+    p.add_argument("--restarts", type=int, default=0,
+                   help=f"start train.py again, up to N times, when it exits with code {EXIT_HANG} "
+                        "(the hang watchdog: train.hang_timeout_s); default 0")
     p.add_argument("--startup-check", type=int, default=5,
                    help="seconds to wait before checking train.py is still alive (0: don't; default 5)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides (put them after --)")
