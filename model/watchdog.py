@@ -49,6 +49,10 @@ def hang_timeout(fixed_s: float | None, step_times: list[float]) -> float:
     return max(MIN_TIMEOUT_S, STEP_FACTOR * median)
 
 
+def poll_interval(timeout_s: float) -> float:
+    return min(5.0, max(0.05, timeout_s / 20))
+
+
 def thread_stacks() -> str:
     """The Python stack of every thread of this process, named, innermost frame last."""
     names = {t.ident: t.name for t in threading.enumerate()}
@@ -82,6 +86,7 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread = None
         self._started = time.time()
+        self._firing = threading.Event()    # set when this watchdog fires: its exit wins
 
     def timeout_s(self) -> float:
         with self._lock:
@@ -122,7 +127,7 @@ class Watchdog:
     def _watch(self) -> None:
         while True:
             timeout = self.timeout_s()
-            if self._stop.wait(min(5.0, max(0.05, timeout / 20))):
+            if self._stop.wait(poll_interval(timeout)):
                 return
             with self._lock:
                 idle = time.monotonic() - self._last if self._last is not None and not self._paused else 0.0
@@ -144,6 +149,10 @@ class Watchdog:
     def check_peer_hang(self, error: BaseException) -> None:
         """Raises PeerHung (from `error`) when a peer's hang explains this process's failure,
         after writing this process's own report (marked peer: it did not hang itself)."""
+        if self._firing.is_set():
+            # This process's own watchdog fired (the main thread failed while it wrote the stacks:
+            # a frozen process that runs again): its report stands and its os._exit ends the process.
+            time.sleep(60)
         peer = self.peer_hung()
         if peer is None:
             return
@@ -160,18 +169,20 @@ class Watchdog:
             self.check_peer_hang(exc)
         return False
 
-    def _report(self, *, timeout: float, stacks: Path | None, peer: bool) -> None:
+    def _report(self, *, timeout: float, stacks: Path | None, peer: bool, late_s: float = 0.0) -> None:
         with contextlib.suppress(Exception):
             self.reports_dir.mkdir(parents=True, exist_ok=True)
             report = {"process": self.process_index, "host": socket.gethostname(), "pid": os.getpid(),
                       "last_step": self._step, "last_step_time": self._last_wall, "fired_at": time.time(),
-                      "timeout_s": timeout, "stacks": str(stacks) if stacks else None, "peer": peer}
+                      "timeout_s": timeout, "late_s": late_s, "poll_s": poll_interval(timeout),
+                      "stacks": str(stacks) if stacks else None, "peer": peer}
             tmp = self.reports_dir / f".p{self.process_index}.json.tmp"
             tmp.write_text(json.dumps(report))
             tmp.replace(self.reports_dir / f"p{self.process_index}.json")
 
     def _fire(self, idle: float, timeout: float) -> None:
         """Stacks, report, exit event, and out: the main thread is stuck, so nothing unwinds."""
+        self._firing.set()
         host = socket.gethostname()
         stacks = self.run_dir / f"hang_stacks_p{self.process_index}.txt"
         line = (f"hang: no step completed for {idle:.0f} s after step {self._step} "
@@ -181,7 +192,9 @@ class Watchdog:
         with contextlib.suppress(Exception):
             stacks.parent.mkdir(parents=True, exist_ok=True)
             stacks.write_text(f"{line}\n\n{thread_stacks()}")
-        self._report(timeout=timeout, stacks=stacks, peer=False)
+        # late_s: how long after its due time it fired; far more than its polling interval means
+        # this process itself was not running (a frozen VM, SIGSTOP): it stopped first.
+        self._report(timeout=timeout, stacks=stacks, peer=False, late_s=idle - timeout)
         print(line, file=sys.stderr, flush=True)
         if self.on_hang is not None:
             with contextlib.suppress(Exception):
@@ -209,7 +222,8 @@ def announce_last_hang(reports_dir: Path, process_count: int) -> str | None:
     """At the start of a run (process 0): if the last life ended in a hang, one line naming the
     host that stopped first, and the reports moved to `hang_reports/seen-<time>/` so the next
     start does not name them again. The host that stopped first is one that wrote no report
-    (frozen, or lost with its VM), else the one whose last step is the earliest."""
+    (frozen, or lost with its VM), else one whose own watchdog fired far later than due (it was
+    frozen itself), else the one whose last step is the earliest."""
     reports_dir = Path(reports_dir)
     files = sorted(reports_dir.glob("p*.json"))
     if not files:
@@ -237,9 +251,14 @@ def announce_last_hang(reports_dir: Path, process_count: int) -> str | None:
                        f"at {when(r)} UTC{' (failed when a peer left)' if r.get('peer') else ''}"
                        for r in sorted(reports, key=lambda r: r["process"]))
     hung = [r for r in reports if not r.get("peer")] or reports     # peer: failed because another left
+    frozen = [r for r in hung if float(r.get("late_s", 0.0)) > 2 * float(r.get("poll_s", 5.0)) + 1.0]
     if silent:
         first = (f"process {', '.join(map(str, silent))} wrote no hang report (frozen, or lost with its "
                  f"VM): it stopped first")
+    elif frozen:
+        r = max(frozen, key=lambda r: float(r["late_s"]))
+        first = (f"process {r['process']} ({r.get('host', '?')}) stopped first (it was frozen: its own "
+                 f"watchdog ran {float(r['late_s']):.0f} s late)")
     else:
         r = min(hung, key=lambda r: (r.get("last_step") or 0, r.get("last_step_time") or 0.0))
         first = f"process {r['process']} ({r.get('host', '?')}) stopped first (the earliest last step)"

@@ -126,3 +126,53 @@ def test_tpu_slice_from_the_vm_environment(monkeypatch):
     monkeypatch.delenv("MEGASCALE_COORDINATOR_ADDRESS")
     monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "10.0.0.2")             # one host: no jax.distributed
     assert distributed.tpu_slice_from_env() is None
+
+
+@pytest.mark.slow
+def test_a_frozen_worker_ends_in_a_hang_and_run_restarts_resumes(pod, tmp_path):
+    """SIGSTOP worker 1's train.py mid-run: worker 0's watchdog ends it with code 75 and
+    `tpu.py run --restarts 1` starts it again; when worker 1 runs again (SIGCONT) its own watchdog
+    fires at once (late: it was frozen), it restarts too, the two meet again and the run finishes
+    from the newest checkpoint, the steps trained twice at the same losses; the second start
+    names worker 1 as the host that stopped first."""
+    import os
+    import signal
+
+    bucket = tmp_path / "bucket" / "ckpt"
+    ok(pod.tpu("setup", "--no-install"))
+    ok(pod.tpu("run", "--restarts", "1", "--", *TINY, "train.steps=30", "train.hang_timeout_s=6",
+               "checkpoint.every=4", f"checkpoint.dir={bucket}", "name=frozen"))
+    deadline = time.time() + 300
+    while "step 6 loss" not in worker_log(pod, 0):
+        assert time.time() < deadline and "exited with code" not in worker_log(pod, 0), worker_log(pod, 0)[-3000:]
+        time.sleep(1)
+    frozen = int((pod.home(1) / "jaxpt" / "logs" / "train.pid").read_text())
+    os.kill(frozen, signal.SIGSTOP)
+    try:
+        deadline = time.time() + 120
+        while "restart 1 of 1" not in worker_log(pod, 0):
+            assert time.time() < deadline, worker_log(pod, 0)[-3000:]
+            time.sleep(1)
+        time.sleep(5)       # worker 1 stays frozen a while after its peer left, as a stopped VM would
+    finally:
+        os.kill(frozen, signal.SIGCONT)
+    wait_for_exits(pod, launches=2)
+    logs = [worker_log(pod, w) for w in range(2)]
+    for log in logs:
+        exits = [line.split("code ")[1].split()[0] for line in log.splitlines() if "train.py exited with code" in line]
+        assert exits == ["75", "0"], log[-3000:]
+    assert "hang: no step completed" in logs[0]
+    run_dirs = [pod.home(w) / "jaxpt" / "runs" / "frozen" for w in range(2)]
+    assert "MainThread" in (run_dirs[0] / "hang_stacks_p0.txt").read_text()
+    second = logs[0].split("restart 1 of 1")[1]
+    named = second.split("The last start ended in a hang: ")[1].split(";")[0]
+    assert named.startswith("process 1 (") and "stopped first (it was frozen: its own watchdog ran" in named, named
+    assert "Resuming from latest checkpoint" in second and "Done: steps" in second
+    by_step = {}
+    for line in (run_dirs[0] / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if "loss" in r:
+            by_step.setdefault(r["step"], []).append(r["loss"])
+    assert max(by_step) == 30
+    twice = [s for s, losses in by_step.items() if len(losses) == 2]
+    assert twice and all(by_step[s][0] == by_step[s][1] for s in twice), {s: by_step[s] for s in twice}

@@ -94,7 +94,13 @@ def test_the_next_start_names_the_host_that_stopped_first(tmp_path):
     write(0, 9, 1000.0)
     write(1, 8, 990.0)
     line = announce_last_hang(reports, 2)
-    assert "process 1 (h1) stopped first" in line
+    assert "process 1 (h1) stopped first (the earliest last step)" in line
+    # A report that fired long after it was due: that process was frozen itself.
+    (reports / "p0.json").write_text(json.dumps({"process": 0, "host": "h0", "last_step": 9, "last_step_time": 1000.0,
+                                                 "late_s": 40.0, "poll_s": 0.3}))
+    write(1, 8, 990.0)
+    line = announce_last_hang(reports, 2)
+    assert "process 0 (h0) stopped first (it was frozen: its own watchdog ran 40 s late)" in line
 
 
 def _planted_hang_env(spec):
