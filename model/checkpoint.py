@@ -256,14 +256,16 @@ def damage_reason(exc: BaseException) -> str | None:
 class _SilenceDamagedReads(logging.Filter):
     """Drops the after-the-fact reports of a damaged step's sibling reads. When one array of a
     step fails, Orbax leaves the other reads' errors behind: asyncio logs each unretrieved task
-    ("Task exception was never retrieved") and the interpreter reports each suspended read
-    coroutine it collects ("Exception ignored in: <coroutine ...>", through sys.unraisablehook),
-    both with a TensorStore traceback, after our one line has named the step. Reports that name
+    or future ("Task/Future exception was never retrieved") and the interpreter reports each
+    suspended read coroutine it collects ("Exception ignored in: <coroutine ...>", through
+    sys.unraisablehook) and each read callback that lands on a closed loop ("Event loop is
+    closed"), with TensorStore tracebacks, after our one line has named the step. Reports that name
     no damaged step pass as they are."""
 
     def __init__(self):
         super().__init__()
-        self.steps: set[str] = set()
+        self.steps: set[str] = set()        # being read now, or found damaged
+        self.damaged = False
         self._next_hook = None
 
     def _names_damaged_step(self, text: str) -> bool:
@@ -271,18 +273,29 @@ class _SilenceDamagedReads(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = str(record.msg)
-        return not (text.startswith("Task exception was never retrieved") and self._names_damaged_step(text))
+        if record.exc_info and record.exc_info[1] is not None:
+            text += f"\n{record.exc_info[1]}"
+        leftover = text.startswith(("Task exception was never retrieved", "Future exception was never retrieved"))
+        return not (leftover and self._names_damaged_step(text))
 
     def unraisable(self, report) -> None:
-        if not self._names_damaged_step(f"{report.exc_value}"):
+        # A read callback that lands after its event loop closed reports "Event loop is closed"
+        # with no path in it; once a step was found damaged, that is one of its reads.
+        closed_loop = isinstance(report.exc_value, RuntimeError) and "Event loop is closed" in str(report.exc_value)
+        if not (self._names_damaged_step(f"{report.exc_value}") or (closed_loop and self.damaged)):
             self._next_hook(report)
 
-    def watch(self, step_dir: str) -> None:
+    def watch(self, step_dir: str, *, damaged: bool = True) -> None:
         self.steps.add(step_dir)
+        self.damaged |= damaged
         if self not in logging.getLogger("asyncio").filters:
             logging.getLogger("asyncio").addFilter(self)
         if self._next_hook is None:
             self._next_hook, sys.unraisablehook = sys.unraisablehook, self.unraisable
+
+
+    def forget(self, step_dir: str) -> None:
+        self.steps.discard(step_dir)
 
 
 _damaged_reads = _SilenceDamagedReads()
@@ -302,17 +315,23 @@ def guard_damage(resume: ResumePoint, read: Callable, *, item: str, on_damaged: 
     it looks for the next step."""
     from model.distributed import max_over_hosts
 
+    where = f"{resume.directory}/{resume.step}"
+    watched = where if "://" in where else os.path.abspath(where)
+    # Watched while it is read: a failed sibling read can be collected (and reported) while the
+    # failure is still on its way up, before this function has named the step.
+    _damaged_reads.watch(watched, damaged=False)
     reason, result = None, None
     try:
         result = read()
     except Exception as e:  # noqa: BLE001 - classified just below; anything else is re-raised
         reason = damage_reason(e)
         if reason is None:
+            _damaged_reads.forget(watched)
             raise
     if not max_over_hosts(int(reason is not None)):
+        _damaged_reads.forget(watched)
         return result
-    where = f"{resume.directory}/{resume.step}"
-    silence_leftover_reads(where if "://" in where else os.path.abspath(where))
+    silence_leftover_reads(watched)
     seen = (f"{item}: {reason}" if reason is not None else "on another host")
     if jax.process_count() > 1 and reason is not None:
         seen = f"process {jax.process_index()}, {seen}"

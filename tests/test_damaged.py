@@ -107,9 +107,10 @@ def test_each_damaged_step_is_moved_aside_and_the_run_resumes_exactly(processes,
 
 
 def test_a_damaged_steps_leftover_reads_are_not_reported_but_other_errors_are(tmp_path):
-    """Orbax leaves a damaged step's sibling reads behind as suspended coroutines and unretrieved
-    tasks; collecting them prints tracebacks naming the step after our one line. Once a step is
-    named damaged those reports are dropped; a report naming anything else still prints."""
+    """Orbax leaves a damaged step's sibling reads behind as suspended coroutines, unretrieved
+    tasks and futures, and callbacks landing on a closed loop; collecting them prints tracebacks
+    naming the step after our one line. Once a step is named damaged those reports are dropped;
+    a report naming anything else still prints."""
     script = tmp_path / "leftovers.py"
     script.write_text(
         "import asyncio, gc, logging\n"
@@ -134,8 +135,20 @@ def test_a_damaged_steps_leftover_reads_are_not_reported_but_other_errors_are(tm
         "    for path in ('/run/checkpoints/10', '/run/checkpoints/100'):\n"
         "        asyncio.get_running_loop().create_task(failing(path))\n"
         "    await asyncio.sleep(0)\n"
+        "async def leave_futures():\n"
+        "    for path in ('/run/checkpoints/10', '/run/checkpoints/100'):\n"
+        "        asyncio.get_running_loop().create_future().set_exception(Exception(f\"'path': '{path}/state/'\"))\n"
+        "    await asyncio.sleep(0)\n"
         "logging.basicConfig()\n"
         "asyncio.run(leave_tasks())\n"
+        "asyncio.run(leave_futures())\n"
+        "gc.collect()\n"
+        "closed = asyncio.new_event_loop()\n"
+        "closed.close()\n"
+        "class LateCallback:           # a read's callback landing after its loop closed\n"
+        "    def __del__(self):\n"
+        "        closed.call_soon_threadsafe(print)\n"
+        "LateCallback()\n"
         "gc.collect()\n")
     result = subprocess.run([sys.executable, str(script)], cwd=Path(__file__).parents[1], capture_output=True,
                             text=True, timeout=120)
@@ -144,3 +157,5 @@ def test_a_damaged_steps_leftover_reads_are_not_reported_but_other_errors_are(tm
     assert "/run/checkpoints/100/" in result.stderr, result.stderr
     assert result.stderr.count("Exception ignored in") == 1, result.stderr
     assert result.stderr.count("Task exception was never retrieved") == 1, result.stderr
+    assert result.stderr.count("Future exception was never retrieved") == 1, result.stderr
+    assert "Event loop is closed" not in result.stderr, result.stderr
