@@ -54,6 +54,7 @@ def run(cfg: DictConfig) -> dict:
     import data as data_lib
     from model import distributed, goodput
     from model import flops as flops_lib
+    from model import rollback as rollback_lib
     from model.checkpoint import Checkpointer, check_fingerprint, find_resume, restore_meta_and_data
     from model.evaluate import TaskEvaluator, TasksConfig
     from model.meters import IntervalMeter, MetricsLogger, Profiler
@@ -75,6 +76,9 @@ def run(cfg: DictConfig) -> dict:
         hang_timeout_s = cfg.train.get("hang_timeout_s")
         if hang_timeout_s is not None and not float(hang_timeout_s) > 0:
             raise ValueError(f"train.hang_timeout_s={hang_timeout_s} must be positive (null: automatic)")
+        on_divergence = cfg.train.get("on_divergence", "stop")
+        divergence_skips = int(cfg.train.get("divergence_skips") or 0)
+        rollback_lib.check_settings(on_divergence, divergence_skips)
         if cfg.checkpoint.get("on_damaged", "fall_back") not in ("fall_back", "stop"):
             raise ValueError(f"checkpoint.on_damaged={cfg.checkpoint.on_damaged} must be fall_back or stop")
         model_cfg, tx, schedule = model_and_optimizer(cfg)
@@ -122,6 +126,16 @@ def run(cfg: DictConfig) -> dict:
         on_damaged = cfg.checkpoint.get("on_damaged", "fall_back")
         meta, saved_data_states = (restore_meta_and_data(resume, on_damaged=on_damaged)
                                    if resume is not None else ({}, None))
+        # A rollback to this step (train.on_divergence=rollback) moved its data position past the
+        # batches that led to the divergence: a resume starts there too (model/rollback.py).
+        rolled_past = (rollback_lib.data_override(resume.directory, resume.step)
+                       if resume is not None else None)
+        past_rollbacks = meta.get("rollbacks", [])
+        if rolled_past is not None:
+            saved_data_states = rolled_past[1]
+            past_rollbacks = past_rollbacks + [
+                {k: v for k, v in r.items() if k != "dir"} for r in rollback_lib.rollbacks_of(resume.directory,
+                                                                                            resume.step)]
         saved_listing = None if cfg.checkpoint.allow_data_change else meta.get("files")
         listing = data_lib.run_listing(data_cfg.patterns(), eval_paths, saved_listing,
                                        from_process_0=distributed.from_process_0)
@@ -219,6 +233,9 @@ def run(cfg: DictConfig) -> dict:
             start_step = int(jax.device_get(state["step"]))
             if is_main:
                 print(f"Resuming from {resume.describe()} at step {start_step}", flush=True)
+                if rolled_past is not None:
+                    print(f"Its data goes on past the steps rolled back at step {rolled_past[0]['seen_at_step']} "
+                          f"({rolled_past[0]['dir']})", flush=True)
         elif cfg.checkpoint.init_from:
             state = program.init_state(cfg.seed)
             try:
@@ -255,14 +272,21 @@ def run(cfg: DictConfig) -> dict:
             schedule=schedule, tokens_per_step=tokens_per_step,
             flops_per_step=flops_lib.flops_per_token(model_cfg, data_cfg.seq_len) * tokens_per_step,
             peak_total=peak * jax.device_count() if peak else None, device_count=jax.device_count(),
-            stop_on_nan=cfg.train.stop_on_nan, over_hosts=distributed.gather_over_hosts)
+            stop_on_nan=cfg.train.stop_on_nan and on_divergence == "stop", over_hosts=distributed.gather_over_hosts)
+        rollback = None
+        if on_divergence == "rollback":
+            rollback = rollback_lib.Rollback(ckpt, abstract_state, run_dir=run_dir, process_index=process_index,
+                                             process_count=process_count, barrier=lambda: distributed.max_over_hosts(0),
+                                             resumed_from=resume.step if rolled_past is not None else None)
+            cleanup.callback(rollback.close)
+        plant = rollback_lib.planted_divergence()     # tests only: JAXPT_TEST_DIVERGE_AT
 
         logger = MetricsLogger(cfg, run_dir, enabled=is_main, start_step=start_step, wandb_id=wandb_id)
         cleanup.callback(logger.close)
         # "files": the run's listing, reused by a resumed run (~70 bytes per file: 350 KB for 5000).
         meta = {"fingerprint": fingerprint, "config": OmegaConf.to_container(cfg, resolve=True),
                 "wandb_id": logger.wandb_id, "process_count": process_count, "num_workers": data_cfg.num_workers,
-                "files": listing}
+                "files": listing, "rollbacks": past_rollbacks}
 
         # ------------------------------------------------------------------ loop
         profile = Profiler(cfg.profile.steps, run_dir / "profile", enabled=is_main)
@@ -278,12 +302,16 @@ def run(cfg: DictConfig) -> dict:
         cleanup.push(watchdog.exit_hook)    # runs first: a failure caused by a peer's hang exits as one
         auto_row = {}           # data.num_workers=auto's figures, logged with the next row
         last = {}
+        drawn = 0               # batches drawn in this start (rolled-back ones included)
         while step < cfg.train.steps:
             profile.maybe_start(step + 1)
             batch = next(batches)
+            drawn += 1
             if batch_log is not None:
                 batch = batch_log.log(step + 1, batch)
             state, metrics = train_step(state, batch)
+            if drawn in plant:
+                state, metrics = rollback_lib.plant(state, metrics)
             step += 1
             meter.add(metrics)
             if step == start_step + 1:
@@ -304,6 +332,26 @@ def run(cfg: DictConfig) -> dict:
             profile.maybe_stop(step)
 
             log_now = step % cfg.train.log_every == 0 or step == cfg.train.steps
+            save_now = ckpt.should_save(step, cfg.train.steps)
+            if (log_now or save_now) and (rollback is not None or meter.stop_on_nan):
+                # Divergence (model/rollback.py): looked for where a row is logged or a step saved.
+                div = meter.divergence(step, divergence_skips)
+                if div is not None and rollback is None:
+                    raise rollback_lib.Diverged(f"{div.reason}; step {step} is not saved (train.on_divergence=stop; "
+                                                "rollback reloads the newest checkpoint before it)")
+                if div is not None:
+                    t0 = time.perf_counter()
+                    seen = step
+                    with watchdog.paused():
+                        state, step, record = rollback.roll_back(div, batches.consumed_state())
+                    meta["rollbacks"] = meta["rollbacks"] + [record]
+                    meter.rolled_back(batches.stats())
+                    events.add("rollback", step=step, from_step=seen, seconds=time.perf_counter() - t0)
+                    if is_main:
+                        print(f"diverged: {div.reason}; rolled back to step {step} from step {seen}: the data "
+                              f"goes on past steps {step + 1}..{seen}, whose documents are written to "
+                              f"{run_dir / record['documents']}", flush=True)
+                    continue
             eval_now = held_out is not None and cfg.train.eval_every and step % cfg.train.eval_every == 0
             tasks_now = tasks is not None and tasks.should_run(step, cfg.train.steps)
             if log_now or eval_now or tasks_now:
@@ -327,7 +375,7 @@ def run(cfg: DictConfig) -> dict:
                 logger.log(events.row(row))
 
             stop = preempted.check(step)
-            if ckpt.should_save(step, cfg.train.steps) or stop:
+            if save_now or stop:
                 t0 = time.perf_counter()
                 with watchdog.paused():
                     ckpt.save(step, state, batches.consumed_state(), meta)
@@ -391,6 +439,7 @@ def main(cfg: DictConfig) -> None:
     quiet_cpu_start()           # before anything imports JAX
     from data import BadDataError
     from model.checkpoint import DamagedCheckpoint
+    from model.rollback import Diverged
     from model.watchdog import EXIT_HANG, PeerHung
 
     try:
@@ -409,6 +458,10 @@ def main(cfg: DictConfig) -> None:
     except DamagedCheckpoint as e:
         # checkpoint.on_damaged=stop, or no step left that restores: the line says which step and why.
         print(f"checkpoint error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except (Diverged, FloatingPointError) as e:
+        # train.on_divergence: the steps and what diverged, in one line (model/rollback.py).
+        print(f"diverged: {' '.join(str(e).split())}", file=sys.stderr)
         sys.exit(1)
     except PeerHung as e:
         # Another host hung and left: every host exits with the hang's code, and restarts (model/watchdog.py).

@@ -9,6 +9,7 @@ hosts line up), written by process 0 only, appended by every start:
   compile      the first step has run (compile included)
   interval     one log row: step, interval_s, data_wait_s (slowest host), stall_s
   eval         step, seconds              save    step, blocked_s
+  rollback     step (rolled back to), from_step, seconds (train.on_divergence=rollback)
   stall        step, seconds (time over 3x the median step, see model/meters.py)
   exit         reason (clean | preempted | crash | hang), error (the exception's type),
                step (last completed), saved (last saved)
@@ -89,11 +90,12 @@ class Life:
         self.saved = None
         self.mark = None            # the end of the last interval
         self.mark_step = None
-        self.sums = dict.fromkeys(("productive", "data_wait", "stall", "eval", "checkpoint"), 0.0)
+        self.sums = dict.fromkeys(("productive", "data_wait", "stall", "eval", "checkpoint", "lost"), 0.0)
         self.pending = {"eval": 0.0, "checkpoint": 0.0}     # since the last interval
         self.intervals = []         # (first step, last step, productive, data_wait, stall) per interval
         self.steps = 0              # steps in the intervals
         self._lost = {}             # lost(resumed_at), computed once for a finished life
+        self.rolled_back = 0        # steps trained and then rolled back (train.on_divergence)
 
     def add(self, e: dict) -> None:
         kind, t = e.get("event"), float(e.get("t", self.last_t))
@@ -125,6 +127,29 @@ class Life:
             self.steps += step - self.mark_step
             self.pending = {"eval": 0.0, "checkpoint": 0.0}
             self.mark, self.mark_step, self.last_step = t, step, step
+        elif kind == "rollback" and self.mark is not None:
+            # Everything since the last row (the steps rolled back, the reload) is lost, and so
+            # are the logged intervals past the step rolled back to.
+            target = int(e["step"])
+            for k in ("eval", "checkpoint"):
+                self.sums[k] += self.pending[k]
+            self.sums["lost"] += t - self.mark - self.pending["eval"] - self.pending["checkpoint"]
+            self.pending = {"eval": 0.0, "checkpoint": 0.0}
+            self.rolled_back += int(e.get("from_step", self.mark_step)) - self.mark_step
+            kept = []
+            for first, last, productive, wait, stall in self.intervals:
+                n, gone = last - first + 1, max(0, last - max(first - 1, target))
+                if gone:
+                    for k, v in (("productive", productive), ("data_wait", wait), ("stall", stall)):
+                        self.sums[k] -= v * gone / n
+                        self.sums["lost"] += v * gone / n
+                    self.steps -= gone
+                    self.rolled_back += gone
+                if gone < n:
+                    keep = (n - gone) / n
+                    kept.append((first, last - gone, productive * keep, wait * keep, stall * keep))
+            self.intervals = kept
+            self.mark, self.mark_step, self.last_step = t, target, target
         elif kind == "exit":
             self.exit = e
             if e.get("step") is not None:
@@ -204,6 +229,7 @@ def combine(lives: list[Life], now: float | None = None) -> dict:
     total = dict.fromkeys(("productive",) + CAUSES, 0.0)
     per_life, lost_steps = [], 0
     for i, life in enumerate(lives):
+        lost_steps += life.rolled_back
         last = i == len(lives) - 1
         end = life.exit["t"] if life.exit else life.last_t
         if last and now is not None and life.exit is None:
@@ -250,7 +276,7 @@ def summary(b: dict) -> str:
     return (f"Goodput {b['goodput']:.1%}: {s['productive']:.0f} s of {b['wall_s']:.0f} s trained the model "
             f"(over {b['restarts'] + 1} starts, {b['restarts']} restarts)\n"
             "Badput: " + ", ".join(f"{k} {s[k]:.0f} s ({s[k] / wall:.1%})" for k in top) + "\n"
-            f"Lost to restarts: {b['lost_steps']} steps trained twice ({s['lost']:.0f} s); "
+            f"Lost to restarts and rollbacks: {b['lost_steps']} steps trained twice ({s['lost']:.0f} s); "
             f"dead time between lives {s['dead']:.0f} s")
 
 

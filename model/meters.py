@@ -67,6 +67,21 @@ class IntervalMeter:
         else:
             self.save_s += seconds
 
+    def divergence(self, step: int, skips_in_a_row: int = 0):
+        """The first divergence among the steps since the last row (model/rollback.py), or None.
+        Fetches their scalars once; the row that follows uses them as they are."""
+        import jax
+
+        from model.rollback import find_divergence
+
+        self.pending = jax.device_get(self.pending)
+        return find_divergence(self.pending, step, skips_in_a_row)
+
+    def rolled_back(self, stats: dict) -> None:
+        """After a rollback: the steps since the last row are gone; the interval starts again."""
+        self.pending = []
+        self._mark(time.perf_counter(), stats)
+
     def row(self, step: int, stats: dict) -> dict:
         """The log row of the steps since the last one (fetches their metrics)."""
         import jax

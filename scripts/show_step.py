@@ -133,8 +133,16 @@ def find_basis(run: Run, step: int) -> tuple[Basis, dict | None]:
     meta_after = _restore(run.ckpt_dir, later[0])[0] if later else None
     before = [c for c in run.steps if c < step]
     if before:
+        from model.rollback import data_override
+
         meta, states = _restore(run.ckpt_dir, before[-1])
-        return Basis(before[-1], f"{run.ckpt_dir}/{before[-1]}", states, meta), meta_after
+        where = f"{run.ckpt_dir}/{before[-1]}"
+        if (override := data_override(run.ckpt_dir, before[-1])) is not None:
+            # train.on_divergence=rollback: the steps after this checkpoint trained on the data
+            # from where the last rollback to it left off (model/rollback.py).
+            record, states = override
+            where += f", past the steps rolled back at step {record['seen_at_step']} ({record['dir']})"
+        return Basis(before[-1], where, states, meta), meta_after
     # Before the run's first checkpoint: where did its data start? The saved config of the
     # session that wrote the first checkpoint says (config.yaml is rewritten by every start).
     first_config = (meta_after or {}).get("config") or run.config
@@ -294,14 +302,44 @@ def row_documents(did_r: np.ndarray) -> list[tuple[int, int, int]]:
 def show_step(run_dir, step: int, row: int | None = None, *, tokens: bool = False, chars: int = 60) -> dict:
     """The rows of global step `step` of the run in `run_dir` (or just global row `row`), as a
     JSON-ready dict. Raises ShowError (or ValueError from the data checks) in one line."""
+    run = load_run(run_dir)
+    basis, meta_after = find_basis(run, step)
+    return show_steps(run, basis, meta_after, [step], row, tokens=tokens, chars=chars)[0]
+
+
+def show_rollback(run_dir, which: str, checkpoint_dir: str | None = None, *, chars: int = 60) -> list[dict]:
+    """The steps that rollback `which` ("STEP/N": the N-th rollback to checkpoint STEP, from 0)
+    rolled back (model/rollback.py), replayed from where they started: checkpoint STEP's own
+    data position for the first, the one before's position for a later one."""
+    from model.rollback import read_states, rollbacks_of
+
+    run = load_run(run_dir)
+    ckpt_dir = checkpoint_dir or run.ckpt_dir
+    try:
+        target, n = (int(x) for x in which.split("/"))
+    except ValueError:
+        raise ShowError(f"--rollback {which!r}: STEP/N, e.g. 40/0") from None
+    records = rollbacks_of(ckpt_dir, target)
+    if not 0 <= n < len(records):
+        raise ShowError(f"--rollback {which}: {ckpt_dir}/rollbacks/{target} holds rollbacks 0..{len(records) - 1}")
+    meta, states = _restore(ckpt_dir, target)
+    where = f"{ckpt_dir}/{target}"
+    if n > 0:
+        states, where = read_states(records[n - 1]["dir"]), f"{where}, past rollback {n - 1} ({records[n - 1]['dir']})"
+    first, last = records[n]["rolled_back_steps"]
+    return show_steps(run, Basis(target, where, states, meta), None, list(range(first, last + 1)), None,
+                      chars=chars)
+
+
+def show_steps(run: Run, basis: Basis, meta_after: dict | None, steps: list[int], row: int | None = None, *,
+               tokens: bool = False, chars: int = 60) -> list[dict]:
+    """show_step for consecutive `steps` replayed from one `basis` (each shard replayed once)."""
     from data.batch_log import row_hash
     from data.host import make_encoder
     from data.mixture import source_of_row, source_thresholds
     from data.pipeline import stream_spec
     from data.state import merge_host_states
 
-    run = load_run(run_dir)
-    basis, meta_after = find_basis(run, step)
     if basis.meta and meta_after and basis.meta["fingerprint"]["data"] != meta_after["fingerprint"]["data"]:
         # A session resumed at the basis checkpoint (the latest one then; a later one would carry
         # the new fingerprint) on changed data, with the later checkpoint's settings. With
@@ -325,8 +363,8 @@ def show_step(run_dir, step: int, row: int | None = None, *, tokens: bool = Fals
     spec = stream_spec(cfg, 0, 1, files, tokenizer, debug=True)
     shard_states = merge_host_states(basis.host_states)["shards"] if basis.host_states else None
     if basis.host_states is None and not basis.fresh:
-        raise ShowError(f"{basis.where} holds no data state: step {step} cannot be replayed")
-    skip = (step - 1 - basis.step) * k
+        raise ShowError(f"{basis.where} holds no data state: step {steps[0]} cannot be replayed")
+    skip = (steps[0] - 1 - basis.step) * k
 
     got = {}
     # The tokenizer pool an input process builds (shared by the replayed shards).
@@ -334,41 +372,45 @@ def show_step(run_dir, step: int, row: int | None = None, *, tokens: bool = Fals
     try:
         for v in sorted({r // k for r in rows}):
             want = [r % k for r in rows if r // k == v]
-            out = replay_rows(spec, enc, shard_states, v, skip, max(want) + 1)
-            for j in want:
-                got[v * k + j] = (v, out["tok"][j], out["did"][j])
+            out = replay_rows(spec, enc, shard_states, v, skip, (len(steps) - 1) * k + max(want) + 1)
+            for i, step in enumerate(steps):
+                for j in want:
+                    got[step, v * k + j] = (v, out["tok"][i * k + j], out["did"][i * k + j])
     finally:
         if enc is not None:
             enc.close()
 
     thresholds = source_thresholds([w for _, w, _ in spec.mixture]) if spec.mixture else None
-    result_rows, docs = [], []
-    for r in rows:
-        v, tok_r, did_r = got[r]
-        real = did_r[did_r >= 0]
-        source = spec.mixture[source_of_row(thresholds, (step - 1) * B + r)][0] if spec.mixture else None
-        row_docs = []
-        for doc_id, a, b in row_documents(did_r):
-            d = {"doc_id": doc_id, "span": [a, b], **locate(spec, doc_id)}
+    results, docs = [], []
+    for step in steps:
+        result_rows = []
+        for r in rows:
+            v, tok_r, did_r = got[step, r]
+            real = did_r[did_r >= 0]
+            source = spec.mixture[source_of_row(thresholds, (step - 1) * B + r)][0] if spec.mixture else None
+            row_docs = []
+            for doc_id, a, b in row_documents(did_r):
+                d = {"doc_id": doc_id, "span": [a, b], **locate(spec, doc_id)}
+                if tokens:
+                    d["decoded"] = tokenizer.decode(tok_r[a:b].tolist(), skip_special_tokens=False)
+                row_docs.append(d)
+            docs.extend(row_docs)
+            entry = {"row": r, "shard": v, "source": source, "hash": row_hash(tok_r[:-1], tok_r[1:], did_r),
+                     "first_doc_id": int(real[0]) if real.size else -1,
+                     "last_doc_id": int(real[-1]) if real.size else -1,
+                     "padding": int((did_r < 0).sum()), "documents": row_docs}
             if tokens:
-                d["decoded"] = tokenizer.decode(tok_r[a:b].tolist(), skip_special_tokens=False)
-            row_docs.append(d)
-        docs.extend(row_docs)
-        entry = {"row": r, "shard": v, "source": source, "hash": row_hash(tok_r[:-1], tok_r[1:], did_r),
-                 "first_doc_id": int(real[0]) if real.size else -1,
-                 "last_doc_id": int(real[-1]) if real.size else -1,
-                 "padding": int((did_r < 0).sum()), "documents": row_docs}
-        if tokens:
-            entry["tokens"] = tok_r.tolist()
-        result_rows.append(entry)
+                entry["tokens"] = tok_r.tolist()
+            result_rows.append(entry)
+        results.append({"run_dir": str(run.run_dir), "step": step, "from_step": basis.step, "from": basis.where,
+                        "replayed_batches": step - 1 - basis.step, "global_batch_size": B, "num_shards": V,
+                        "rows": result_rows})
     document_texts(docs, tokenizer, chars)
     for d in docs:
         del d["_sub"]
         d["more"] = len(d["text"]) > chars     # the text goes on beyond what is shown
         d["text"] = d["text"][:chars]
-    return {"run_dir": str(run.run_dir), "step": step, "from_step": basis.step, "from": basis.where,
-            "replayed_batches": step - 1 - basis.step, "global_batch_size": B, "num_shards": V,
-            "rows": result_rows}
+    return results
 
 
 def format_text(res: dict) -> str:
@@ -394,7 +436,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         description="Which documents were in a training step (no training, no accelerator).")
     ap.add_argument("run_dir", help="the run directory (holds config.yaml, checkpoints/, metrics.jsonl)")
-    ap.add_argument("--step", type=int, required=True, help="the global step (steps count from 1)")
+    which = ap.add_mutually_exclusive_group(required=True)
+    which.add_argument("--step", type=int, help="the global step (steps count from 1)")
+    which.add_argument("--rollback", metavar="STEP/N",
+                       help="the steps rolled back by the N-th rollback to checkpoint STEP (train.on_divergence)")
+    ap.add_argument("--checkpoint-dir", default=None, help="with --rollback: the run's checkpoint.dir")
     ap.add_argument("--row", type=int, default=None, help="only this row of the global batch")
     ap.add_argument("--tokens", action="store_true", help="also print each document's decoded tokens")
     ap.add_argument("--json", action="store_true",
@@ -407,11 +453,15 @@ def main(argv=None) -> int:
     import absl.logging
     absl.logging.set_verbosity(absl.logging.ERROR)     # Orbax's info lines are not our output
     try:
-        res = show_step(args.run_dir, args.step, args.row, tokens=args.tokens, chars=args.chars)
+        if args.rollback:
+            results = show_rollback(args.run_dir, args.rollback, args.checkpoint_dir, chars=args.chars)
+        else:
+            results = [show_step(args.run_dir, args.step, args.row, tokens=args.tokens, chars=args.chars)]
     except (ValueError, FileNotFoundError) as e:       # ShowError and the data checks' messages
         print("show_step: " + " ".join(str(e).split()), file=sys.stderr)
         return 2
-    print(json.dumps(res, ensure_ascii=False) if args.json else format_text(res))
+    for res in results:
+        print(json.dumps(res, ensure_ascii=False) if args.json else format_text(res))
     return 0
 
 

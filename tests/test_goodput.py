@@ -70,6 +70,27 @@ def test_ledger_on_hand_built_lives():
     assert [sum(life["parts"].values()) for life in b["lives"]] == pytest.approx([40.0 + 10.0, 35.0])
 
 
+def test_a_rollback_counts_the_steps_rolled_back_as_lost():
+    # Rows at steps 3 and 5 (checkpoint at 3), a divergence found at step 7 rolls back to 3:
+    # steps 4..5 of the row at 5 and 6..7 since it are lost, with the 2 s reload.
+    events = [
+        ev("start", 0.0), ev("restore", 1.0, step=0, tier="init", seconds=0.0), ev("compile", 2.0, step=1),
+        ev("interval", 6.0, step=3, interval_s=4.0, data_wait_s=0.0, stall_s=0.0),      # steps 2..3
+        ev("save", 6.5, step=3, blocked_s=0.5),
+        ev("interval", 10.0, step=5, interval_s=4.0, data_wait_s=1.0, stall_s=0.0),     # steps 4..5
+        ev("rollback", 16.0, step=3, from_step=7, seconds=2.0),
+        ev("interval", 20.0, step=5, interval_s=4.0, data_wait_s=0.0, stall_s=0.0),     # steps 4..5 again
+        ev("exit", 20.0, reason="clean", step=5, saved=3),
+    ]
+    b = goodput.breakdown(events)
+    s = b["seconds"]
+    assert b["lost_steps"] == 4
+    assert s["lost"] == pytest.approx((4.0 - 0.5 - 1.0) + 1.0 + 6.0)    # the row at 5, all since it
+    assert s["productive"] == pytest.approx(4.0 + 4.0)
+    assert s["checkpoint"] == pytest.approx(0.5) and s["data_wait"] == pytest.approx(0.0)
+    assert sum(s.values()) == pytest.approx(b["wall_s"], rel=1e-9)
+
+
 def test_ledger_of_a_run_in_progress_counts_to_now_and_keeps_the_log_order():
     running = HAND_BUILT[:-1]
     b = goodput.breakdown(running, now=100.0)
@@ -148,7 +169,7 @@ def test_sigkill_restart_eval_and_slow_stage_add_up_and_report_renders(tmp_path)
     first.wait()
     second = subprocess.run(cli(run_dir), env=env, cwd=tmp_path, capture_output=True, text=True, timeout=500)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-    assert "Goodput" in second.stdout and "Lost to restarts" in second.stdout
+    assert "Goodput" in second.stdout and "Lost to restarts and rollbacks" in second.stdout
 
     events = goodput.read_events(run_dir / goodput.EVENTS_FILE)
     kinds = [e["event"] for e in events]
