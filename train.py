@@ -55,8 +55,9 @@ def run(cfg: DictConfig) -> dict:
     from model import distributed, goodput
     from model import flops as flops_lib
     from model import rollback as rollback_lib
-    from model.checkpoint import Checkpointer, check_fingerprint, find_resume, restore_meta_and_data
+    from model.checkpoint import Checkpointer, ResumePoint, check_fingerprint, find_resume, restore_meta_and_data
     from model.evaluate import TaskEvaluator, TasksConfig
+    from model.local_tier import LocalTier
     from model.meters import IntervalMeter, MetricsLogger, Profiler
     from model.optimizer import resolve_warmup
     from model.watchdog import REPORTS_DIR, Watchdog, announce_last_hang
@@ -79,6 +80,7 @@ def run(cfg: DictConfig) -> dict:
         on_divergence = cfg.train.get("on_divergence", "stop")
         divergence_skips = int(cfg.train.get("divergence_skips") or 0)
         rollback_lib.check_settings(on_divergence, divergence_skips)
+        LocalTier.check_settings(cfg.checkpoint)
         if cfg.checkpoint.get("on_damaged", "fall_back") not in ("fall_back", "stop"):
             raise ValueError(f"checkpoint.on_damaged={cfg.checkpoint.on_damaged} must be fall_back or stop")
         model_cfg, tx, schedule = model_and_optimizer(cfg)
@@ -124,12 +126,20 @@ def run(cfg: DictConfig) -> dict:
     try:
         resume = find_resume(cfg.checkpoint)
         on_damaged = cfg.checkpoint.get("on_damaged", "fall_back")
-        meta, saved_data_states = (restore_meta_and_data(resume, on_damaged=on_damaged)
-                                   if resume is not None else ({}, None))
+        # The local tier (model/local_tier.py) wins when every host holds a newer step there.
+        local_tier = LocalTier.from_config(cfg.checkpoint, process_index)
+        local_pick = (local_tier.pick(program.abstract_state, newer_than=resume.step if resume is not None else None,
+                                      gather=distributed.gather_json) if local_tier is not None else None)
+        if local_pick is not None:
+            resume = ResumePoint(str(local_tier.root), local_pick.step, "local")
+            meta, saved_data_states = local_pick.meta, local_pick.data_states
+        else:
+            meta, saved_data_states = (restore_meta_and_data(resume, on_damaged=on_damaged)
+                                       if resume is not None else ({}, None))
         # A rollback to this step (train.on_divergence=rollback) moved its data position past the
         # batches that led to the divergence: a resume starts there too (model/rollback.py).
         rolled_past = (rollback_lib.data_override(resume.directory, resume.step)
-                       if resume is not None else None)
+                       if resume is not None and resume.source != "local" else None)
         past_rollbacks = meta.get("rollbacks", [])
         if rolled_past is not None:
             saved_data_states = rolled_past[1]
@@ -228,7 +238,12 @@ def run(cfg: DictConfig) -> dict:
         cleanup.callback(batches.close)
 
         t_restore = time.time()
-        if resume is not None:
+        if resume is not None and resume.source == "local":
+            state = local_tier.restore(resume.step, abstract_state)
+            start_step = int(jax.device_get(state["step"]))
+            if is_main:
+                print(f"Resuming from {resume.describe()} at step {start_step}", flush=True)
+        elif resume is not None:
             state = ckpt.restore_state(resume, abstract_state)
             start_step = int(jax.device_get(state["step"]))
             if is_main:
@@ -279,6 +294,10 @@ def run(cfg: DictConfig) -> dict:
                                              process_count=process_count, barrier=lambda: distributed.max_over_hosts(0),
                                              resumed_from=resume.step if rolled_past is not None else None)
             cleanup.callback(rollback.close)
+            if local_tier is not None:
+                rollback.on_rollback = local_tier.drop_after
+        if local_tier is not None:
+            cleanup.callback(local_tier.wait)
         plant = rollback_lib.planted_divergence()     # tests only: JAXPT_TEST_DIVERGE_AT
 
         logger = MetricsLogger(cfg, run_dir, enabled=is_main, start_step=start_step, wandb_id=wandb_id)
@@ -333,7 +352,8 @@ def run(cfg: DictConfig) -> dict:
 
             log_now = step % cfg.train.log_every == 0 or step == cfg.train.steps
             save_now = ckpt.should_save(step, cfg.train.steps)
-            if (log_now or save_now) and (rollback is not None or meter.stop_on_nan):
+            local_now = local_tier is not None and local_tier.should_save(step) and not save_now
+            if (log_now or save_now or local_now) and (rollback is not None or meter.stop_on_nan):
                 # Divergence (model/rollback.py): looked for where a row is logged or a step saved.
                 div = meter.divergence(step, divergence_skips)
                 if div is not None and rollback is None:
@@ -374,6 +394,12 @@ def run(cfg: DictConfig) -> dict:
                 row, auto_row = {**row, **auto_row}, {}
                 logger.log(events.row(row))
 
+            if local_now:
+                t0 = time.perf_counter()
+                with watchdog.paused():
+                    local_tier.save(step, state, batches.consumed_state(), meta)
+                meter.paused(time.perf_counter() - t0, kind="save")
+                events.add("save", step=step, tier="local", blocked_s=time.perf_counter() - t0)
             stop = preempted.check(step)
             if save_now or stop:
                 t0 = time.perf_counter()

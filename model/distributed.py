@@ -141,6 +141,24 @@ def gather_over_hosts(values):
     return np.asarray(multihost_utils.process_allgather(np.asarray(values, np.float64))).tolist()
 
 
+def gather_json(obj) -> list:
+    """Every process's `obj` (JSON-able; every process must call it), in process order: two
+    small all-gathers (the lengths, then the bytes padded to the longest). On one process, [obj]."""
+    import jax
+
+    if jax.process_count() == 1:
+        return [obj]
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    payload = np.frombuffer(json.dumps(obj).encode(), np.uint8)
+    lengths = np.asarray(multihost_utils.process_allgather(np.int32(payload.size))).reshape(-1)
+    padded = np.zeros(int(lengths.max()), np.uint8)
+    padded[:payload.size] = payload
+    rows = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(lengths), -1)
+    return [json.loads(rows[i, :n].tobytes()) for i, n in enumerate(lengths.tolist())]
+
+
 class PreemptionFlag:
     """SIGTERM (a preempted VM, `scripts/tpu.py stop`) or JAX's preemption sync point on TPU:
     save at the current step, wait for the save, exit 0; the next start resumes.

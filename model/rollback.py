@@ -151,6 +151,7 @@ class Rollback:
         # A start that resumed past an earlier rollback to its step counts it as the one before.
         self.last_target = resumed_from
         self.documents: list[subprocess.Popen] = []
+        self.on_rollback: Callable[[int], None] | None = None    # the local tier drops later steps
 
     def roll_back(self, div: Divergence, consumed_state: dict) -> tuple[dict, int, dict]:
         """(state, step, record) after rolling back past `div`; the data goes on from
@@ -189,6 +190,8 @@ class Rollback:
             for s in complete_steps(directory):
                 if s >= div.first_step:
                     (states.parent.parent.parent / str(s)).rename(states.parent.parent.parent / f"{s}.diverged-{stamp}")
+        if self.on_rollback is not None:
+            self.on_rollback(target)
         self.barrier()
         if twice:
             prev = before[-1] if before else {}
