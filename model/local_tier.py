@@ -134,14 +134,22 @@ class LocalTier:
         self.wait()
         shards, manifest = [], {}
         offset = 0
+        picked = []
         for name, leaf in _leaves(state):
-            seen, entries = set(), []
+            seen, mine = set(), []
             for shard in leaf.addressable_shards:
                 key = _index_key(shard.index, leaf.shape)
-                if key in seen:
-                    continue
-                seen.add(key)
-                host = np.array(shard.data, copy=True)     # its own memory: the step donates the buffers
+                if key not in seen:
+                    seen.add(key)
+                    shard.data.copy_to_host_async()         # every transfer in flight before the first wait
+                    mine.append((key, shard.data))
+            picked.append((name, leaf, mine))
+        for name, leaf, mine in picked:
+            entries = []
+            for key, data in mine:
+                # The host copy (on CPU a view of the buffer: a buffer with a host view is never
+                # reused by the next step's donation, so it stays as saved until written).
+                host = np.asarray(data)
                 entries.append({"index": key, "offset": offset, "nbytes": host.nbytes, "shape": list(host.shape)})
                 shards.append(host)
                 offset += host.nbytes

@@ -15,6 +15,11 @@ exact code train.py runs:
 Reported figure: blocked_s / sync_s (target <= 0.1). Medians over --repeats saves, each into a
 fresh step. On a CPU "device" the device-to-host copy is a host memcpy; on TPU/GPU it is a
 DMA over PCIe, so the ratio there depends on the host link as well as the disk.
+
+With --local-dir (e.g. /dev/shm/bench) also the local tier (model/local_tier.py, the code
+train.py runs for checkpoint.local_dir): its blocked time (this host's shards copied off the
+devices) and total time per save, against the durable async save's, and the restore time of
+the same state from each tier (Checkpointer.restore_state against LocalTier.restore).
 Prints one JSON line at the end.
 """
 from __future__ import annotations
@@ -40,6 +45,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir; gs:// works)")
+    ap.add_argument("--local-dir", default=None, help="also time the local tier there (e.g. /dev/shm/bench)")
     args = ap.parse_args()
 
     import jax
@@ -58,7 +64,7 @@ def main() -> None:
     tx, _ = make_optimizer(opt_cfg, 1000)
     from omegaconf import OmegaConf
 
-    mesh_cfg = OmegaConf.load(Path(__file__).resolve().parent.parent / "configs/mesh/default.yaml")
+    mesh_cfg = OmegaConf.load(Path(__file__).resolve().parents[2] / "configs/mesh/default.yaml")
     mesh = shd.make_mesh(mesh_cfg)
     rules = shd.rules_from_cfg(mesh_cfg)
     t0 = time.perf_counter()
@@ -94,6 +100,41 @@ def main() -> None:
 
     sync_blocked, sync_total = run(is_async=False)
     async_blocked, async_total = run(is_async=True)
+    tiers = {}
+    if args.local_dir:
+        from model.checkpoint import ResumePoint
+        from model.local_tier import LocalTier
+
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+        tier = LocalTier(args.local_dir, every=1, keep=1, process_index=0)
+        blocked, total = [], []
+        for i in range(args.repeats + 1):
+            t = time.perf_counter()
+            tier.save(i + 1, state, data_state, meta)
+            b = time.perf_counter() - t
+            tier.wait()
+            if i:
+                blocked.append(b)
+                total.append(time.perf_counter() - t)
+            print(f"local save {i + 1}: blocked {b:.3f} s, complete {time.perf_counter() - t:.3f} s",
+                  file=sys.stderr, flush=True)
+        last = args.repeats + 1
+        restore = {}
+        for name, load in (("durable", lambda: Checkpointer(
+                {"dir": f"{root.rstrip('/')}/async", "keep": 1, "async": True, "every": 1, "resume_from": None,
+                 "init_from": None}).restore_state(ResumePoint(f"{root.rstrip('/')}/async", last, "latest"), abstract)),
+                           ("local", lambda: tier.restore(last, abstract))):
+            times = []
+            for _ in range(args.repeats):
+                t = time.perf_counter()
+                jax.block_until_ready(load())
+                times.append(time.perf_counter() - t)
+            restore[name] = round(statistics.median(times), 3)
+        tiers = {"local_blocked_s": round(statistics.median(blocked), 3),
+                 "local_total_s": round(statistics.median(total), 3),
+                 "local_over_durable_blocked": round(statistics.median(blocked) / statistics.median(async_blocked), 3),
+                 "restore_durable_s": restore["durable"], "restore_local_s": restore["local"]}
+        shutil.rmtree(args.local_dir, ignore_errors=True)
     if not args.dir:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -114,6 +155,7 @@ def main() -> None:
         "repeats": args.repeats,
         "write_GBps_sync": round(n_bytes / sync_s / 1e9, 3),
         "cpu_count": os.cpu_count(),
+        **tiers,
     }
     print(json.dumps(result), flush=True)
 
