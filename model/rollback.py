@@ -160,7 +160,8 @@ class Rollback:
 
         self.ckpt.wait()
         directory = self.ckpt.directory
-        good = [s for s in complete_steps(directory) if s < div.first_step]
+        steps = complete_steps(directory)         # collective (Orbax syncs the hosts): every process
+        good = [s for s in steps if s < div.first_step]
         if not good:
             raise Diverged(f"{div.reason}; no checkpoint before step {div.first_step} in {directory} "
                            "to roll back to (train.on_divergence=rollback)")
@@ -187,7 +188,7 @@ class Rollback:
         # Steps that hold the divergence (saved before it was seen) are moved aside, never deleted.
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         if self.process_index == 0:
-            for s in complete_steps(directory):
+            for s in steps:
                 if s >= div.first_step:
                     (states.parent.parent.parent / str(s)).rename(states.parent.parent.parent / f"{s}.diverged-{stamp}")
         if self.on_rollback is not None:

@@ -125,3 +125,25 @@ def test_rollback_skips_the_batches_twice_stops_and_a_resume_goes_on_past_them(t
     assert [(x["to_step"], x["seen_at_step"]) for x in meta["rollbacks"]] == [(4, 6), (4, 6), (8, 10)]
     losses = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all(math.isfinite(x) for x in losses)
+
+
+@pytest.mark.slow
+def test_two_processes_roll_back_together_and_every_shard_skips_the_same_batches(tmp_path, monkeypatch):
+    """Two jax.distributed processes find the divergence at the same step, agree, roll back to
+    the same checkpoint and go on: every virtual shard's rows after the rollback are the rows
+    that followed the skipped batches in an uninterrupted run."""
+    from tests.test_resume import rows_by_step, run, shard_streams
+
+    ref, two = tmp_path / "ref", tmp_path / "two"
+    run(ref, "data.num_workers=0", "checkpoint.every=0", "train.steps=12")
+    monkeypatch.setenv(DIVERGE_ENV, "6")
+    run(two, "data.num_workers=0", "checkpoint.every=4", "train.on_divergence=rollback", processes=2)
+    logs = "".join(p.read_text() for p in sorted(two.glob("log_*_p*.txt")))
+    assert logs.count("rolled back to step 4 from step 6") == 1, logs[-3000:]      # printed by process 0
+    want = shard_streams(rows_by_step(ref), [1, 2, 3, 4, *range(7, 13)])
+    got = shard_streams(rows_by_step(two), range(1, 11))       # a step's last record: the new timeline
+    assert got == want
+    assert [(x["to_step"], x["rolled_back_steps"]) for x in rollbacks_of(str(two / "checkpoints"), 4)] == [
+        (4, [5, 6])]
+    assert sorted(p.name for p in (two / "checkpoints" / "rollbacks" / "4" / "0").iterdir()) == [
+        "process_0-of-2.json", "process_1-of-2.json", "rollback.json"]
