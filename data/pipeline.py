@@ -109,6 +109,8 @@ class _InProcessIterDataset(grain.IterDataset):
 
 
 class _InProcessIterator(grain.DatasetIterator):
+    runs_in_process = True      # DevicePrefetcher reads ahead of it on a host thread of its own
+
     def __init__(self, host, keep_debug: bool):
         super().__init__(host)
         self.host = host
@@ -303,12 +305,20 @@ class DevicePrefetcher:
     # batch is ready. Measured with scripts/bench/bench_input.py on 2 cores: sim_wait_frac 0.009 at
     # 5 ms, 0.003 at 0.1-0.2 ms.
     GIL_SWITCH_INTERVAL_S = 0.0002
+    # In-process input (no worker processes) has no buffer of its own: the reader, tokenizer and
+    # packer run on the producer's side of the `prefetch` device batches, so a burst of work (a
+    # window rebuilt, a long document) longer than those batches' steps reaches the loop. A host
+    # thread running this many host batches ahead absorbs it (host RAM only: ~0.3 MB a batch at
+    # 16 x 1024): bench_corpora.py's simulated loop waited 0.017-0.032 of its time with 2 batches
+    # of buffer, 0.003-0.008 with 16 (BENCHMARKS.md, #26). Worker processes buffer on their own.
+    IN_PROCESS_HOST_PREFETCH = 16
 
     def __init__(self, host_iterator, sharding, prefetch: int = 2, *,
-                 follows: "DevicePrefetcher | None" = None):
+                 follows: "DevicePrefetcher | None" = None, host_prefetch: int | None = None):
         """follows: a closed prefetcher whose consumed state `host_iterator` starts from (a
         switch of the worker count, data/autoworkers.py): stats() go on counting from its
-        start, as if one pipeline had run throughout."""
+        start, as if one pipeline had run throughout. host_prefetch: host batches read ahead on
+        a thread of their own (None: IN_PROCESS_HOST_PREFETCH for an in-process iterator, else 0)."""
         import sys
         sys.setswitchinterval(min(sys.getswitchinterval(), self.GIL_SWITCH_INTERVAL_S))
         self._it = host_iterator
@@ -330,6 +340,13 @@ class DevicePrefetcher:
         self._done = False
         self._closed = False
         self._closer = None                  # the thread of close(background=True)
+        if host_prefetch is None:
+            host_prefetch = self.IN_PROCESS_HOST_PREFETCH if getattr(host_iterator, "runs_in_process", False) else 0
+        self._host_q = _Handoff(host_prefetch) if host_prefetch > 0 else None
+        self._host_thread = None
+        if self._host_q is not None:
+            self._host_thread = threading.Thread(target=self._read_host, name="data-host", daemon=True)
+            self._host_thread.start()
         self._thread = threading.Thread(target=self._run, name="data-prefetch", daemon=True)
         self._thread.start()
 
@@ -355,11 +372,28 @@ class DevicePrefetcher:
     def _put(self, item) -> bool:
         return self._q.put(item, self._stop)
 
-    def _run(self) -> None:
+    def _read_host(self) -> None:
         try:
             while not self._stop.is_set():
                 batch = next(self._it)
-                state = self._it.get_state()
+                if not self._host_q.put((batch, self._it.get_state()), self._stop):
+                    return
+        except BaseException as e:  # noqa: BLE001 - handed on through the device thread
+            self._host_q.put((_Stop(), e), self._stop)
+
+    def _next_host(self):
+        if self._host_q is None:
+            batch = next(self._it)
+            return batch, self._it.get_state()
+        item = self._host_q.get()
+        if isinstance(item[0], _Stop):
+            raise item[1]
+        return item
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                batch, state = self._next_host()
                 t0 = time.perf_counter()
                 batch = self._to_global(batch)
                 self._h2d += time.perf_counter() - t0
@@ -457,6 +491,12 @@ class DevicePrefetcher:
         self._closed = True
         self._stop.set()
         self._q.drain()
+        if self._host_q is not None:
+            self._host_q.drain()
+            self._host_thread.join(timeout=10)
+            # the device thread may wait on the host buffer: a stop item ends that wait
+            self._host_q._items.append((_Stop(), StopIteration()))
+            self._host_q._added.set()
         self._thread.join(timeout=10)
         close = getattr(self._it, "close", None)
         if close is None:

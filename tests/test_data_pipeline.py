@@ -334,3 +334,43 @@ def test_prefetch_handoff_keeps_order_and_stops_when_full():
     stop.set()
     t.join(timeout=5)
     assert done == [False]
+
+
+def test_in_process_input_is_read_ahead_on_a_host_thread_with_the_same_batches_and_states(tmp_path):
+    """Without worker processes the prefetcher reads host batches ahead on a thread of its own
+    (DevicePrefetcher.IN_PROCESS_HOST_PREFETCH): the same batches as without it, each with the
+    consumed state it came with, so a restore from any consumed state continues exactly."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    write_corpus(tmp_path, n_files=6, docs_per_file=20)
+    c = cfg(tmp_path, num_workers=0)
+    sh = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("data",)), P("data"))
+
+    def run(host_prefetch, state=None, n=12):
+        it = data.restore_host_iterator(c, 0, 1, [state] if state else None)
+        pf = data.DevicePrefetcher(it, sh, prefetch=2, host_prefetch=host_prefetch)
+        try:
+            out = []
+            for _ in range(n):
+                b = next(pf)
+                out.append(({k: np.asarray(v) for k, v in b.items()}, pf.consumed_state()))
+            return out, pf
+        finally:
+            pf.close()
+
+    ahead, pf = run(None)
+    assert pf._host_q is not None and pf._host_thread is not None and not pf._host_thread.is_alive()
+    plain, pf = run(0)
+    assert pf._host_q is None
+    for i, ((a, sa), (b, sb)) in enumerate(zip(ahead, plain, strict=True)):
+        assert a.keys() == b.keys()
+        for k in a:
+            np.testing.assert_array_equal(a[k], b[k], err_msg=f"batch {i} {k}")
+        assert sa == sb, f"batch {i}: consumed state"
+    # The state consumed after batch 5 (of a read-ahead run) gives batches 6.. again.
+    again, _ = run(None, state=ahead[4][1], n=7)
+    for (a, _), (b, _) in zip(again, ahead[5:], strict=True):
+        for k in a:
+            np.testing.assert_array_equal(a[k], b[k])
