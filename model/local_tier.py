@@ -3,8 +3,10 @@
 Beside the durable checkpoints (checkpoint.dir, every `checkpoint.every` steps, on a bucket) a
 run may keep frequent ones on each host's own disk or /dev/shm: every `local_every` steps each
 host writes the shards of the train state it holds, its data position and the run's meta to
-`<local_dir>/p<i>/<step>/`. No host reads another's files and no save is collective, so a local
-save costs the device-to-host copy of this host's shards; the write goes on in a thread.
+`<local_dir>/<run>/p<i>/<step>/`. No host reads another's files and no save is collective, so a local
+save costs the device-to-host copy of this host's shards; the write goes on in a thread. The
+steps live under a directory named after the run's durable `checkpoint.dir` (its name and a
+hash of its path), so runs sharing one local_dir never take each other's steps.
 
 Files of a step (arrays and JSON, never pickles), written under `.tmp-<step>` and renamed when
 complete: `arrays.bin` (every shard's bytes, back to back), `manifest.json` (per leaf: shape,
@@ -30,6 +32,15 @@ from typing import Callable
 import numpy as np
 
 SOURCE = "local"
+
+
+def run_key(durable_dir: str) -> str:
+    """The run's directory name inside local_dir: the durable dir's parent's name and a hash."""
+    import hashlib
+
+    path = str(durable_dir).rstrip("/")
+    name = path.rsplit("/", 2)[-2] if path.count("/") >= 1 else path
+    return f"{name or 'run'}-{hashlib.sha1(path.encode()).hexdigest()[:10]}"
 
 
 def _index_key(index, shape) -> str:
@@ -66,8 +77,8 @@ class LocalPick:
 
 
 class LocalTier:
-    def __init__(self, local_dir: str, every: int, keep: int, *, process_index: int):
-        self.root = Path(local_dir) / f"p{process_index}"
+    def __init__(self, local_dir: str, every: int, keep: int, *, process_index: int, run: str = ""):
+        self.root = Path(local_dir) / run / f"p{process_index}"
         self.every, self.keep = int(every), int(keep)
         self._writer: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -77,8 +88,13 @@ class LocalTier:
         local_dir = ccfg.get("local_dir")
         if not local_dir:
             return None
+        durable = str(ccfg["dir"])
+        if "://" not in durable:
+            import os
+
+            durable = os.path.abspath(durable)
         return cls(str(local_dir), int(ccfg.get("local_every") or 0), int(ccfg.get("local_keep") or 2),
-                   process_index=process_index)
+                   process_index=process_index, run=run_key(durable))
 
     @staticmethod
     def check_settings(ccfg) -> None:

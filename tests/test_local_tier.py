@@ -36,8 +36,15 @@ def straight(tmp_path_factory):
     return run_dir
 
 
+def tier(local, process=0):
+    """The run's directory of `process` inside local_dir (named after the durable dir)."""
+    runs = list(local.iterdir()) if local.is_dir() else []
+    assert len(runs) <= 1, runs
+    return runs[0] / f"p{process}" if runs else local / "none"
+
+
 def local_steps(local, process=0):
-    root = local / f"p{process}"
+    root = tier(local, process)
     return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit()) if root.is_dir() else []
 
 
@@ -70,8 +77,13 @@ def test_killed_after_a_local_save_resumes_from_it_exactly(straight, tmp_path):
     assert local_steps(local)[-1] == 8
     run(run_dir, f"checkpoint.local_dir={local}", *LOCAL)
     assert resumed_at(run_dir) == 8
-    assert f"Resuming from local checkpoint {local}/p0/8" in logs(run_dir)
+    assert f"Resuming from local checkpoint {tier(local)}/8" in logs(run_dir)
+    assert tier(local).parent.name.startswith("run-")       # named after the durable checkpoint.dir
     assert_same_run(run_dir, straight)
+    # Another run on the same local_dir never takes this run's steps.
+    other = tmp_path / "other"
+    run(other, f"checkpoint.local_dir={local}", *LOCAL, "train.steps=2")
+    assert "Starting a new run" in logs(other) and "Resuming" not in logs(other)
 
 
 @pytest.mark.slow
@@ -83,7 +95,7 @@ def test_a_host_without_its_local_tier_makes_every_host_take_the_durable_step(st
     assert local_steps(local, 0) == local_steps(local, 1) == [4, 6]
     # The durable step 8 and local step 6 exist: remove durable 8, so local 6 is newer than durable 5.
     shutil.rmtree(run_dir / "checkpoints" / "8")
-    shutil.rmtree(local / "p1")                          # host 1's VM was recreated
+    shutil.rmtree(tier(local, 1))                        # host 1's VM was recreated
     run(run_dir, f"checkpoint.local_dir={local}", *LOCAL, processes=2)
     assert resumed_at(run_dir) == K                      # the durable step, on both hosts
     # Both processes resumed alike, and the run is the uninterrupted one.
