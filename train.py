@@ -60,7 +60,7 @@ def run(cfg: DictConfig) -> dict:
     from model.local_tier import LocalTier
     from model.meters import IntervalMeter, MetricsLogger, Profiler
     from model.optimizer import resolve_warmup
-    from model.watchdog import REPORTS_DIR, Watchdog, announce_last_hang
+    from model.watchdog import REPORTS_DIR, Watchdog, announce_last_hang, heartbeat_over
 
     t_start = time.perf_counter()
     # The run's event log (model/goodput.py): a command's life counts from its process's start.
@@ -99,7 +99,7 @@ def run(cfg: DictConfig) -> dict:
 
     # ------------------------------------------------------------------ hosts and mesh
     try:
-        distributed.init_distributed(cfg.distributed)
+        distributed.init_distributed(cfg.distributed, heartbeat_timeout_s=heartbeat_over(hang_timeout_s))
     except ValueError as e:
         raise ConfigError(str(e)) from e
     events.add("distributed")
@@ -322,6 +322,10 @@ def run(cfg: DictConfig) -> dict:
         auto_row = {}           # data.num_workers=auto's figures, logged with the next row
         last = {}
         drawn = 0               # batches drawn in this start (rolled-back ones included)
+        # An async save blocks the loop briefly, in Orbax's barriers with the other hosts: a peer
+        # frozen there is a hang like one in a step, so the watchdog stays armed. A synchronous
+        # save writes the whole state in the loop and is paused like an evaluation.
+        save_guard = contextlib.nullcontext if cfg.checkpoint["async"] else watchdog.paused
         while step < cfg.train.steps:
             profile.maybe_start(step + 1)
             batch = next(batches)
@@ -394,16 +398,15 @@ def run(cfg: DictConfig) -> dict:
                 row, auto_row = {**row, **auto_row}, {}
                 logger.log(events.row(row))
 
-            if local_now:
+            if local_now:       # not collective, and the loop waits for the shards' hand-over only
                 t0 = time.perf_counter()
-                with watchdog.paused():
-                    local_tier.save(step, state, batches.consumed_state(), meta)
+                local_tier.save(step, state, batches.consumed_state(), meta)
                 meter.paused(time.perf_counter() - t0, kind="save")
                 events.add("save", step=step, tier="local", blocked_s=time.perf_counter() - t0)
             stop = preempted.check(step)
             if save_now or stop:
                 t0 = time.perf_counter()
-                with watchdog.paused():
+                with save_guard():
                     ckpt.save(step, state, batches.consumed_state(), meta)
                 meter.paused(time.perf_counter() - t0, kind="save")
                 events.add("save", step=step, blocked_s=time.perf_counter() - t0)

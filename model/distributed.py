@@ -18,9 +18,14 @@ import sys
 TPU_COORDINATOR_PORT = 8482
 
 
-def init_distributed(dcfg) -> None:
+def init_distributed(dcfg, heartbeat_timeout_s: int = 100) -> None:
     """jax.distributed on several hosts: explicit coordinator (`distributed.*`), or automatic on a
-    TPU pod. Raises ValueError (one line) when the TPU VM environment contradicts itself."""
+    TPU pod. Raises ValueError (one line) when the TPU VM environment contradicts itself.
+
+    heartbeat_timeout_s: after this long without a heartbeat, JAX's coordination service calls a
+    process dead and aborts the others (exit 134, no stacks, no restart). train.py sets it above
+    the hang watchdog's timeout, so a frozen host ends the others through their watchdogs (exit
+    75, stacks, a report naming it) and the launchers restart the run."""
     import jax
 
     if dcfg.local_device_count:
@@ -31,13 +36,14 @@ def init_distributed(dcfg) -> None:
         return
     if dcfg.coordinator_address:
         jax.distributed.initialize(coordinator_address=dcfg.coordinator_address,
-                                   num_processes=dcfg.num_processes, process_id=dcfg.process_id)
+                                   num_processes=dcfg.num_processes, process_id=dcfg.process_id,
+                                   heartbeat_timeout_seconds=int(heartbeat_timeout_s))
     elif (tpu_slice := tpu_slice_from_env()) is not None:
-        jax.distributed.initialize(**tpu_slice)
+        jax.distributed.initialize(**tpu_slice, heartbeat_timeout_seconds=int(heartbeat_timeout_s))
     elif on_tpu_vm():
         # The TPU VM's metadata describes the slice (one host or many), as MaxText relies on too.
         try:
-            jax.distributed.initialize()
+            jax.distributed.initialize(heartbeat_timeout_seconds=int(heartbeat_timeout_s))
         except Exception as e:  # noqa: BLE001 - the device files are only a hint
             if "," in os.environ.get("TPU_WORKER_HOSTNAMES", ""):
                 raise                   # certainly a multi-host slice: never run hosts apart

@@ -11,8 +11,10 @@ newest checkpoint that restores, and its first lines name the host that stopped 
 
 The timeout (`train.hang_timeout_s`, null = automatic) is max(MIN_TIMEOUT_S, STEP_FACTOR x the
 median step time of the log intervals so far). It is armed from the first completed step (so
-never during restore or compile) and paused around evaluation, saves and a switch of the input
-worker count, whose length has nothing to do with a step's.
+never during restore or compile) and paused around evaluation, synchronous saves and a switch
+of the input worker count, whose length has nothing to do with a step's. An asynchronous save
+stays under it: it blocks briefly, in barriers with the other hosts, where a frozen peer hangs
+it like a step.
 """
 from __future__ import annotations
 
@@ -47,6 +49,14 @@ def hang_timeout(fixed_s: float | None, step_times: list[float]) -> float:
         return MIN_TIMEOUT_S
     median = sorted(step_times)[len(step_times) // 2]
     return max(MIN_TIMEOUT_S, STEP_FACTOR * median)
+
+
+def heartbeat_over(fixed_s: float | None) -> int:
+    """jax.distributed's heartbeat timeout for a run: twice the longest the watchdog can wait
+    (its fixed timeout, else MIN_TIMEOUT_S; the automatic one grows past that only with slow
+    steps) and at least JAX's 100 s, so the hosts' watchdogs end a hang before JAX calls a
+    frozen host dead and aborts the others without stacks or a restart."""
+    return int(max(100.0, 2 * hang_timeout(fixed_s, []) + 60))
 
 
 def poll_interval(timeout_s: float) -> float:

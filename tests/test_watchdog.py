@@ -11,7 +11,7 @@ import time
 import pytest
 
 from model import goodput
-from model.watchdog import EXIT_HANG, MIN_TIMEOUT_S, announce_last_hang, hang_timeout
+from model.watchdog import EXIT_HANG, MIN_TIMEOUT_S, announce_last_hang, hang_timeout, heartbeat_over
 from tests.run_helpers import ROOT, read_metrics, run_cli
 
 # A watchdog in a process of its own (it ends the process it fires in).
@@ -189,3 +189,11 @@ def test_two_processes_one_hung_both_exit_and_launch_local_restarts(tmp_path):
     for s in twice:
         assert by_step[s][0] == by_step[s][1], (s, by_step[s])
     assert max(by_step) == 12
+
+
+def test_jax_calls_a_host_dead_only_after_the_watchdogs_could_have_fired():
+    # A frozen host must end the others through their watchdogs (exit 75, stacks, restart), not
+    # through JAX's heartbeat timeout (abort, exit 134): the heartbeat waits longer.
+    assert heartbeat_over(None) > hang_timeout(None, []) == MIN_TIMEOUT_S
+    assert heartbeat_over(6) == 100                 # never below JAX's own default
+    assert heartbeat_over(900) > 900
