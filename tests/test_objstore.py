@@ -6,72 +6,17 @@ counted at the emulator, a missing URL and a vanished object named in one line.
     pytest tests/test_objstore.py -q
 """
 import os
-import socket
-import threading
-import time
 
-# gcsfs probes each bucket's type (hierarchical namespace) through a gRPC API the emulator lacks,
-# and waits ~60 s for it: off before gcsfs is imported.
-os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+import pytest
 
-import pytest  # noqa: E402
+import data
+from data.pipeline import state_counters
+from tests.data_helpers import assert_batches_equal, cfg, jround, take, write_corpus
 
-import data  # noqa: E402
-from data.pipeline import state_counters  # noqa: E402
-from tests.data_helpers import assert_batches_equal, cfg, jround, take, write_corpus  # noqa: E402
+pytest.importorskip("gcp_storage_emulator.server")
+from tests.gcs_emulator import BUCKET, Emulator  # noqa: E402  (sets gcsfs's env before it loads)
 
 gcsfs = pytest.importorskip("gcsfs")
-emulator = pytest.importorskip("gcp_storage_emulator.server")
-
-BUCKET = "corpus"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
-class Emulator:
-    """gcp-storage-emulator on a free port, with every request it answers logged (method, path)
-    and an optional latency added per request (a real bucket's ~20 ms)."""
-
-    def __init__(self):
-        self.requests: list[tuple[str, str]] = []
-        self.latency_s = 0.0
-        self._lock = threading.Lock()
-        handler = emulator.RequestHandler
-        self._orig = {m: getattr(handler, m) for m in ("do_GET", "do_POST", "do_PUT", "do_DELETE", "do_PATCH")}
-        for m, fn in self._orig.items():
-            setattr(handler, m, self._logged(m[3:], fn))
-        self.port = _free_port()
-        self.server = emulator.create_server("localhost", self.port, in_memory=True, default_bucket=BUCKET)
-        self.server.start()
-
-    def _logged(self, method, fn):
-        em = self
-
-        def wrapped(handler_self):
-            with em._lock:
-                em.requests.append((method, handler_self.path))
-            if em.latency_s:
-                time.sleep(em.latency_s)
-            return fn(handler_self)
-        return wrapped
-
-    def lists(self) -> list[str]:
-        """Object listings: GET .../b/BUCKET/o?... (not a single object's metadata or media)."""
-        return [p for m, p in self.requests if m == "GET" and p.split("?")[0].rstrip("/").endswith(f"/b/{BUCKET}/o")]
-
-    def per_object(self) -> list[str]:
-        """Requests naming one object's metadata (GET .../o/NAME without alt=media)."""
-        return [p for m, p in self.requests
-                if m == "GET" and "/o/" in p.split("?")[0] and "alt=media" not in p]
-
-    def stop(self):
-        self.server.stop()
-        for m, fn in self._orig.items():
-            setattr(emulator.RequestHandler, m, fn)
 
 
 @pytest.fixture(scope="module")
