@@ -272,7 +272,11 @@ def open_gz_at(path: str, point: list | None, off: int):
     """Binary line reader of a .gz file positioned at uncompressed offset `off`: inflated from
     `point` (at or before off) or, without one, from the start."""
     if point is None:
-        fh = _gzip.GzipFile(fileobj=_open_stored(path), mode="rb") if "://" in path else _gzip.open(path, "rb")
+        if "://" in path:
+            fh = _gzip.GzipFile(fileobj=_open_stored(path), mode="rb")
+            fh.myfileobj = fh.fileobj   # GzipFile closes myfileobj: the URL's file closes with it
+        else:
+            fh = _gzip.open(path, "rb")
         base = 0
     else:
         fh = io.BufferedReader(_InflateFrom(path, point), buffer_size=1 << 20)

@@ -106,23 +106,84 @@ def test_a_scheme_without_its_backend_names_the_extra(tmp_path):
         data.list_files(cfg(tmp_path, paths=("s3://bucket/x/*.json.gz",)))
 
 
-def test_an_object_deleted_mid_run_is_a_named_bad_file(gcs, tmp_path):
+@pytest.mark.parametrize("strict", [False, True])
+def test_an_object_deleted_mid_run_is_a_named_bad_file(gcs, strict):
     em, root, _ = gcs
     fs = gcsfs.GCSFileSystem(token="anon", project="test")
-    fs.put(str(root), f"{BUCKET}/gone", recursive=True)
-    remote = cfg(root, paths=(f"gs://{BUCKET}/gone/*/en_head.*",), num_shards=1, files_per_stream=1)
+    prefix = f"{BUCKET}/gone{int(strict)}"
+    fs.put(str(root), prefix, recursive=True)
+    remote = cfg(root, paths=(f"gs://{prefix}/*/en_head.*",), num_shards=1, files_per_stream=1,
+                 strict=strict)
     files = data.list_files(remote)
-    it = data.make_host_iterator(remote, 0, 1)
+    it = data.make_host_iterator(remote, 0, 1, files=files)
     next(it)
-    victim = files[-1]   # a file not opened yet: one stream reads the files one by one
+    victim = files[-1]   # one stream reading one file at a time: the last is still to come
     fs.rm(victim)
-    for _ in range(200):
+    fs.invalidate_cache()
+    if strict:
+        with pytest.raises(data.BadDataError) as e:
+            take(it, 300)
+        assert "\n" not in str(e.value) and victim in str(e.value), str(e.value)
+        return
+    for _ in range(300):
         next(it)
         bad = state_counters(it.get_state())
         if bad["bad"]:
             break
     assert bad["bad"], "the vanished object was not counted"
     assert victim in str(bad["badex"])
+
+
+# ---------------------------------------------------------------- transient errors
+def test_a_transient_read_error_is_retried_then_a_bad_file(tmp_path, monkeypatch):
+    import fsspec
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    from data import objstore
+    monkeypatch.setattr(objstore, "BACKOFF_S", 0.01)
+    state = {"fails": 2, "reads": 0, "dead": None}
+
+    class FlakyFS(MemoryFileSystem):
+        protocol = "flaky"
+
+        @classmethod
+        def _strip_protocol(cls, path):
+            return super()._strip_protocol(path.removeprefix("flaky://"))
+
+        def _open(self, path, mode="rb", **kw):
+            f = super()._open(path, mode, **kw)
+            read = f.read
+
+            def flaky_read(n=-1):
+                state["reads"] += 1
+                if state["dead"] and state["dead"] in path:
+                    raise ConnectionError("connection reset")
+                if state["fails"] > 0:
+                    state["fails"] -= 1
+                    raise ConnectionError("connection reset")
+                return read(n)
+            f.read = flaky_read
+            return f
+
+    fsspec.register_implementation("flaky", FlakyFS, clobber=True)
+    write_corpus(tmp_path, n_files=2, docs_per_file=10)
+    fs = fsspec.filesystem("flaky")
+    fs.put(str(tmp_path), "/flaky_corpus", recursive=True)
+    local = cfg(tmp_path, num_shards=2)
+    remote = cfg(tmp_path, paths=("flaky:///flaky_corpus/*/en_head.*",), num_shards=2)
+    a = take(data.make_host_iterator(local, 0, 1), 5)
+    b = take(data.make_host_iterator(remote, 0, 1), 5)
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        assert_batches_equal(x, y, f"batch {i} after retried reads")
+    assert state["fails"] == 0 and state["reads"] > 2
+    assert not state_counters(data.make_host_iterator(remote, 0, 1).get_state())["bad"]
+    # failing for good: every try fails -> the file is a bad file, named, not a crash
+    state["dead"] = "0001/en_head"
+    it = data.make_host_iterator(cfg(tmp_path, paths=remote.paths, num_shards=1), 0, 1)
+    take(it, 10)
+    bad = state_counters(it.get_state())
+    assert bad["bad"] and "flaky:///flaky_corpus/0001/en_head.json.gz" in str(bad["badex"]), bad
+    assert "after 4 tries" in str(bad["badex"]), bad
 
 
 # ---------------------------------------------------------------- every format, through fsspec
