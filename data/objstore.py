@@ -18,6 +18,9 @@ import time
 # Bytes fetched per request: at ~100 MB/s from a bucket and ~20-50 ms per request, 8 MB keeps
 # the request latency under a third of the transfer time.
 BLOCK = 8 << 20
+# Seconds this process spent in object-store reads (requests and transfer): the per-stage table's
+# "fetch" (data/timing.py), taken out of "read" by data/sources.py around each record it reads.
+FETCH_S = [0.0]
 RETRIES = 4            # tries of a read that fails with a transient error
 BACKOFF_S = 0.2        # first wait between tries, doubled each time
 
@@ -126,7 +129,9 @@ class _Retrying(io.RawIOBase):
 
     # --- the file-object surface the readers use
     def readinto(self, b) -> int:
+        t0 = time.perf_counter()
         data = self._retry(self._fh.read, len(b))
+        FETCH_S[0] += time.perf_counter() - t0
         self._pos += len(data)
         b[: len(data)] = data
         return len(data)

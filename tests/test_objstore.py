@@ -53,10 +53,12 @@ def test_gs_gives_the_batches_of_the_same_local_files(gcs, P):
     lf, rf = data.list_files(local), data.list_files(remote)
     assert len(rf) == len(lf) == 4 and all(f.startswith("gs://") for f in rf)
     for h in range(P):
-        a = take(data.make_host_iterator(local, h, P), 25)
-        b = take(data.make_host_iterator(remote, h, P), 25)
+        la, ra = data.make_host_iterator(local, h, P), data.make_host_iterator(remote, h, P)
+        a, b = take(la, 25), take(ra, 25)
         for i, (x, y) in enumerate(zip(a, b, strict=True)):
             assert_batches_equal(x, y, f"host {h} of {P}, batch {i}")
+        # the object-store wait is its own stage of the per-stage table (data/timing.py)
+        assert ra.stage_times()["fetch"] > 0 and la.stage_times()["fetch"] == 0
 
 
 def test_gs_restore_mid_file_is_exact_and_lists_nothing(gcs):
