@@ -26,6 +26,9 @@ def gcs(tmp_path_factory):
     em = Emulator()
     mp = pytest.MonkeyPatch()
     mp.setenv("STORAGE_EMULATOR_HOST", f"http://localhost:{em.port}")
+    # fsspec reads FSSPEC_<SCHEME>_<ARG> when it is imported: what input worker processes see
+    mp.setenv("FSSPEC_GCS_TOKEN", "anon")
+    mp.setenv("FSSPEC_GCS_PROJECT", "test")
     import fsspec
     fsspec.config.conf.setdefault("gcs", {})
     mp.setitem(fsspec.config.conf, "gcs", {"token": "anon", "project": "test"})
@@ -59,6 +62,18 @@ def test_gs_gives_the_batches_of_the_same_local_files(gcs, P):
             assert_batches_equal(x, y, f"host {h} of {P}, batch {i}")
         # the object-store wait is its own stage of the per-stage table (data/timing.py)
         assert ra.stage_times()["fetch"] > 0 and la.stage_times()["fetch"] == 0
+
+
+@pytest.mark.slow
+def test_gs_through_input_worker_processes(gcs):
+    """Spawned input workers open gs:// themselves (credentials and emulator from the environment)."""
+    local, remote = _pair(gcs, num_workers=1)
+    a = take(data.make_host_iterator(local, 0, 1), 6)
+    it = data.make_host_iterator(remote, 0, 1)
+    b = take(it, 6)
+    it.close()
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        assert_batches_equal(x, y, f"batch {i} through a worker")
 
 
 def test_gs_restore_mid_file_is_exact_and_lists_nothing(gcs):
