@@ -90,7 +90,7 @@ class _Retrying(io.RawIOBase):
     """A file object of a URL whose reads and seeks are retried with backoff; the whole object is
     re-opened at the same position after a failure (an fsspec file may be left half-read)."""
 
-    def __init__(self, url: str, block: int = BLOCK):
+    def __init__(self, url: str, block: int):
         self.url = url
         self._block = block
         self._pos = 0
@@ -162,7 +162,7 @@ class _Retrying(io.RawIOBase):
         super().close()
 
 
-def open_url(url: str, block: int = BLOCK):
+def open_url(url: str, block: int | None = None):
     """A seekable buffered binary file object of the object at `url`, read BLOCK bytes per
     request, every read retried (RETRIES tries with backoff) on a transient error."""
-    return io.BufferedReader(_Retrying(url, block), buffer_size=1 << 20)
+    return io.BufferedReader(_Retrying(url, block or BLOCK), buffer_size=1 << 20)

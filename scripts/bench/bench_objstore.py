@@ -58,11 +58,17 @@ def main():
     ap.add_argument("--latency-ms", type=float, default=20.0)
     ap.add_argument("--batches", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--block-mb", type=float, default=None,
+                    help="bytes per object-store request (default: data/objstore.py BLOCK, 8 MB); smaller "
+                         "blocks make the files span several requests")
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--rows-per-shard", type=int, default=4)
     args = ap.parse_args()
 
+    from data import objstore
     from tests.gcs_emulator import BUCKET, Emulator
+    if args.block_mb:
+        objstore.BLOCK = int(args.block_mb * (1 << 20))
     em = Emulator()
     fs = em.connect()
     fs.put(args.src.rstrip("/"), f"{BUCKET}/src", recursive=True)
@@ -108,7 +114,8 @@ def main():
         print(f"round {k}: local {got['local']:,.0f} tok/s, gs:// {got['gs']:,.0f} tok/s, "
               f"ratio {ratio[-1]:.3f}", flush=True)
     em.stop()
-    out = {"latency_ms": args.latency_ms, "files": len(local_files), "batches": args.batches,
+    out = {"latency_ms": args.latency_ms, "block_bytes": objstore.BLOCK, "files": len(local_files),
+           "batches": args.batches,
            "rounds": args.rounds, "local_tok_s": round(statistics.median(local)),
            "gs_tok_s": round(statistics.median(gs)), "gs_vs_local": round(statistics.median(ratio), 3),
            "startup_requests": startup, "resume_requests": resume}
