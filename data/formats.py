@@ -472,8 +472,9 @@ class ParquetRecords(_ColumnRecords):
         pa = _pyarrow()
         import pyarrow.parquet as pq
         try:
-            # reads the footer only (a URL: through a buffered object-store file)
-            self.pf = pq.ParquetFile(open_raw(path) if "://" in path else path)
+            # reads the footer only (a URL: through a buffered object-store file, closed with it)
+            self._src = open_raw(path) if "://" in path else None
+            self.pf = pq.ParquetFile(self._src or path)
             meta = self.pf.metadata
             sizes = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
             schema = self.pf.schema_arrow
@@ -490,6 +491,8 @@ class ParquetRecords(_ColumnRecords):
 
     def close(self) -> None:
         self.pf.close()
+        if self._src is not None:
+            self._src.close()
 
 
 class ArrowRecords(_ColumnRecords):
