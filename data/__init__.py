@@ -1,7 +1,8 @@
 """Input pipeline: sharded text -> tokens -> packed rows -> global jax.Arrays.
 
 One file per concept, imported in this order (no circle; tests/test_imports.py keeps it so):
-  timing, permutation, packing, gzseek, sources (readers), tokenizer, listing (what a run reads),
+  timing, permutation, packing, objstore (URLs through fsspec), gzseek, sources (readers),
+  tokenizer, listing (what a run reads),
   shard (one virtual shard's text stream and state), records (the same from a directory
   converted by scripts/prepare_data.py), mixture (weighted mixtures, given built sources),
   autoworkers (data.num_workers=auto), config (DataConfig and its checks), host (the fixed

@@ -84,7 +84,7 @@ def open_bytes(path: str, off: int = 0, point: list | None = None):
         return gzseek.open_gz_at(path, point, off)
     if comp == "zst":
         import zstandard
-        fh = open(path, "rb")
+        fh = open_raw(path)
         reader = zstandard.ZstdDecompressor().stream_reader(fh, read_across_frames=True,
                                                             closefd=True)
         fh = io.BufferedReader(reader, buffer_size=1 << 20)
@@ -94,9 +94,17 @@ def open_bytes(path: str, off: int = 0, point: list | None = None):
                 break
             off -= got
         return fh
-    fh = open(path, "rb", buffering=1 << 20)
+    fh = open_raw(path)
     fh.seek(off)
     return fh
+
+
+def open_raw(path: str):
+    """The file's stored bytes, buffered: a local file, or a URL through data/objstore.py."""
+    if "://" in path:
+        from data import objstore
+        return objstore.open_url(path)
+    return open(path, "rb", buffering=1 << 20)
 
 
 def _compression(path: str) -> str | None:
@@ -108,7 +116,7 @@ def _compression(path: str) -> str | None:
     if name_format(path) is not None:
         return None
     try:   # an unknown name: compressed if its magic bytes say so
-        with open(path, "rb") as f:
+        with open_raw(path) as f:
             magic = f.read(4)
     except OSError:
         return None
@@ -464,7 +472,9 @@ class ParquetRecords(_ColumnRecords):
         pa = _pyarrow()
         import pyarrow.parquet as pq
         try:
-            self.pf = pq.ParquetFile(path)   # reads the footer only
+            # reads the footer only (a URL: through a buffered object-store file, closed with it)
+            self._src = open_raw(path) if "://" in path else None
+            self.pf = pq.ParquetFile(self._src or path)
             meta = self.pf.metadata
             sizes = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
             schema = self.pf.schema_arrow
@@ -481,6 +491,8 @@ class ParquetRecords(_ColumnRecords):
 
     def close(self) -> None:
         self.pf.close()
+        if self._src is not None:
+            self._src.close()
 
 
 class ArrowRecords(_ColumnRecords):
@@ -491,7 +503,7 @@ class ArrowRecords(_ColumnRecords):
         pa = _pyarrow()
         self.raw_file = None
         try:
-            self.src = pa.memory_map(path)
+            self.src = pa.memory_map(path) if "://" not in path else pa.BufferReader(_whole(path))
             if self.src.read(6) == b"ARROW1":
                 self.src.seek(0)
                 reader = pa.ipc.open_file(self.src)
@@ -513,6 +525,12 @@ class ArrowRecords(_ColumnRecords):
     def close(self) -> None:
         self.batches = []
         self.src.close()
+
+
+def _whole(url: str) -> bytes:
+    """An Arrow file from a URL, read whole: its batches are zero-copy views of these bytes."""
+    with open_raw(url) as f:
+        return f.read()
 
 
 _READERS = {"lines": LineRecords, "array": ArrayRecords, "parquet": ParquetRecords,

@@ -76,6 +76,11 @@ class PointFinder:
 
     def _open(self) -> None:
         # drop_handles=False: one open file, not an open per read (a bucket request on gcsfuse)
+        if "://" in self.path:   # a URL: zran reads through our buffered object-store file
+            self._ig = indexed_gzip._IndexedGzipFile(fileobj=_open_stored(self.path), spacing=SPACING,
+                                                     window_size=WINDOW, skip_crc_check=True)
+            self._size = _HEADER.unpack_from(self._export(), 0)[3]
+            return
         self._ig = indexed_gzip._IndexedGzipFile(self.path, spacing=SPACING, window_size=WINDOW,
                                                  skip_crc_check=True, drop_handles=False)
         self._size = _HEADER.unpack_from(self._export(), 0)[3]
@@ -186,7 +191,7 @@ class _InflateFrom(io.RawIOBase):
 
     def __init__(self, path: str, point: list):
         _, cmp, bits, _, _ = point
-        self._fh = open(path, "rb", buffering=0)
+        self._fh = _open_stored(path)
         self._start = cmp - 1 if bits else cmp     # the byte holding the block's first bit
         self._fh.seek(self._start)
         prefix, zdict, self._drop = _prime(8 - bits if bits else 0, _window(point))
@@ -254,11 +259,24 @@ class _InflateFrom(io.RawIOBase):
         super().close()
 
 
+def _open_stored(path: str):
+    """The .gz file's compressed bytes: a local file (unbuffered: the inflater reads big chunks)
+    or a URL through data/objstore.py."""
+    if "://" in path:
+        from data import objstore
+        return objstore.open_url(path)
+    return open(path, "rb", buffering=0)
+
+
 def open_gz_at(path: str, point: list | None, off: int):
     """Binary line reader of a .gz file positioned at uncompressed offset `off`: inflated from
     `point` (at or before off) or, without one, from the start."""
     if point is None:
-        fh = _gzip.open(path, "rb")
+        if "://" in path:
+            fh = _gzip.GzipFile(fileobj=_open_stored(path), mode="rb")
+            fh.myfileobj = fh.fileobj   # GzipFile closes myfileobj: the URL's file closes with it
+        else:
+            fh = _gzip.open(path, "rb")
         base = 0
     else:
         fh = io.BufferedReader(_InflateFrom(path, point), buffer_size=1 << 20)

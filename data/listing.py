@@ -53,8 +53,10 @@ def list_paths(patterns, setting: str = "data.paths") -> Listing:
             files.update(walker.list_file(p[1:], setting))
             continue
         if "://" in p:
-            raise ValueError(f"{setting}: {p!r} is a URL; URLs (gs://, s3://, hf://) are not read yet: mount "
-                             "the bucket (gcsfuse) or download the files, and give their local paths")
+            found = _list_url(p, setting)
+            walker.dirs_read += 1   # one list request per URL pattern (sizes come with it)
+            files.update(found)
+            continue
         found = walker.expand(os.path.expanduser(p))
         if not found and not glob.has_magic(p) and os.path.isdir(os.path.expanduser(p)):
             found = _converted_dir(p, setting)
@@ -62,6 +64,22 @@ def list_paths(patterns, setting: str = "data.paths") -> Listing:
             raise ValueError(f"{setting}: {p!r} matches no file")
         files.update(found)
     return Listing(sorted(files), walker.dirs_read, walker.stats)
+
+
+def _list_url(pattern: str, setting: str) -> list[str]:
+    """The objects a URL pattern matches, from one listing request (data/objstore.py)."""
+    from data import objstore  # fsspec is imported only when a URL is met
+
+    try:
+        found, _ = objstore.list_url(pattern)
+    except ValueError as e:
+        raise ValueError(f"{setting}: {e}") from None
+    except Exception as e:   # noqa: BLE001 - a backend's error: named in one line
+        raise ValueError(f"{setting}: {pattern!r} cannot be listed: {type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:200] if str(e) else ''}") from None
+    if not found:
+        raise ValueError(f"{setting}: {pattern!r} matches no file")
+    return found
 
 
 def _converted_dir(path: str, setting: str) -> list[str]:

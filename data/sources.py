@@ -22,7 +22,7 @@ import zlib
 
 import numpy as np
 
-from data import formats, gzseek
+from data import formats, gzseek, objstore
 from data.timing import zero_times
 
 # Documents longer than this (characters) are tokenized in pieces, cut at whitespace.
@@ -281,6 +281,7 @@ class ShardReader:
                 self._finish_slot(i)
                 continue
             path = self._path(s)
+            f0 = objstore.FETCH_S[0]
             t0 = time.perf_counter()
             try:
                 raw, n = s.rec.next()
@@ -302,7 +303,9 @@ class ShardReader:
                 self._finish_slot(i)
                 continue
             t1 = time.perf_counter()
-            self.times["read"] += t1 - t0
+            fetch = objstore.FETCH_S[0] - f0   # of it, waiting on an object store (0: local files)
+            self.times["read"] += t1 - t0 - fetch
+            self.times["fetch"] += fetch
             if n == 0:
                 if s.line == 0 and self._residue(s) == 0:
                     self.bad.add(path, 0, "empty_file")

@@ -2,7 +2,10 @@
 the stage bounding it (what Grain's debug mode prints for its own stages, for ours).
 
 Stages, and the thread each runs on (a stage can bound the pipeline only through its thread):
-  read      reading + decompression (a record)      the reader thread of each input process
+  fetch     waiting on an object store (gs://...:    the reader thread
+            requests + transfer, data/objstore.py)
+  read      reading + decompression (a record),      the reader thread of each input process
+            fetch excluded
   parse     JSON parsing (a record's parse)          the reader thread
   tokenize  inside the tokenizer pool's task          the tokenizer threads
   pack      packing rows, copying them into slabs    the reader thread
@@ -24,14 +27,15 @@ from zero (consumers look at differences).
 """
 from __future__ import annotations
 
-STAGES = ("read", "parse", "tokenize", "pack", "ipc", "merge", "h2d")
+STAGES = ("fetch", "read", "parse", "tokenize", "pack", "ipc", "merge", "h2d")
 WAITS = ("tokenize_wait", "worker_wait")
-STAGE_NAMES = {"read": "read + decompress", "parse": "JSON parse", "tokenize": "tokenize",
-               "pack": "pack", "ipc": "IPC (receive)", "merge": "merge", "h2d": "host -> device"}
+STAGE_NAMES = {"fetch": "object-store fetch", "read": "read + decompress", "parse": "JSON parse",
+               "tokenize": "tokenize", "pack": "pack", "ipc": "IPC (receive)", "merge": "merge",
+               "h2d": "host -> device"}
 # Below this busy fraction for every thread, the input is not what limits the run.
 UNSATURATED = 0.5
 # The threads that run the stages; "reader" and "tokenizer" count one lane per thread.
-THREADS = {"reader": ("read", "parse", "pack"), "tokenizer": ("tokenize",),
+THREADS = {"reader": ("fetch", "read", "parse", "pack"), "tokenizer": ("tokenize",),
            "host": ("ipc", "merge", "h2d")}
 
 

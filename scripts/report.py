@@ -27,7 +27,7 @@ from model.goodput import CAUSES
 COLORS = {"productive": "#2ca02c", "startup": "#7f7f7f", "restore": "#9467bd", "data_wait": "#d62728",
           "checkpoint": "#1f77b4", "eval": "#17becf", "stall": "#ff7f0e", "lost": "#8c564b",
           "dead": "#000000", "shutdown": "#bcbd22"}
-STAGES = ("read", "parse", "tokenize", "pack", "ipc", "merge", "h2d")
+STAGES = ("fetch", "read", "parse", "tokenize", "pack", "ipc", "merge", "h2d")
 
 
 def load_run(run_dir: Path) -> tuple[list[dict], list[dict]]:

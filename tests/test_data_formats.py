@@ -333,12 +333,6 @@ def test_a_later_unreadable_file_is_a_bad_record(tmp_path):
         take(data.make_host_iterator(dataclasses.replace(c, strict=True), 0, 1), 10)
 
 
-def test_a_url_is_refused_in_one_line(tmp_path):
-    with pytest.raises(ValueError, match=r"^data.paths: 'gs://bucket/rp/\*/en_head.json.gz' is a URL; URLs "
-                                         r"\(gs://, s3://, hf://\) are not read yet: mount the bucket"):
-        data.list_files(cfg(tmp_path, paths=("gs://bucket/rp/*/en_head.json.gz",)))
-
-
 # ---------------------------------------------------------------- Hugging Face save_to_disk
 def _save_to_disk(root, texts_per_file):
     """A `datasets` save_to_disk directory: with `datasets` installed, written by it; otherwise
