@@ -43,7 +43,7 @@ def filesystem(url: str):
     try:
         import fsspec
     except ImportError:
-        raise ValueError(f"{url}: reading URLs needs fsspec: pip install 'llm-pretrain[gcs]'") from None
+        raise ValueError(f"{url}: reading URLs needs fsspec: pip install -e '.[gcs]' (or pip install gcsfs)") from None
     s = scheme(url)
     try:
         return fsspec.filesystem(s)
