@@ -54,11 +54,12 @@ def run(cfg: DictConfig) -> dict:
     import data as data_lib
     from model import distributed, goodput
     from model import flops as flops_lib
+    from model import resume as resume_lib
     from model import rollback as rollback_lib
-    from model.checkpoint import Checkpointer, ResumePoint, check_fingerprint, find_resume, restore_meta_and_data
-    from model.evaluate import TaskEvaluator, TasksConfig
+    from model.checkpoint import Checkpointer
+    from model.evaluate import LoopEvals, TaskEvaluator, TasksConfig
     from model.local_tier import LocalTier
-    from model.meters import IntervalMeter, MetricsLogger, Profiler
+    from model.meters import IntervalMeter, MetricsLogger, Profiler, end_line
     from model.optimizer import resolve_warmup
     from model.watchdog import REPORTS_DIR, Watchdog, announce_last_hang, heartbeat_over
 
@@ -124,28 +125,11 @@ def run(cfg: DictConfig) -> dict:
     # receive the list. The checkpoint is only read here: a config mistake must leave no
     # checkpoint directory behind.
     try:
-        resume = find_resume(cfg.checkpoint)
-        on_damaged = cfg.checkpoint.get("on_damaged", "fall_back")
         # The local tier (model/local_tier.py) wins when every host holds a newer step there.
         local_tier = LocalTier.from_config(cfg.checkpoint, process_index)
-        local_pick = (local_tier.pick(program.abstract_state, newer_than=resume.step if resume is not None else None,
-                                      gather=distributed.gather_json) if local_tier is not None else None)
-        if local_pick is not None:
-            resume = ResumePoint(str(local_tier.root), local_pick.step, "local")
-            meta, saved_data_states = local_pick.meta, local_pick.data_states
-        else:
-            meta, saved_data_states = (restore_meta_and_data(resume, on_damaged=on_damaged)
-                                       if resume is not None else ({}, None))
-        # A rollback to this step (train.on_divergence=rollback) moved its data position past the
-        # batches that led to the divergence: a resume starts there too (model/rollback.py).
-        rolled_past = (rollback_lib.data_override(resume.directory, resume.step)
-                       if resume is not None and resume.source != "local" else None)
-        past_rollbacks = meta.get("rollbacks", [])
-        if rolled_past is not None:
-            saved_data_states = rolled_past[1]
-            past_rollbacks = past_rollbacks + [
-                {k: v for k, v in r.items() if k != "dir"} for r in rollback_lib.rollbacks_of(resume.directory,
-                                                                                            resume.step)]
+        start = resume_lib.find_start(cfg.checkpoint, program.abstract_state, local_tier,
+                                      gather=distributed.gather_json)
+        meta = start.meta
         saved_listing = None if cfg.checkpoint.allow_data_change else meta.get("files")
         listing = data_lib.run_listing(data_cfg.patterns(), eval_paths, saved_listing,
                                        from_process_0=distributed.from_process_0)
@@ -175,6 +159,9 @@ def run(cfg: DictConfig) -> dict:
         # From here a SIGTERM means "save at the next step and exit", also during restore/compile.
         preempted = distributed.PreemptionFlag(agree_every=cfg.train.log_every)
         cleanup.callback(preempted.restore)
+        # On the way out, last: the exit event (clean, preempted, crash from here on) and the goodput summary.
+        step = None
+        cleanup.push(events.on_exit(lambda: step, preempted))
         ckpt = Checkpointer(cfg.checkpoint)
         cleanup.callback(ckpt.close)
         # Hung hosts (model/watchdog.py): armed from the first completed step, paused around
@@ -185,29 +172,14 @@ def run(cfg: DictConfig) -> dict:
         watchdog = Watchdog(hang_timeout_s, run_dir=run_dir, reports_dir=hang_reports, process_index=process_index,
                             on_hang=lambda last_step: events.exit("hang", step=last_step))
         cleanup.callback(watchdog.close)
-        wandb_id = None
-        if resume is not None:
-            # What the saved data position is worth on this data (data/resume.py).
-            saved_fp = meta.get("fingerprint", {})
-            try:
-                plan = data_lib.plan_resume(saved_fp.get("data", {}), fingerprint["data"],
-                                            mixture_change=data_cfg.mixture_change,
-                                            allow_data_change=cfg.checkpoint.allow_data_change)
-                fingerprint["data"] = plan.fingerprint
-                data_changes = check_fingerprint(saved_fp, fingerprint,
-                                                 allow_data_change=cfg.checkpoint.allow_data_change,
-                                                 accepted=plan.accepted, data_hint=plan.hint)
+        saved_data_states = None
+        if start.point is not None:
+            try:    # what the saved data position is worth on this data (model/resume.py, data/resume.py)
+                saved_data_states = resume_lib.accept_data(start, fingerprint, mixture_change=data_cfg.mixture_change,
+                                                           allow_data_change=cfg.checkpoint.allow_data_change,
+                                                           announce=is_main)
             except ValueError as e:
                 raise ConfigError(str(e)) from e
-            if plan.notes and is_main:
-                print("data.mixture_change=continue: " + "; ".join(plan.notes), flush=True)
-            wandb_id = meta.get("wandb_id")
-            if data_changes:
-                # The saved positions describe another data set: read the new one from its start.
-                saved_data_states = None
-                if is_main:
-                    print("checkpoint.allow_data_change: the input pipeline starts afresh on the changed data ("
-                          + "; ".join(data_changes) + ")", flush=True)
 
         if eval_cfg is not None and cfg.train.eval_every:
             eval_cfg, eval_files = data_lib.valid_eval_files(eval_cfg, eval_files, announce=is_main)
@@ -219,7 +191,7 @@ def run(cfg: DictConfig) -> dict:
         if data_lib.is_auto(data_cfg.num_workers):
             # data.num_workers=auto: a provisional count now, the choice after the first steps.
             auto_workers = data_lib.AutoWorkers(data_cfg, process_count, train_files,
-                                                saved=meta.get("num_workers") if resume is not None else None,
+                                                saved=meta.get("num_workers") if start.point is not None else None,
                                                 agree=distributed.max_over_hosts)
             data_cfg = auto_workers.cfg
             if is_main:
@@ -238,36 +210,16 @@ def run(cfg: DictConfig) -> dict:
         cleanup.callback(batches.close)
 
         t_restore = time.time()
-        if resume is not None and resume.source == "local":
-            state = local_tier.restore(resume.step, abstract_state)
-            start_step = int(jax.device_get(state["step"]))
-            if is_main:
-                print(f"Resuming from {resume.describe()} at step {start_step}", flush=True)
-        elif resume is not None:
-            state = ckpt.restore_state(resume, abstract_state)
-            start_step = int(jax.device_get(state["step"]))
-            if is_main:
-                print(f"Resuming from {resume.describe()} at step {start_step}", flush=True)
-                if rolled_past is not None:
-                    print(f"Its data goes on past the steps rolled back at step {rolled_past[0]['seen_at_step']} "
-                          f"({rolled_past[0]['dir']})", flush=True)
-        elif cfg.checkpoint.init_from:
-            state = program.init_state(cfg.seed)
-            try:
-                state["params"] = ckpt.restore_params(cfg.checkpoint.init_from, abstract_state["params"],
-                                                      model=fingerprint["model"])
-            except ValueError as e:
-                raise ConfigError(str(e)) from e
-            start_step = 0
-            if is_main:
-                print(f"Initialised parameters from {cfg.checkpoint.init_from}; starting at step 0", flush=True)
-        else:
-            state = program.init_state(cfg.seed)
-            start_step = 0
-            if is_main:
-                print(f"Starting a new run in {run_dir}", flush=True)
-
-        events.add("restore", step=start_step, tier=resume.source if resume is not None else "init",
+        try:
+            state, start_step = resume_lib.restore_or_init(
+                start, ckpt=ckpt, local_tier=local_tier, program=program, seed=cfg.seed,
+                init_from=cfg.checkpoint.init_from, model_fingerprint=fingerprint["model"], run_dir=run_dir,
+                announce=is_main)
+        except ValueError as e:
+            if start.point is not None:
+                raise
+            raise ConfigError(str(e)) from e     # checkpoint.init_from holds another model
+        events.add("restore", step=start_step, tier=start.point.source if start.point is not None else "init",
                    seconds=time.time() - t_restore)
 
         # ------------------------------------------------------------------ jitted steps
@@ -279,8 +231,9 @@ def run(cfg: DictConfig) -> dict:
                                            program.eval_step, tokenizer)
         try:    # downstream tasks (eval.tasks): read and packed now, so a bad line stops before step 1
             tasks = TaskEvaluator.from_run_config(OmegaConf.to_container(cfg, resolve=True), program, tokenizer)
-        except ValueError as e:
+        except (OSError, ValueError) as e:
             raise ConfigError(str(e)) from e
+        evals = LoopEvals(held_out, cfg.train.eval_every, tasks, cfg.train.steps)
         tokens_per_step = data_cfg.global_batch_size * data_cfg.seq_len
         peak = flops_lib.peak_flops(jax.devices()[0].device_kind, cfg.train.peak_flops)
         meter = IntervalMeter(
@@ -292,7 +245,7 @@ def run(cfg: DictConfig) -> dict:
         if on_divergence == "rollback":
             rollback = rollback_lib.Rollback(ckpt, abstract_state, run_dir=run_dir, process_index=process_index,
                                              process_count=process_count, barrier=lambda: distributed.max_over_hosts(0),
-                                             resumed_from=resume.step if rolled_past is not None else None)
+                                             resumed_from=start.step if start.rolled_past is not None else None)
             cleanup.callback(rollback.close)
             if local_tier is not None:
                 rollback.on_rollback = local_tier.drop_after
@@ -300,12 +253,12 @@ def run(cfg: DictConfig) -> dict:
             cleanup.callback(local_tier.wait)
         plant = rollback_lib.planted_divergence()     # tests only: JAXPT_TEST_DIVERGE_AT
 
-        logger = MetricsLogger(cfg, run_dir, enabled=is_main, start_step=start_step, wandb_id=wandb_id)
+        logger = MetricsLogger(cfg, run_dir, enabled=is_main, start_step=start_step, wandb_id=meta.get("wandb_id"))
         cleanup.callback(logger.close)
         # "files": the run's listing, reused by a resumed run (~70 bytes per file: 350 KB for 5000).
         meta = {"fingerprint": fingerprint, "config": OmegaConf.to_container(cfg, resolve=True),
                 "wandb_id": logger.wandb_id, "process_count": process_count, "num_workers": data_cfg.num_workers,
-                "files": listing, "rollbacks": past_rollbacks}
+                "files": listing, "rollbacks": start.rollbacks}
 
         # ------------------------------------------------------------------ loop
         profile = Profiler(cfg.profile.steps, run_dir / "profile", enabled=is_main)
@@ -316,8 +269,6 @@ def run(cfg: DictConfig) -> dict:
             batch_log = data_lib.BatchLog(run_dir / f"debug_batches.p{process_index}.jsonl")
             cleanup.callback(batch_log.close)
         step = start_step
-        # On the way out: the exit event (clean, preempted, crash) and the goodput summary.
-        cleanup.push(events.on_exit(lambda: step, preempted))
         cleanup.push(watchdog.exit_hook)    # runs first: a failure caused by a peer's hang exits as one
         auto_row = {}           # data.num_workers=auto's figures, logged with the next row
         last = {}
@@ -364,37 +315,19 @@ def run(cfg: DictConfig) -> dict:
                     raise rollback_lib.Diverged(f"{div.reason}; step {step} is not saved (train.on_divergence=stop; "
                                                 "rollback reloads the newest checkpoint before it)")
                 if div is not None:
-                    t0 = time.perf_counter()
-                    seen = step
-                    with watchdog.paused():
-                        state, step, record = rollback.roll_back(div, batches.consumed_state())
+                    state, step, record = rollback.recover(div, step, batches, meter=meter, events=events,
+                                                           paused=watchdog.paused, announce=is_main)
                     meta["rollbacks"] = meta["rollbacks"] + [record]
-                    meter.rolled_back(batches.stats())
-                    events.add("rollback", step=step, from_step=seen, seconds=time.perf_counter() - t0)
-                    if is_main:
-                        print(f"diverged: {div.reason}; rolled back to step {step} from step {seen}: the data "
-                              f"goes on past steps {step + 1}..{seen}, whose documents are written to "
-                              f"{run_dir / record['documents']}", flush=True)
                     continue
-            eval_now = held_out is not None and cfg.train.eval_every and step % cfg.train.eval_every == 0
-            tasks_now = tasks is not None and tasks.should_run(step, cfg.train.steps)
-            if log_now or eval_now or tasks_now:
+            evals_now = any(evals.due(step))
+            if log_now or evals_now:
                 row = {"step": step}
                 if log_now:
                     row = last = meter.row(step, batches.stats())
                     watchdog.step_time(row["step_time_s"])
-                if eval_now:
-                    t0 = time.perf_counter()
+                if evals_now:
                     with watchdog.paused():
-                        row["eval_loss"] = held_out.loss(state["params"])
-                    row["eval_s"] = time.perf_counter() - t0
-                    meter.paused(row["eval_s"], kind="eval")
-                if tasks_now:
-                    t0 = time.perf_counter()
-                    with watchdog.paused():
-                        row.update(tasks.evaluate(state["params"]))
-                    row["eval_s"] = row.get("eval_s", 0.0) + time.perf_counter() - t0
-                    meter.paused(time.perf_counter() - t0, kind="eval")
+                        row.update(evals.run(step, state["params"], meter))
                 row, auto_row = {**row, **auto_row}, {}
                 logger.log(events.row(row))
 
@@ -429,13 +362,8 @@ def run(cfg: DictConfig) -> dict:
         "wall_s": time.perf_counter() - t_start,
         "preempted": preempted.fired,
     }
-    if is_main and step == start_step:
-        print(f"Nothing to do: the run is at step {step} and train.steps={cfg.train.steps} "
-              f"(raise train.steps to train further); checkpoints in {ckpt.directory}", flush=True)
-    elif is_main:
-        final = f"{summary['final_loss']:.4f}" if summary["final_loss"] is not None else "-"
-        print(f"Done: steps {start_step}->{step}, {summary['tokens']:,} tokens in {summary['wall_s']:.0f} s, "
-              f"final loss {final}; checkpoints in {ckpt.directory}", flush=True)
+    if is_main:
+        print(end_line(summary, cfg.train.steps), flush=True)
     return summary
 
 

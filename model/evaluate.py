@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import time
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -229,3 +230,29 @@ class TaskEvaluator:
                 out[f"tasks/{spec.name}/{name}"] = value
             k += n
         return out
+
+
+class LoopEvals:
+    """The training loop's evaluations: the held-out loss every `eval_every` steps
+    (data/heldout.py HeldOutSet) and the downstream tasks at their own interval. Their time is
+    paused time for the meter (out of tokens/s and MFU) and reported as `eval_s`."""
+
+    def __init__(self, held_out, eval_every: int | None, tasks: TaskEvaluator | None, last_step: int):
+        self.held_out, self.every, self.tasks, self.last_step = held_out, eval_every, tasks, last_step
+
+    def due(self, step: int) -> tuple[bool, bool]:
+        loss_now = self.held_out is not None and bool(self.every) and step % self.every == 0
+        return loss_now, self.tasks is not None and self.tasks.should_run(step, self.last_step)
+
+    def run(self, step: int, params, meter) -> dict:
+        """{"eval_loss", "tasks/...", "eval_s"} for what is due at `step`; every process calls it."""
+        loss_now, tasks_now = self.due(step)
+        row: dict = {}
+        t0 = time.perf_counter()
+        if loss_now:
+            row["eval_loss"] = self.held_out.loss(params)
+        if tasks_now:
+            row.update(self.tasks.evaluate(params))
+        row["eval_s"] = time.perf_counter() - t0
+        meter.paused(row["eval_s"], kind="eval")
+        return row

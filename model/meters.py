@@ -248,3 +248,14 @@ class Profiler:
             jax.effects_barrier()
             jax.profiler.stop_trace()
             self.active = False
+
+
+def end_line(summary: dict, train_steps: int) -> str:
+    """The run's last line: what this start trained, or why it had nothing to do."""
+    start, step, ckpt_dir = summary["start_step"], summary["steps"], summary["checkpoint_dir"]
+    if step == start:
+        return (f"Nothing to do: the run is at step {step} and train.steps={train_steps} "
+                f"(raise train.steps to train further); checkpoints in {ckpt_dir}")
+    final = f"{summary['final_loss']:.4f}" if summary["final_loss"] is not None else "-"
+    return (f"Done: steps {start}->{step}, {summary['tokens']:,} tokens in {summary['wall_s']:.0f} s, "
+            f"final loss {final}; checkpoints in {ckpt_dir}")

@@ -206,6 +206,21 @@ class Rollback:
         self.last_target = target
         return state, target, record
 
+    def recover(self, div: Divergence, step: int, batches, *, meter, events, paused, announce: bool):
+        """roll_back() from inside the training loop at `step`: the watchdog paused (`paused()`),
+        the meter's interval started again, the event logged, one line printed. Returns
+        (state, step rolled back to, record)."""
+        t0 = time.perf_counter()
+        with paused():
+            state, target, record = self.roll_back(div, batches.consumed_state())
+        meter.rolled_back(batches.stats())
+        events.add("rollback", step=target, from_step=step, seconds=time.perf_counter() - t0)
+        if announce:
+            print(f"diverged: {div.reason}; rolled back to step {target} from step {step}: the data goes on past "
+                  f"steps {target + 1}..{step}, whose documents are written to {self.run_dir / record['documents']}",
+                  flush=True)
+        return state, target, record
+
     def _write_documents(self, directory: str, target: int, n: int) -> None:
         """scripts/show_step.py --rollback in the background: the rolled-back steps' documents."""
         script = Path(__file__).resolve().parents[1] / "scripts" / "show_step.py"

@@ -139,6 +139,21 @@ def test_meter_counts_a_stall_over_three_medians():
     assert meter._stall(5.0, 10) == pytest.approx(5.0 - 1.0)  # 0.5 s a step: 0.4 s over the median
 
 
+def test_a_start_that_fails_after_the_log_opened_records_its_exit(tmp_path):
+    """A failure between the log's opening and the first step (here a task file that is missing,
+    found after the listing) still ends its life with an exit event: no life is left looking killed."""
+    from run_helpers import make_cfg
+
+    import train as train_mod
+
+    cfg = make_cfg(tmp_path / "run", *RUN, "eval.tasks=[{name: gone, path: /nonexistent/task.jsonl}]")
+    with pytest.raises(train_mod.ConfigError, match="eval.tasks.gone..path='/nonexistent/task.jsonl': no such file"):
+        train_mod.train(cfg)
+    got = goodput.read_events(tmp_path / "run" / goodput.EVENTS_FILE)
+    assert [e["event"] for e in got][:1] == ["start"] and got[-1]["event"] == "exit", got
+    assert got[-1]["reason"] == "crash" and got[-1]["error"] == "ConfigError" and got[-1]["step"] is None
+
+
 # ====================================================================== real runs
 RUN = ["model=tiny", "data.seq_len=64", "data.global_batch_size=8", "data.num_shards=4", "data.num_workers=0",
        "data.prefetch=1", "train.steps=14", "train.log_every=1", "checkpoint.every=6", "train.eval_every=7",

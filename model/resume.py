@@ -1,0 +1,108 @@
+"""Where one start of a run begins, and what its saved data position is worth.
+
+A start resumes, in this order: the newest local-tier step every host holds (when newer than
+the durable one, model/local_tier.py) -> the latest step in checkpoint.dir -> checkpoint.resume_from
+-> checkpoint.init_from (parameters only) -> from scratch. A durable step that a rollback
+returned to (train.on_divergence=rollback, model/rollback.py) starts its data past the batches
+rolled back. train.py reads the small items (meta, data states) here before the model is built,
+so the input pipeline starts from the saved position while the arrays restore.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+
+import jax
+
+import data as data_lib
+from model import rollback as rollback_lib
+from model.checkpoint import Checkpointer, ResumePoint, check_fingerprint, find_resume, restore_meta_and_data
+from model.local_tier import LocalTier
+
+
+@dataclasses.dataclass
+class Start:
+    point: ResumePoint | None       # None: parameters from init_from, or a new run
+    meta: dict                      # the saved meta ({} for a new run): file list, fingerprint, wandb id
+    data_states: list | None        # every host's saved data position; None: the data from its start
+    rolled_past: tuple | None       # (the newest rollback record to this step, its data states)
+    rollbacks: list                 # every rollback of the run so far, carried on in the meta
+
+    @property
+    def step(self) -> int | None:
+        return self.point.step if self.point is not None else None
+
+
+def find_start(ccfg: Mapping, abstract_state, local_tier: LocalTier | None, *,
+               gather: Callable[[object], list]) -> Start:
+    """The step this start resumes from and its small items. Read-only: a config mistake found
+    later leaves no checkpoint directory behind. A damaged item raises DamagedCheckpoint on every
+    host (model/checkpoint.py), which train() answers by starting again."""
+    point = find_resume(ccfg)
+    local_pick = (local_tier.pick(abstract_state, newer_than=point.step if point is not None else None,
+                                  gather=gather) if local_tier is not None else None)
+    if local_pick is not None:
+        point = ResumePoint(str(local_tier.root), local_pick.step, "local")
+        meta, states = local_pick.meta, local_pick.data_states
+    elif point is not None:
+        meta, states = restore_meta_and_data(point, on_damaged=ccfg.get("on_damaged", "fall_back"))
+    else:
+        meta, states = {}, None
+    rolled_past = (rollback_lib.data_override(point.directory, point.step)
+                   if point is not None and point.source != "local" else None)
+    rollbacks = meta.get("rollbacks", [])
+    if rolled_past is not None:
+        states = rolled_past[1]
+        rollbacks = rollbacks + [{k: v for k, v in r.items() if k != "dir"}
+                                 for r in rollback_lib.rollbacks_of(point.directory, point.step)]
+    return Start(point, meta, states, rolled_past, rollbacks)
+
+
+def accept_data(start: Start, fingerprint: dict, *, mixture_change: str, allow_data_change: bool,
+                announce: bool) -> list | None:
+    """The data states to restore the input from, after comparing the saved fingerprint with this
+    run's (data/resume.py decides what a changed mixture keeps). Raises ValueError, naming the key,
+    when the saved position cannot continue on this data; updates fingerprint["data"] to the one
+    this run saves. None: the data changed (checkpoint.allow_data_change) and is read afresh."""
+    saved = start.meta.get("fingerprint", {})
+    plan = data_lib.plan_resume(saved.get("data", {}), fingerprint["data"], mixture_change=mixture_change,
+                                allow_data_change=allow_data_change)
+    fingerprint["data"] = plan.fingerprint
+    changes = check_fingerprint(saved, fingerprint, allow_data_change=allow_data_change, accepted=plan.accepted,
+                                data_hint=plan.hint)
+    if plan.notes and announce:
+        print("data.mixture_change=continue: " + "; ".join(plan.notes), flush=True)
+    if not changes:
+        return start.data_states
+    if announce:
+        print("checkpoint.allow_data_change: the input pipeline starts afresh on the changed data ("
+              + "; ".join(changes) + ")", flush=True)
+    return None
+
+
+def restore_or_init(start: Start, *, ckpt: Checkpointer, local_tier: LocalTier | None, program, seed: int,
+                    init_from: str | None, model_fingerprint: dict, run_dir, announce: bool) -> tuple[dict, int]:
+    """(the train state, its step): restored from the start's step, or initialised (with the
+    parameters of checkpoint.init_from when set; a mismatched model raises ValueError)."""
+    point = start.point
+    if point is None:
+        state = program.init_state(seed)
+        if init_from:
+            state["params"] = ckpt.restore_params(init_from, program.abstract_state["params"],
+                                                  model=model_fingerprint)
+        if announce:
+            print(f"Initialised parameters from {init_from}; starting at step 0" if init_from
+                  else f"Starting a new run in {run_dir}", flush=True)
+        return state, 0
+    if point.source == "local":
+        state = local_tier.restore(point.step, program.abstract_state)
+    else:
+        state = ckpt.restore_state(point, program.abstract_state)
+    step = int(jax.device_get(state["step"]))
+    if announce:
+        print(f"Resuming from {point.describe()} at step {step}", flush=True)
+        if start.rolled_past is not None:
+            record = start.rolled_past[0]
+            print(f"Its data goes on past the steps rolled back at step {record['seen_at_step']} "
+                  f"({record['dir']})", flush=True)
+    return state, step
