@@ -50,6 +50,7 @@ def run(cfg: DictConfig) -> dict:
     """One start of the run: config checks, hosts, files, restore, the loop (train() above)."""
     # Imports here keep `python train.py --help` and config errors fast.
     import jax
+    from etils import epath
 
     import data as data_lib
     from model import distributed, goodput
@@ -166,7 +167,7 @@ def run(cfg: DictConfig) -> dict:
         cleanup.callback(ckpt.close)
         # Hung hosts (model/watchdog.py): armed from the first completed step, paused around
         # work that is not a step; its reports go where every host writes (the checkpoint dir).
-        hang_reports = Path(str(ckpt.directory)) / REPORTS_DIR
+        hang_reports = epath.Path(ckpt.directory) / REPORTS_DIR    # checkpoint.dir may be gs://
         if is_main and (line := announce_last_hang(hang_reports, process_count)):
             print(line, flush=True)
         watchdog = Watchdog(hang_timeout_s, run_dir=run_dir, reports_dir=hang_reports, process_index=process_index,

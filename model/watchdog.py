@@ -28,6 +28,8 @@ import time
 import traceback
 from pathlib import Path
 
+from etils import epath
+
 # EX_TEMPFAIL from sysexits.h: "try again later". The launchers restart on it.
 EXIT_HANG = 75
 MIN_TIMEOUT_S = 600.0
@@ -84,7 +86,8 @@ class Watchdog:
         if timeout_s is not None and not timeout_s > 0:
             raise ValueError(f"train.hang_timeout_s={timeout_s} must be positive (or null: automatic)")
         self.fixed_s = timeout_s
-        self.run_dir, self.reports_dir = Path(run_dir), Path(reports_dir)
+        # The reports live beside the checkpoints, which may be on a bucket (gs://): epath reads both.
+        self.run_dir, self.reports_dir = Path(run_dir), epath.Path(reports_dir)
         self.process_index = process_index
         self.on_hang = on_hang            # on_hang(last_step): the run's exit event
         self._lock = threading.Lock()
@@ -234,7 +237,7 @@ def announce_last_hang(reports_dir: Path, process_count: int) -> str | None:
     start does not name them again. The host that stopped first is one that wrote no report
     (frozen, or lost with its VM), else one whose own watchdog fired far later than due (it was
     frozen itself), else the one whose last step is the earliest."""
-    reports_dir = Path(reports_dir)
+    reports_dir = epath.Path(reports_dir)
     files = sorted(reports_dir.glob("p*.json"))
     if not files:
         return None

@@ -32,7 +32,8 @@ import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
+
+from train import PROJECT_ROOT  # the repo root (the project is installed editable, README)
 
 
 def main() -> None:
@@ -64,7 +65,7 @@ def main() -> None:
     tx, _ = make_optimizer(opt_cfg, 1000)
     from omegaconf import OmegaConf
 
-    mesh_cfg = OmegaConf.load(Path(__file__).resolve().parents[2] / "configs/mesh/default.yaml")
+    mesh_cfg = OmegaConf.load(PROJECT_ROOT / "configs/mesh/default.yaml")
     mesh = shd.make_mesh(mesh_cfg)
     rules = shd.rules_from_cfg(mesh_cfg)
     t0 = time.perf_counter()

@@ -32,7 +32,9 @@ import subprocess
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from train import PROJECT_ROOT  # the repo root (the project is installed editable, README)
+
+REPO = str(PROJECT_ROOT)
 sys.path.insert(0, REPO)
 
 KINDS = {"json.gz lines": "en_head.json.gz", "json array": "part.json",

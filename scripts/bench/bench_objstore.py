@@ -27,7 +27,9 @@ import statistics
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from train import PROJECT_ROOT  # the repo root (the project is installed editable, README)
+
+REPO = str(PROJECT_ROOT)
 sys.path.insert(0, REPO)
 
 

@@ -23,9 +23,10 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parent / "show_step.py"
+from train import PROJECT_ROOT  # the repo root (the project is installed editable, README)
+
+SCRIPT = PROJECT_ROOT / "scripts" / "show_step.py"
 
 
 def timed(run_dir: str, step: int, row: int | None) -> tuple[float, dict]:

@@ -24,9 +24,10 @@ import yaml  # noqa: E402
 
 from model import flops, sharding, step  # noqa: E402
 from model.llama import LlamaConfig  # noqa: E402
+from train import PROJECT_ROOT  # noqa: E402 - the repo root (the project is installed editable)
 
 # scripts/bench/ -> the repository root
-CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
+CONFIGS = str(PROJECT_ROOT / "configs")
 
 
 def load_yaml(group: str, name: str) -> dict:
