@@ -254,55 +254,95 @@ def damage_reason(exc: BaseException) -> str | None:
 
 
 class _SilenceDamagedReads(logging.Filter):
-    """Drops the after-the-fact reports of a damaged step's sibling reads. When one array of a
-    step fails, Orbax leaves the other reads' errors behind: asyncio logs each unretrieved task
-    or future ("Task/Future exception was never retrieved") and the interpreter reports each
-    suspended read coroutine it collects ("Exception ignored in: <coroutine ...>", through
-    sys.unraisablehook) and each read callback that lands on a closed loop ("Event loop is
-    closed"), with TensorStore tracebacks, after our one line has named the step. Reports that name
-    no damaged step pass as they are."""
+    """Drops the after-the-fact reports of a damaged step's sibling reads.
+
+    When one array of a step fails, Orbax's runner (asyncio_utils._run_sync_via_new_loop) closes
+    its event loop while the step's other TensorStore reads are still in flight, and neither
+    cancels nor awaits them. What follows, from several TensorStore threads at once and in pieces
+    that interleave: each read callback that lands on the closed loop ("Exception ignored in:
+    None ... RuntimeError: Event loop is closed", through sys.unraisablehook), each suspended read
+    coroutine the interpreter collects ("Exception ignored in: <coroutine ...>"), and each task or
+    future whose error nobody retrieved ("Task/Future exception was never retrieved" on the
+    asyncio logger). Those reads belong to Orbax, so the reports are dropped here, whole, before
+    they are written (a line filter after the fact cannot undo the interleaving):
+      - a closed-loop report, while a guarded read is in flight (`reading`, set before the read
+        starts: the first ones land within milliseconds of the failure, before anything is
+        decided) and once any step was found damaged (`damaged`, for good: a slow bucket's read
+        can land much later). It names no path, and it is never an error of ours: a callback
+        that nobody waits for any more;
+      - a never-retrieved or ignored-exception report that names the step being read or a
+        damaged step (Orbax's and TensorStore's errors carry the step's path; its leftovers are
+        collected at any later garbage collection).
+    Anything else (another path, another kind of report, no step read or damaged) passes as it
+    is. The sets are replaced, never changed in place: the hook runs on TensorStore's threads."""
+
+    _LEFTOVER = ("Task exception was never retrieved", "Future exception was never retrieved")
 
     def __init__(self):
         super().__init__()
-        self.steps: set[str] = set()        # being read now, or found damaged
-        self.damaged = False
+        self.reading: frozenset[str] = frozenset()   # the step being read now by guard_damage (its spellings)
+        self.damaged: frozenset[str] = frozenset()   # the steps found damaged (their spellings), kept for good
         self._next_hook = None
 
-    def _names_damaged_step(self, text: str) -> bool:
-        return any(f"{step}/" in text for step in self.steps)
+    def _names_watched_step(self, text: str) -> bool:
+        steps = self.reading | self.damaged
+        # The whole path, not the tail of another one (`run/checkpoints/10` in `/x/run/checkpoints/10/`
+        # only when that is how the step is spelt) and not a step with more digits (`10/`, `100/`).
+        return bool(steps) and re.search(r"(?<![\w.~/-])(?:" + "|".join(map(re.escape, steps)) + ")/", text) is not None
+
+    def _drop(self, text: str, closed_loop: bool = False) -> bool:
+        return (closed_loop and bool(self.reading or self.damaged)) or self._names_watched_step(text)
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = str(record.msg)
+        if not text.startswith(self._LEFTOVER):
+            return True
         if record.exc_info and record.exc_info[1] is not None:
             text += f"\n{record.exc_info[1]}"
-        leftover = text.startswith(("Task exception was never retrieved", "Future exception was never retrieved"))
-        return not (leftover and self._names_damaged_step(text))
+        return not self._drop(text)
 
     def unraisable(self, report) -> None:
-        # A read callback that lands after its event loop closed reports "Event loop is closed"
-        # with no path in it; once a step was found damaged, that is one of its reads.
-        closed_loop = isinstance(report.exc_value, RuntimeError) and "Event loop is closed" in str(report.exc_value)
-        if not (self._names_damaged_step(f"{report.exc_value}") or (closed_loop and self.damaged)):
-            self._next_hook(report)
+        try:
+            text = f"{report.exc_value}\n{report.err_msg or ''}"
+            drop = self._drop(text, isinstance(report.exc_value, RuntimeError) and "Event loop is closed" in text)
+        except Exception:  # noqa: BLE001 - a hook must not raise; the report then passes as it is
+            drop = False
+        if not drop:
+            (self._next_hook or sys.__unraisablehook__)(report)
 
-    def watch(self, step_dir: str, *, damaged: bool = True) -> None:
-        self.steps.add(step_dir)
-        self.damaged |= damaged
+    def _install(self) -> None:
         if self not in logging.getLogger("asyncio").filters:
             logging.getLogger("asyncio").addFilter(self)
-        if self._next_hook is None:
+        # Installed again if something replaced the hook since (pytest swaps it around each test).
+        if sys.unraisablehook != self.unraisable:
             self._next_hook, sys.unraisablehook = sys.unraisablehook, self.unraisable
 
+    def watch(self, step_dir: str, *, damaged: bool = True) -> None:
+        """`step_dir` is being read (damaged=False) or was found damaged (for good)."""
+        self._install()
+        if damaged:
+            self.damaged = self.damaged | _spellings(step_dir)
+        else:
+            self.reading = self.reading | _spellings(step_dir)
 
     def forget(self, step_dir: str) -> None:
-        self.steps.discard(step_dir)
+        """The read of `step_dir` is over (a step found damaged stays watched)."""
+        self.reading = self.reading - _spellings(step_dir)
+
+
+def _spellings(step_dir: str) -> frozenset[str]:
+    """A step directory as a report may spell it: as configured, absolute, with links resolved."""
+    step_dir = str(step_dir).rstrip("/")
+    if "://" in step_dir:
+        return frozenset({step_dir})
+    return frozenset({step_dir, os.path.abspath(step_dir), os.path.realpath(step_dir)})
 
 
 _damaged_reads = _SilenceDamagedReads()
 
 
 def silence_leftover_reads(step_dir: str) -> None:
-    """From now on, drop the leftover-read reports that name `step_dir` (a step found damaged)."""
+    """From now on, drop the leftover-read reports of `step_dir` (a step found damaged)."""
     _damaged_reads.watch(step_dir)
 
 
@@ -316,22 +356,25 @@ def guard_damage(resume: ResumePoint, read: Callable, *, item: str, on_damaged: 
     from model.distributed import max_over_hosts
 
     where = f"{resume.directory}/{resume.step}"
-    watched = where if "://" in where else os.path.abspath(where)
-    # Watched while it is read: a failed sibling read can be collected (and reported) while the
-    # failure is still on its way up, before this function has named the step.
-    _damaged_reads.watch(watched, damaged=False)
+    # Watched from before the read: when one read fails, its siblings report on other threads at
+    # once, while the failure is still on its way up (_SilenceDamagedReads).
+    _damaged_reads.watch(where, damaged=False)
     reason, result = None, None
     try:
         result = read()
     except Exception as e:  # noqa: BLE001 - classified just below; anything else is re-raised
         reason = damage_reason(e)
         if reason is None:
-            _damaged_reads.forget(watched)
+            _damaged_reads.forget(where)
             raise
-    if not max_over_hosts(int(reason is not None)):
-        _damaged_reads.forget(watched)
+        silence_leftover_reads(where)       # at once: the hosts' agreement can take a while
+    try:
+        damaged = max_over_hosts(int(reason is not None))
+    finally:
+        _damaged_reads.forget(where)
+    if not damaged:
         return result
-    silence_leftover_reads(watched)
+    silence_leftover_reads(where)
     seen = (f"{item}: {reason}" if reason is not None else "on another host")
     if jax.process_count() > 1 and reason is not None:
         seen = f"process {jax.process_index()}, {seen}"

@@ -19,6 +19,15 @@ shard indices on its devices) and the hosts agree on the newest step all of them
 tier (a recreated VM) or a changed mesh makes every host take the durable tier together. The
 data states are exchanged once (every host's, as the durable data item holds them), so the
 input pipeline restores as from a durable step.
+
+Damaged local steps fall back like durable ones (model/checkpoint.py): a step whose
+manifest.json does not parse or whose arrays.bin is missing or shorter than the manifest's last
+shard end (a stat, no array is read) is found before the agreement; a meta.json or data.json that
+does not parse, after it, when each host reads the agreed step's (no other step's is read). Each
+host names its damaged step in one line and moves it aside (`<step>.damaged-<UTC time>` beside
+it, never deleted; no longer a step), and the hosts agree on the newest step all of them still
+hold, or on the durable tier. Every host makes the same gathers: a retry follows only what the
+gather told every host alike.
 """
 from __future__ import annotations
 
@@ -26,6 +35,7 @@ import dataclasses
 import json
 import shutil
 import threading
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -115,30 +125,82 @@ class LocalTier:
             return []
         return sorted(int(p.name) for p in self.root.iterdir() if p.name.isdigit() and (p / "meta.json").is_file())
 
-    def _fits(self, step: int, wanted: dict[str, set[str]]) -> bool:
+    def _check(self, step: int, wanted: dict[str, set[str]]) -> tuple[bool, str | None]:
+        """(restores into the current layout, why the step is damaged or None), from its
+        manifest and the size of arrays.bin (a stat: no array is read)."""
+        d = self.root / str(step)
         try:
-            manifest = json.loads((self.root / str(step) / "manifest.json").read_text())
-        except (OSError, ValueError):
-            return False
-        leaves = manifest["leaves"]
-        return set(leaves) == set(wanted) and all(
-            wanted[k] <= {s["index"] for s in leaves[k]["shards"]} for k in wanted)
+            leaves = json.loads((d / "manifest.json").read_text())["leaves"]
+            shards = {k: [(s["index"], s["offset"] + s["nbytes"]) for s in v["shards"]] for k, v in leaves.items()}
+        except FileNotFoundError:
+            return False, "manifest.json: missing"
+        except (ValueError, KeyError, TypeError, AttributeError) as e:    # JSONDecodeError, UnicodeDecodeError
+            return False, f"manifest.json: {type(e).__name__}: {e}"
+        except OSError:
+            return False, None
+        if set(shards) != set(wanted) or not all(wanted[k] <= {i for i, _ in shards[k]} for k in wanted):
+            return False, None          # another layout: not damaged, just not this start's
+        need = max((end for v in shards.values() for _, end in v), default=0)
+        try:
+            size = (d / "arrays.bin").stat().st_size
+        except FileNotFoundError:
+            return False, "arrays.bin: missing"
+        if size < need:
+            return False, f"arrays.bin: {size} bytes, the manifest needs {need}"
+        return True, None
+
+    def _move_aside(self, step: int, reason: str) -> None:
+        """Names damaged `step` in one line and renames it `<step>.damaged-<UTC time>`."""
+        d = self.root / str(step)
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        target, n = self.root / f"{step}.damaged-{stamp}", 1
+        while target.exists():
+            target, n = self.root / f"{step}.damaged-{stamp}-{n}", n + 1
+        try:
+            d.rename(target)
+            moved = f"moved aside to {target}"
+        except OSError as e:
+            moved = f"left in place, not moved aside ({e})"
+        print(f"local checkpoint {d} did not restore ({reason}); {moved}", flush=True)
+
+    def _read_json(self, step: int, name: str) -> tuple[object, str | None]:
+        try:
+            return json.loads((self.root / str(step) / name).read_text()), None
+        except FileNotFoundError:
+            return None, f"{name}: missing"
+        except ValueError as e:          # JSONDecodeError, UnicodeDecodeError
+            return None, f"{name}: {type(e).__name__}: {e}"
 
     def pick(self, abstract_state, *, newer_than: int | None, gather: Callable[[object], list]) -> LocalPick | None:
         """The newest local step every host can restore, when newer than `newer_than` (the
-        newest durable step); every process must call it (two small all-gathers)."""
+        newest durable step); every process must call it (two small all-gathers, one more per
+        step found damaged on some host). A damaged step is moved aside (module docstring)."""
         wanted = _wanted(abstract_state)
-        mine = [s for s in self.steps() if self._fits(s, wanted)]
+        mine = []
+        for s in self.steps():
+            if newer_than is not None and s <= newer_than:
+                continue                # never picked: its files are not read
+            fits, damage = self._check(s, wanted)
+            if damage is not None:
+                self._move_aside(s, damage)
+            elif fits:
+                mine.append(s)
         common = set(mine)
         for theirs in gather(mine):
             common &= set(theirs)
-        step = max(common, default=None)
-        if step is None or (newer_than is not None and step <= newer_than):
-            return None
-        d = self.root / str(step)
-        meta = json.loads((d / "meta.json").read_text())
-        states = gather(json.loads((d / "data.json").read_text()))
-        return LocalPick(step, meta, states, str(d))
+        # The agreed step's meta and data states; a step some host finds damaged there is left out
+        # on every host (all of them saw it in the gather) and the next common step is tried.
+        for step in sorted(common, reverse=True):
+            meta, damage = self._read_json(step, "meta.json")
+            data = None
+            if damage is None:
+                data, damage = self._read_json(step, "data.json")
+            if damage is not None:
+                self._move_aside(step, damage)
+            got = gather({"damaged": damage is not None, "data": data})
+            if not any(g["damaged"] for g in got):
+                return LocalPick(step, meta, [g["data"] for g in got], str(self.root / str(step)))
+        return None
 
     # ---------------------------------------------------------------- save
     def should_save(self, step: int) -> bool:

@@ -7,6 +7,8 @@ Run everything with: pytest  (add -x -q for a fast first failure).
 import os
 import sys
 
+import pytest
+
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("WANDB_MODE", "offline")
@@ -15,3 +17,14 @@ os.environ.setdefault("WANDB_SILENT", "true")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The reference: N steps straight, one process, in-process data (checkpoint every K).
+    Per module, as when test_resume.py defined it and test_auto_workers.py imported it."""
+    from tests.run_helpers import K, run
+
+    run_dir = tmp_path_factory.mktemp("straight")
+    run(run_dir, "data.num_workers=0", f"checkpoint.every={K}")
+    return run_dir

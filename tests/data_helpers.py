@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import gzip
+import importlib.util
 import json
 import os
 import random
 
 import numpy as np
+import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENIZER = os.path.join(REPO, "data", "sample", "tokenizer.json")
@@ -107,3 +109,109 @@ def doc_tokens(rows, n_files):
                 continue
             docs.setdefault(decode_doc_id(d, n_files), []).append(t)
     return docs
+
+
+# ---------------------------------------------------------------- converted corpora (scripts/prepare_data.py)
+SCRIPT = os.path.join(REPO, "scripts", "prepare_data.py")
+
+
+def _converter():
+    spec = importlib.util.spec_from_file_location("prepare_data", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def convert(src_glob, out, *extra):
+    return _converter().main(["--paths", src_glob, "--tokenizer", TOKENIZER, "--out", str(out),
+                              "--no-progress", *extra])
+
+
+# ---------------------------------------------------------------- other formats (test_data_formats.py)
+# ext -> how write_docs stores a file's records
+FORMATS = {
+    "array.json": ".json", "array.json.gz": ".json.gz", "lines.json": ".json",
+    "lines.jsonl.zstd": ".jsonl.zstd", "lines.json.zst": ".json.zst",
+    "parquet": ".parquet", "arrow": ".arrow",
+}
+
+
+def write_records(path: str, kind: str, recs: list[dict], row_group: int = 4) -> None:
+    """recs (dicts) into one file of `kind` (a FORMATS key)."""
+    # every caller skips without pyarrow, as when this lived in test_data_formats.py (a module skip)
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    if kind.startswith("array"):
+        raw = json.dumps(recs, indent=1).encode()   # pretty-printed, as dataset dumps often are
+        opener = gzip.open if path.endswith(".gz") else open
+        with opener(path, "wb") as f:
+            f.write(raw)
+    elif kind.startswith("lines"):
+        raw = b"".join(json.dumps(r).encode() + b"\n" for r in recs)
+        if ".zst" in path:
+            import zstandard
+            raw = zstandard.ZstdCompressor().compress(raw)
+        with open(path, "wb") as f:
+            f.write(raw)
+    elif kind == "parquet":
+        pq.write_table(pa.Table.from_pylist(recs), path, row_group_size=row_group)
+    elif kind == "arrow":
+        table = pa.Table.from_pylist(recs)
+        with pa.OSFile(path, "wb") as sink, pa.ipc.new_stream(sink, table.schema) as w:
+            for batch in table.to_batches(max_chunksize=row_group):
+                w.write_batch(batch)
+    else:
+        raise AssertionError(kind)
+
+
+def write_docs(root, kind, n_files=4, docs_per_file=9, seed=0, text_key="story", max_words=60):
+    """TinyStories-like records (text under `story`, with a nested object beside it) in n_files
+    files root/NNNN/part<ext>; returns {(path, record_1based): text}."""
+    rng = random.Random(seed)
+    texts = {}
+    for f in range(n_files):
+        d = os.path.join(str(root), f"{f:04d}")
+        os.makedirs(d, exist_ok=True)
+        path = os.path.join(d, "part" + FORMATS[kind])
+        recs = []
+        for i in range(docs_per_file):
+            t = doc_text(rng, f"{f}-{i}", rng.randint(3, max_words))
+            if i % 3 == 1:   # characters the array scanner must not take for structure
+                t += ' "quoted ] } {", a \\ backslash\nand a new line'
+            if i % 3 == 2:   # more `},` in a string than the scanner's fast path tries: the exact scan
+                t += " {a}, {b}], {c}, {d}, {e}, {f}, end"
+            recs.append({text_key: t, "instruction": {"prompt": "p", "words": ["a", "b"]}, "n": i})
+            texts[(path, i + 1)] = t
+        write_records(path, kind, recs)
+    return texts
+
+
+def fcfg(root, **kw):
+    kw.setdefault("text_key", "story")
+    kw.setdefault("paths", (os.path.join(str(root), "*", "part*"),))
+    return cfg(root, **kw)
+
+
+# ---------------------------------------------------------------- mixtures (test_data_mixture*.py)
+# name, weight, files, documents per file, text key
+SOURCES = [("web", 5.0, 8, 30, "raw_content"), ("books", 3.0, 4, 20, "raw_content"),
+           ("tiny", 2.0, 4, 3, "text")]
+
+
+def mix_cfg(root, sources=SOURCES, **kw):
+    base = dict(paths=(), num_shards=4, global_batch_size=8, seq_len=16, shuffle_window=4,
+                sources=[{"name": name, "weight": w, "paths": [os.path.join(str(root), name, "*", "*")],
+                          "text_key": key} for name, w, _, _, key in sources])
+    base.update(kw)
+    return cfg(root, **base)
+
+
+def write_sources(root, sources=SOURCES):
+    for i, (name, _, n_files, docs, key) in enumerate(sources):
+        write_corpus(os.path.join(str(root), name), n_files=n_files, docs_per_file=docs, seed=i,
+                     max_words=60, text_key=key)
+
+
+def close(it):
+    if hasattr(it, "close"):
+        it.close()

@@ -19,8 +19,17 @@ import data as data_lib
 import train as train_mod
 from data import autoworkers as aw
 from model.checkpoint import find_resume, restore_meta_and_data
-from tests.test_resume import straight  # noqa: F401 - the one-process reference run (a fixture)
-from tests.test_train import make_cfg, read_metrics
+from tests.data_helpers import convert
+from tests.run_helpers import (
+    COMMON,
+    TRAIN,
+    assert_every_shard_continues_exactly,
+    env_for,
+    finish,
+    free_port,
+    make_cfg,
+    read_metrics,
+)
 
 GB = 1 << 30
 MB = 1 << 20
@@ -185,12 +194,11 @@ def test_auto_resume_chooses_again_and_stays_exact(fixed_run, tmp_path, capsys):
 
 # ---------------------------------------------------------------- several hosts
 @pytest.mark.slow
-def test_hosts_agree_on_the_most_any_needs(straight, tmp_path):  # noqa: F811 - the fixture
+def test_hosts_agree_on_the_most_any_needs(straight, tmp_path):
     # Two processes with different budgets: process 0's holds no worker (alone it would go
     # in-process), process 1's holds plenty (one worker: text never goes in-process on its own
     # and the tiny model needs far less than one worker's rate). Both run the larger count.
-    from tests.test_resume import COMMON, TRAIN, assert_every_shard_continues_exactly, env_for, finish, free_port
-
+    # `straight`: the one-process reference run (conftest.py).
     port, procs = free_port(), []
     for i, budget in enumerate(["0.001", "null"]):
         log = open(tmp_path / f"log_p{i}.txt", "w")
@@ -215,8 +223,6 @@ def test_hosts_agree_on_the_most_any_needs(straight, tmp_path):  # noqa: F811 - 
 def test_a_converted_corpus_goes_in_process_with_the_same_batches(tmp_path, capsys):
     # Nothing to tokenize and the tiny model's need far below one reader's rate: 0 workers,
     # switched to from the provisional 1, with the batches of a run that had none throughout.
-    from tests.test_data_records import convert
-
     converted = tmp_path / "tok"
     assert convert(str(train_mod.PROJECT_ROOT / "data/sample/000[0-1]/en_head.json.gz"), converted) == 0
     on_records = [*RUN, f"data.paths={converted}", "data.eval.holdout_files=0"]

@@ -19,80 +19,24 @@ import data
 from data import formats
 from data.pipeline import state_counters
 from tests.data_helpers import (
+    FORMATS,
     TOKENIZER,
     assert_batches_equal,
     cfg,
+    convert,
     doc_text,
     doc_tokens,
+    fcfg,
     jround,
     rows_of,
     take,
     write_corpus,
+    write_docs,
+    write_records,
 )
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
-
-# ext -> how write_docs stores a file's records
-FORMATS = {
-    "array.json": ".json", "array.json.gz": ".json.gz", "lines.json": ".json",
-    "lines.jsonl.zstd": ".jsonl.zstd", "lines.json.zst": ".json.zst",
-    "parquet": ".parquet", "arrow": ".arrow",
-}
-
-
-def write_records(path: str, kind: str, recs: list[dict], row_group: int = 4) -> None:
-    """recs (dicts) into one file of `kind` (a FORMATS key)."""
-    if kind.startswith("array"):
-        raw = json.dumps(recs, indent=1).encode()   # pretty-printed, as dataset dumps often are
-        opener = gzip.open if path.endswith(".gz") else open
-        with opener(path, "wb") as f:
-            f.write(raw)
-    elif kind.startswith("lines"):
-        raw = b"".join(json.dumps(r).encode() + b"\n" for r in recs)
-        if ".zst" in path:
-            import zstandard
-            raw = zstandard.ZstdCompressor().compress(raw)
-        with open(path, "wb") as f:
-            f.write(raw)
-    elif kind == "parquet":
-        pq.write_table(pa.Table.from_pylist(recs), path, row_group_size=row_group)
-    elif kind == "arrow":
-        table = pa.Table.from_pylist(recs)
-        with pa.OSFile(path, "wb") as sink, pa.ipc.new_stream(sink, table.schema) as w:
-            for batch in table.to_batches(max_chunksize=row_group):
-                w.write_batch(batch)
-    else:
-        raise AssertionError(kind)
-
-
-def write_docs(root, kind, n_files=4, docs_per_file=9, seed=0, text_key="story", max_words=60):
-    """TinyStories-like records (text under `story`, with a nested object beside it) in n_files
-    files root/NNNN/part<ext>; returns {(path, record_1based): text}."""
-    rng = random.Random(seed)
-    texts = {}
-    for f in range(n_files):
-        d = os.path.join(str(root), f"{f:04d}")
-        os.makedirs(d, exist_ok=True)
-        path = os.path.join(d, "part" + FORMATS[kind])
-        recs = []
-        for i in range(docs_per_file):
-            t = doc_text(rng, f"{f}-{i}", rng.randint(3, max_words))
-            if i % 3 == 1:   # characters the array scanner must not take for structure
-                t += ' "quoted ] } {", a \\ backslash\nand a new line'
-            if i % 3 == 2:   # more `},` in a string than the scanner's fast path tries: the exact scan
-                t += " {a}, {b}], {c}, {d}, {e}, {f}, end"
-            recs.append({text_key: t, "instruction": {"prompt": "p", "words": ["a", "b"]}, "n": i})
-            texts[(path, i + 1)] = t
-        write_records(path, kind, recs)
-    return texts
-
-
-def fcfg(root, **kw):
-    kw.setdefault("text_key", "story")
-    kw.setdefault("paths", (os.path.join(str(root), "*", "part*"),))
-    return cfg(root, **kw)
-
 
 def expected_tokens(text):
     from data.tokenizer import load_tokenizer
@@ -377,7 +321,6 @@ def _converted_records(src_glob, out, text_key):
     from array_record.python.array_record_module import ArrayRecordReader
 
     from data import records
-    from tests.test_data_records import convert
     assert convert(src_glob, out, "--text-key", text_key) == 0
     docs = []
     for part in records.part_files(str(out)):
@@ -416,7 +359,7 @@ def test_cli_tinystories_arrays_train_and_a_csv_stops_before_compile(tmp_path):
     """`train.py "data.paths='DIR/*.json'" data.text_key=story` on TinyStories-shaped files (JSON
     arrays of objects) trains; the same run over a directory holding a CSV stops in one line, before
     anything is compiled."""
-    from test_train import read_metrics, run_cli
+    from run_helpers import read_metrics, run_cli
     write_docs(tmp_path / "ts", "array.json", n_files=4, docs_per_file=30)
     r = run_cli(tmp_path, *CLI, f"data.paths='{tmp_path}/ts/*/part.json'", "data.text_key=story",
                 "data.num_workers=1")

@@ -20,25 +20,18 @@ import pytest
 import data
 from data.host import find_shard_states
 from data.mixture import SOURCE_ID_SHIFT, source_counters, source_of_doc_id
-from tests.data_helpers import REPO, TOKENIZER, assert_batches_equal, cfg, decode_doc_id, jround, take, write_corpus
-
-# name, weight, files, documents per file, text key
-SOURCES = [("web", 5.0, 8, 30, "raw_content"), ("books", 3.0, 4, 20, "raw_content"),
-           ("tiny", 2.0, 4, 3, "text")]
-
-
-def mix_cfg(root, sources=SOURCES, **kw):
-    base = dict(paths=(), num_shards=4, global_batch_size=8, seq_len=16, shuffle_window=4,
-                sources=[{"name": name, "weight": w, "paths": [os.path.join(str(root), name, "*", "*")],
-                          "text_key": key} for name, w, _, _, key in sources])
-    base.update(kw)
-    return cfg(root, **base)
-
-
-def write_sources(root, sources=SOURCES):
-    for i, (name, _, n_files, docs, key) in enumerate(sources):
-        write_corpus(os.path.join(str(root), name), n_files=n_files, docs_per_file=docs, seed=i,
-                     max_words=60, text_key=key)
+from tests.data_helpers import (
+    REPO,
+    SOURCES,
+    TOKENIZER,
+    assert_batches_equal,
+    close,
+    decode_doc_id,
+    jround,
+    mix_cfg,
+    take,
+    write_sources,
+)
 
 
 def row_sources(batch) -> np.ndarray:
@@ -67,11 +60,6 @@ def token_counts(batches, n_files) -> Counter:
         for d, k in zip(ids.tolist(), n.tolist(), strict=True):
             c[doc_key(d, n_files)] += k
     return c
-
-
-def close(it):
-    if hasattr(it, "close"):
-        it.close()
 
 
 def straight(c, n, P=1, h=0):
@@ -256,7 +244,7 @@ def test_train_resumes_a_mixture_exactly_and_refuses_a_weight_change(tmp_path):
     from hydra import compose, initialize_config_dir
 
     import train as train_mod
-    from tests.test_resume import env_for, free_port
+    from tests.run_helpers import env_for, free_port
 
     def make_overrides(*overrides):
         return ["data=sample_mix", "logger.progress_bar=false", "logger.wandb.mode=disabled", "train.steps=4",

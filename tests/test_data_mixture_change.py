@@ -20,8 +20,7 @@ import pytest
 import data
 from data.mixture import SOURCE_ID_SHIFT
 from data.state import mixture_changes
-from tests.data_helpers import jround, take
-from tests.test_data_mixture import SOURCES, close, mix_cfg, write_sources
+from tests.data_helpers import SOURCES, close, jround, mix_cfg, take, write_sources
 
 SRC = {name: (name, w, n_files, docs, key) for name, w, n_files, docs, key in SOURCES}
 TAG_MASK = (1 << SOURCE_ID_SHIFT) - 1
@@ -389,7 +388,7 @@ def test_train_reweights_on_another_host_count(tmp_path):
 
     import train as train_mod
     from tests.data_helpers import REPO
-    from tests.test_resume import env_for, free_port
+    from tests.run_helpers import env_for, free_port
     run = tmp_path / "run"
     run.mkdir()
     port = free_port()

@@ -5,7 +5,6 @@
 Real conversions (ArrayRecord files on disk, the converter killed with SIGKILL in a subprocess),
 real Grain pipelines with worker processes, states through a JSON round trip.
 """
-import importlib.util
 import json
 import os
 import signal
@@ -19,21 +18,17 @@ import pytest
 import data
 from data import records
 from data.permutation import FeistelPermutation
-from tests.data_helpers import REPO, TOKENIZER, assert_batches_equal, jround, take, write_corpus, write_lines
-
-SCRIPT = os.path.join(REPO, "scripts", "prepare_data.py")
-
-
-def _converter():
-    spec = importlib.util.spec_from_file_location("prepare_data", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def convert(src_glob, out, *extra):
-    return _converter().main(["--paths", src_glob, "--tokenizer", TOKENIZER, "--out", str(out),
-                              "--no-progress", *extra])
+from tests.data_helpers import (
+    REPO,
+    SCRIPT,
+    TOKENIZER,
+    assert_batches_equal,
+    convert,
+    jround,
+    take,
+    write_corpus,
+    write_lines,
+)
 
 
 def rcfg(out, **kw):

@@ -1,6 +1,7 @@
 """The package layout stays as data/__init__.py draws it: data/ imports no circle (lazy imports
 inside functions count too), never imports model/, no module imports another's private names,
-and checking a data config loads neither Grain nor JAX. Run: pytest tests/test_imports.py"""
+no test file imports another, and checking a data config loads neither Grain nor JAX.
+Run: pytest tests/test_imports.py"""
 import ast
 import subprocess
 import sys
@@ -82,6 +83,29 @@ def test_data_never_imports_model_and_nobody_imports_private_names():
         bad += [f"{rel}: uses train.{n.attr}" for n in ast.walk(tree)
                 if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
                 and n.value.id in ("train", "train_mod") and n.attr.startswith("_")]
+    assert not bad, bad
+
+
+def _test_files_imported(path: Path) -> list[str]:
+    """The test_*.py modules a file imports (as test_x, tests.test_x or `from tests import test_x`)."""
+    found = []
+    for mod, names in _imports(path, ""):
+        if mod == "tests":
+            found += [f"tests.{n}" for n in names if n.startswith("test_")]
+        elif mod.removeprefix("tests.").split(".")[0].startswith("test_"):
+            found.append(mod)
+    return found
+
+
+def test_no_test_file_imports_another(tmp_path):
+    """Helpers shared by test files live in conftest.py or a helper module (run_helpers.py,
+    data_helpers.py, ...), never in one test_*.py imported by another."""
+    planted = tmp_path / "test_planted.py"
+    planted.write_text("import test_train\nfrom tests import test_data_formats\n"
+                       "def f():\n    from tests.test_resume import run\n")
+    assert _test_files_imported(planted) == ["test_train", "tests.test_data_formats", "tests.test_resume"]
+    bad = [f"tests/{path.name}: imports {mod}" for path in sorted((ROOT / "tests").glob("test_*.py"))
+           for mod in _test_files_imported(path)]
     assert not bad, bad
 
 

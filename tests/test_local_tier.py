@@ -1,16 +1,17 @@
 """The fast local checkpoint tier (model/local_tier.py, issue #22): a run killed after a local
 save and before the next durable one resumes from the local step; when one host lost its local
 tier, every host resumes from the durable step together; both exactly (the batches and losses
-of an uninterrupted run).
+of an uninterrupted run); a damaged local step is moved aside and the previous one taken.
 
     pytest tests/test_local_tier.py -q      (~2 min on 2 cores)
 """
+import re
 import shutil
 import signal
 
 import pytest
 
-from tests.test_resume import (
+from tests.run_helpers import (
     K,
     N,
     assert_every_shard_continues_exactly,
@@ -26,14 +27,7 @@ from tests.test_resume import (
 )
 
 LOCAL = ["checkpoint.local_every=2", "data.num_workers=0", f"checkpoint.every={K}"]
-
-
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-    """The reference: test_resume's uninterrupted run (N steps, one process, in-process data)."""
-    run_dir = tmp_path_factory.mktemp("straight")
-    run(run_dir, "data.num_workers=0", f"checkpoint.every={K}")
-    return run_dir
+# `straight`, the reference (N steps uninterrupted, one process, in-process data): conftest.py, per module.
 
 
 def tier(local, process=0):
@@ -56,6 +50,137 @@ def test_settings_fail_in_one_line():
     with pytest.raises(ValueError, match="not a URL"):
         LocalTier.check_settings({"local_dir": "gs://b/x", "local_every": 5})
     LocalTier.check_settings({"local_dir": None})
+
+
+# ---------------------------------------------------------------- damaged local steps (unit level)
+def small_state():
+    """A small real train state: a sharded and a replicated leaf on the suite's 8 devices, and
+    its abstract twin (the current layout)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    sharded, replicated = NamedSharding(mesh, PartitionSpec("x")), NamedSharding(mesh, PartitionSpec())
+    state = {"w": jax.device_put(jnp.arange(64 * 8, dtype=jnp.float32).reshape(64, 8), sharded),
+             "b": jax.device_put(jnp.ones(16, jnp.bfloat16), replicated)}
+    abstract = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
+    return state, abstract
+
+
+def saved_tier(root, steps=(2, 4), process_index=0):
+    from model.local_tier import LocalTier
+
+    state, abstract = small_state()
+    t = LocalTier(str(root), every=2, keep=len(steps), process_index=process_index, run="r")
+    for s in steps:
+        t.save(s, state, {"position": s, "host": process_index}, {"step": s, "fingerprint": {}})
+        t.wait()
+    assert t.steps() == list(steps)
+    return t, state, abstract
+
+
+def counting_gather():
+    calls = []
+
+    def gather(x):
+        calls.append(x)
+        return [x]
+    return gather, calls
+
+
+def truncate_arrays(d):
+    with open(d / "arrays.bin", "r+b") as f:
+        f.truncate(1000)
+
+
+def corrupt(name):
+    def damage(d):
+        (d / name).write_text((d / name).read_text()[:-3])      # a write cut short
+    return damage
+
+
+DAMAGES = {"arrays.bin": (truncate_arrays, r"arrays\.bin: 1000 bytes, the manifest needs \d+"),
+           "arrays.bin missing": (lambda d: (d / "arrays.bin").unlink(), r"arrays\.bin: missing"),
+           "manifest.json": (corrupt("manifest.json"), r"manifest\.json: JSONDecodeError"),
+           "meta.json": (corrupt("meta.json"), r"meta\.json: JSONDecodeError"),
+           "data.json": (corrupt("data.json"), r"data\.json: JSONDecodeError")}
+
+
+def test_a_healthy_local_tier_picks_its_newest_step_and_restores_it(tmp_path, capsys):
+    import numpy as np
+
+    t, state, abstract = saved_tier(tmp_path)
+    gather, calls = counting_gather()
+    pick = t.pick(abstract, newer_than=None, gather=gather)
+    assert (pick.step, pick.meta["step"], pick.data_states) == (4, 4, [{"position": 4, "host": 0}])
+    assert pick.directory == str(t.root / "4") and len(calls) == 2
+    got = t.restore(pick.step, abstract)
+    assert all(np.array_equal(np.asarray(got[k]), np.asarray(state[k])) and got[k].sharding == state[k].sharding
+               for k in state)
+    assert t.pick(abstract, newer_than=3, gather=gather).step == 4
+    assert t.pick(abstract, newer_than=4, gather=gather) is None          # the durable step is as new
+    assert sorted(p.name for p in t.root.iterdir()) == ["2", "4"]          # nothing moved
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("damaged", list(DAMAGES))
+def test_a_damaged_local_step_is_moved_aside_and_the_previous_one_picked(tmp_path, capsys, damaged):
+    damage, reason = DAMAGES[damaged]
+    t, state, abstract = saved_tier(tmp_path)
+    damage(t.root / "4")
+    pick = t.pick(abstract, newer_than=None, gather=counting_gather()[0])
+    assert (pick.step, pick.meta["step"], pick.data_states) == (2, 2, [{"position": 2, "host": 0}])
+    (line,) = capsys.readouterr().out.splitlines()
+    assert re.fullmatch(rf"local checkpoint {re.escape(str(t.root))}/4 did not restore \({reason}.*\); "
+                        rf"moved aside to {re.escape(str(t.root))}/4\.damaged-\d{{8}}T\d{{6}}Z", line), line
+    assert t.steps() == [2] and len(list(t.root.glob("4.damaged-*"))) == 1     # never deleted
+    t.restore(pick.step, abstract)
+    # The last one damaged too: none left, the durable tier.
+    damage(t.root / "2")
+    assert t.pick(abstract, newer_than=None, gather=counting_gather()[0]) is None
+    (line,) = capsys.readouterr().out.splitlines()
+    assert f"local checkpoint {t.root}/2 did not restore" in line
+    assert t.steps() == [] and len(list(t.root.glob("*.damaged-*"))) == 2
+
+
+@pytest.mark.parametrize("damaged", ["arrays.bin", "meta.json"])
+def test_a_step_damaged_on_one_host_makes_every_host_take_the_previous_one(tmp_path, capsys, damaged):
+    """Two hosts (threads joined by an all-gather): host 1's step 4 is damaged; both pick step 2,
+    with the same gathers, and host 0 keeps its healthy step 4."""
+    import threading
+
+    hosts = [saved_tier(tmp_path, process_index=i) for i in range(2)]
+    DAMAGES[damaged][0](hosts[1][0].root / "4")
+    slots, barrier, calls = [None, None], threading.Barrier(2, timeout=60), [0, 0]
+
+    def gather_of(i):
+        def gather(x):
+            calls[i] += 1
+            slots[i] = x
+            barrier.wait()
+            out = list(slots)
+            barrier.wait()
+            return out
+        return gather
+
+    picks = [None, None]
+
+    def host(i):
+        t, _, abstract = hosts[i]
+        picks[i] = t.pick(abstract, newer_than=None, gather=gather_of(i))
+
+    threads = [threading.Thread(target=host, args=(i,)) for i in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=120)
+    assert [p.step for p in picks] == [2, 2] and calls[0] == calls[1]
+    assert picks[0].data_states == picks[1].data_states == [{"position": 2, "host": 0}, {"position": 2, "host": 1}]
+    assert hosts[0][0].steps() == [2, 4] and hosts[1][0].steps() == [2]
+    (line,) = capsys.readouterr().out.splitlines()
+    assert f"local checkpoint {hosts[1][0].root}/4 did not restore ({damaged}: " in line
 
 
 def assert_same_on_two_hosts(run_dir, straight):

@@ -210,7 +210,7 @@ def test_every_format_from_a_url_gives_the_local_batches(tmp_path, kind):
     scheme's backend differs); restore mid-file is exact through it too."""
     import fsspec
 
-    from tests.test_data_formats import fcfg, write_docs
+    from tests.data_helpers import fcfg, write_docs
     write_docs(tmp_path, kind, n_files=2, docs_per_file=30)
     fs = fsspec.filesystem("memory")
     base = f"memory://t_{os.getpid()}_{kind}"

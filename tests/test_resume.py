@@ -13,168 +13,34 @@ A run that changes the process count is checked per virtual shard: the rows each
 delivered, across the save and the restore, are exactly that shard's rows in the straight run:
 no row (hence no document or token) lost or repeated.
 """
-import json
-import os
 import signal
-import socket
-import subprocess
-import sys
-import time
-from collections import defaultdict
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
 
+from tests.run_helpers import (
+    COMMON,
+    TRAIN,
+    K,
+    N,
+    assert_every_shard_continues_exactly,
+    assert_same_run,
+    complete_steps,
+    logs,
+    read_jsonl,
+    resumed_at,
+    rows_by_step,
+    run,
+    run_until,
+)
+
 # Module fixtures train real runs: the whole file belongs to the slow tier.
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
-# The script under test; an override lets a patched copy run these tests.
-TRAIN = Path(os.environ.get("JAXPT_TRAIN_SCRIPT", ROOT / "train.py"))
-
-N = 10          # steps of every run
-K = 5           # the checkpoint the kills and the process-count changes resume from
-COMMON = ["logger.wandb.mode=disabled", "logger.progress_bar=false", "train.log_every=1",
-          f"train.steps={N}", "data.seq_len=64", "data.global_batch_size=16", "data.num_shards=4", "train.eval_every=0",
-          "optimizer.warmup_steps=2", "optimizer.decay_steps=50", "++train.debug_batches=true"]
-
-
-# ---------------------------------------------------------------- helpers
-def read_jsonl(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def per_step(run_dir, process=0):
-    """{step: (loss, batch_hash)}; a step run twice (before a kill and after the restart)
-    keeps its last record, the one the finished run stands on."""
-    losses = {r["step"]: r["loss"] for r in read_jsonl(Path(run_dir) / "metrics.jsonl")}
-    if not (Path(run_dir) / f"debug_batches.p{process}.jsonl").exists():
-        pytest.fail(f"{TRAIN} wrote no debug_batches.p{process}.jsonl: it lacks train.debug_batches")
-    hashes = {r["step"]: r["batch_hash"] for r in read_jsonl(Path(run_dir) / f"debug_batches.p{process}.jsonl")}
-    assert sorted(losses) == sorted(hashes) == list(range(1, N + 1)), (sorted(losses), sorted(hashes))
-    return {s: (losses[s], hashes[s]) for s in losses}
-
-
-def rows_by_step(run_dir):
-    """{step: [row, ...]} over every process's debug file (last record of a step wins)."""
-    out = defaultdict(list)
-    for f in sorted(Path(run_dir).glob("debug_batches.p*.jsonl")):
-        last = {r["step"]: r["rows"] for r in read_jsonl(f)}
-        for s, rows in last.items():
-            out[s].extend(rows)
-    return out
-
-
-def shard_streams(steps_rows, steps):
-    """{virtual shard: [row hash, ...] in the order delivered} over `steps`."""
-    out = defaultdict(list)
-    for s in steps:
-        for shard, _, _, h in steps_rows[s]:
-            out[shard].append(h)
-    return dict(out)
-
-
-def env_for(processes):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
-    if processes:       # local_device_count sets the fake devices per process
-        env.pop("XLA_FLAGS", None)
-    return env
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
-def start(run_dir, *overrides, processes=0):
-    """processes=0: one plain process (the suite's 8 fake devices); P>0: P processes joined by
-    jax.distributed on localhost, 2 fake devices each."""
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    base = [sys.executable, str(TRAIN), f"hydra.run.dir={run_dir}", *COMMON, *overrides]
-    if not processes:
-        log = open(run_dir / f"log_{time.time_ns()}.txt", "w")
-        return [subprocess.Popen(base, cwd=run_dir, env=env_for(0), stdout=log, stderr=subprocess.STDOUT,
-                                 start_new_session=True)]
-    port = free_port()
-    procs = []
-    for i in range(processes):
-        log = open(run_dir / f"log_{time.time_ns()}_p{i}.txt", "w")
-        procs.append(subprocess.Popen(
-            base + [f"distributed.coordinator_address=localhost:{port}", f"distributed.num_processes={processes}",
-                    f"distributed.process_id={i}", "distributed.local_device_count=2"],
-            cwd=run_dir, env=env_for(processes), stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-    return procs
-
-
-def logs(run_dir):
-    return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(Path(run_dir).glob("log_*.txt")))
-
-
-def finish(procs, run_dir, timeout=240):
-    rcs = []
-    for p in procs:
-        try:
-            rcs.append(p.wait(timeout=timeout))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                os.killpg(q.pid, signal.SIGKILL)
-            pytest.fail(f"run timed out\n{logs(run_dir)}")
-    assert rcs == [0] * len(procs), f"exit codes {rcs}\n{logs(run_dir)}"
-    return rcs
-
-
-def run(run_dir, *overrides, processes=0):
-    finish(start(run_dir, *overrides, processes=processes), run_dir)
-
-
-def run_until(run_dir, condition, sig, *overrides, group=True):
-    """Starts a run and sends `sig` once condition() holds (polled every 5 ms): to the whole
-    process group (the trainer and its data workers, like a crash) or to the trainer only."""
-    (proc,) = start(run_dir, *overrides)
-    while proc.poll() is None:
-        if condition():
-            (os.killpg if group else os.kill)(proc.pid if not group else os.getpgid(proc.pid), sig)
-            break
-        time.sleep(0.005)
-    else:
-        pytest.fail(f"the run ended before the condition held\n{logs(run_dir)}")
-    try:
-        return proc.wait(timeout=120)
-    finally:
-        if group:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)     # stragglers (data workers)
-            except ProcessLookupError:
-                pass
-
-
-def complete_steps(ckpt_dir):
-    return sorted(int(p.name) for p in Path(ckpt_dir).iterdir() if p.name.isdigit()) if Path(ckpt_dir).exists() else []
-
-
-def resumed_at(run_dir):
-    text = logs(run_dir)
-    marks = [line for line in text.splitlines() if line.startswith("Resuming from")]
-    assert marks, text
-    return int(marks[-1].rsplit(" ", 1)[1])
-
-
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-    """The reference: N steps straight, one process, in-process data (checkpoint every K)."""
-    run_dir = tmp_path_factory.mktemp("straight")
-    run(run_dir, "data.num_workers=0", f"checkpoint.every={K}")
-    return run_dir
-
-
-def assert_same_run(resumed_dir, straight_dir):
-    a, b = per_step(resumed_dir), per_step(straight_dir)
-    diff = [s for s in range(1, N + 1) if a[s] != b[s]]
-    assert not diff, f"steps {diff} differ: resumed {[a[s] for s in diff]} straight {[b[s] for s in diff]}"
+# The helpers (start, run, run_until, per_step, ...), COMMON, N, K and TRAIN live in run_helpers.py;
+# the `straight` reference run (a module fixture) in conftest.py.
 
 
 # ---------------------------------------------------------------- SIGKILL right after a checkpoint
@@ -258,19 +124,6 @@ def test_kill_during_async_save_uses_last_complete_checkpoint(straight, tmp_path
 
 
 # ---------------------------------------------------------------- another process count
-def assert_every_shard_continues_exactly(run_dirs_and_steps, straight_dir):
-    """The rows each virtual shard delivered over the pieces of a run == its straight rows."""
-    got = defaultdict(list)
-    for run_dir, steps in run_dirs_and_steps:
-        for shard, hashes in shard_streams(rows_by_step(run_dir), steps).items():
-            got[shard].extend(hashes)
-    want = shard_streams(rows_by_step(straight_dir), range(1, N + 1))
-    assert sorted(got) == sorted(want) == list(range(4))
-    for shard in want:
-        assert len(set(got[shard])) == len(got[shard]), f"shard {shard}: a row repeated"
-        assert got[shard] == want[shard], f"shard {shard}: rows lost, repeated or reordered"
-
-
 @pytest.mark.slow
 def test_two_processes_save_one_restores(straight, tmp_path):
     two, one = tmp_path / "two", tmp_path / "one"

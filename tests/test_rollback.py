@@ -132,7 +132,7 @@ def test_two_processes_roll_back_together_and_every_shard_skips_the_same_batches
     """Two jax.distributed processes find the divergence at the same step, agree, roll back to
     the same checkpoint and go on: every virtual shard's rows after the rollback are the rows
     that followed the skipped batches in an uninterrupted run."""
-    from tests.test_resume import rows_by_step, run, shard_streams
+    from tests.run_helpers import rows_by_step, run, shard_streams
 
     ref, two = tmp_path / "ref", tmp_path / "two"
     run(ref, "data.num_workers=0", "checkpoint.every=0", "train.steps=12")

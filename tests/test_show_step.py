@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_resume import complete_steps, read_jsonl, rows_by_step, run
+from tests.run_helpers import complete_steps, read_jsonl, rows_by_step, run
 
 # Module fixtures train real runs: the whole file belongs to the slow tier.
 pytestmark = pytest.mark.slow
