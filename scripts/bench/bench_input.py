@@ -173,13 +173,19 @@ def timer_cost_s(n=200_000):
     return max(line, 0.0) / n, max(other, 0.0) / n
 
 
-def run_pipeline(cfg, max_tokens, max_batches):
+def run_pipeline(cfg, max_tokens, max_batches, warmup_s=0.0):
+    """The host iterator's first batch and its rate after it. `warmup_s`: batches drawn for that
+    long after the first are left out of the rate: the first batch is made in this process while
+    the worker processes spawn (data/workers.py), so a window that starts at once holds their
+    start-up and understates the steady rate a training loop sees."""
     import data
     from data.timing import sub_times
     t0 = time.perf_counter()
     it = data.make_host_iterator(cfg, 0, 1)
     b = next(it)
     first = time.perf_counter() - t0
+    while time.perf_counter() - t0 - first < warmup_s:
+        next(it)
     per_batch = int((b["segment_ids"] > 0).sum())
     from data.pipeline import state_counters
     c0 = state_counters(it.get_state())
