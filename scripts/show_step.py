@@ -47,6 +47,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from etils import epath
 
 
 class ShowError(ValueError):
@@ -74,7 +75,7 @@ def load_run(run_dir) -> Run:
         raise ShowError(f"{run_dir}: no config.yaml, so not a run directory written by train.py")
     config = yaml.safe_load(cfg_path.read_text()) or {}
     ckpt_dir = str((config.get("checkpoint") or {}).get("dir") or "")
-    if not ckpt_dir or not Path(ckpt_dir).is_dir():
+    if not ckpt_dir or not epath.Path(ckpt_dir).is_dir():     # checkpoint.dir may be gs://
         ckpt_dir = str(run_dir / "checkpoints")   # the run directory was moved: its own copy
     steps = complete_steps(ckpt_dir)
     logged = []

@@ -1,7 +1,9 @@
 """Training text read from an object store (data/objstore.py) through fsspec: gs:// against a real
 local GCS emulator (gcp-storage-emulator, started here in this process), checked against the same
 files on local disk: the same batches on 1 and 2 hosts, exact restore mid-file, listing requests
-counted at the emulator, a missing URL and a vanished object named in one line.
+counted at the emulator, a missing URL and a vanished object named in one line. And checkpoint.dir
+on gs:// (Orbax: etils.epath through gcsfs, arrays through TensorStore's gcs driver) against the
+same emulator: a train.py run saves there and a second one resumes from it, losses unchanged.
 
     pytest tests/test_objstore.py -q
 """
@@ -23,7 +25,7 @@ gcsfs = pytest.importorskip("gcsfs")
 def gcs(tmp_path_factory):
     """The emulator, gcsfs pointed at it with anonymous credentials, and a corpus uploaded:
     returns (emulator, local root, gs:// root)."""
-    em = Emulator()
+    em = Emulator(generations=True)     # as real GCS: what TensorStore (checkpoints) needs
     mp = pytest.MonkeyPatch()
     mp.setenv("STORAGE_EMULATOR_HOST", f"http://localhost:{em.port}")
     # fsspec reads FSSPEC_<SCHEME>_<ARG> when it is imported: what input worker processes see
@@ -266,3 +268,55 @@ def test_gzip_seek_points_and_restore_from_a_url_match_the_local_file(tmp_path):
     assert got[url] == got[path]
     assert got[url][1] == text[off:off + 4000]
     fs.rm(url)
+
+
+# ---------------------------------------------------------------- checkpoint.dir on gs://
+def _train(run_dir, env, *overrides):
+    import subprocess
+    import sys
+
+    from tests.run_helpers import ROOT
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={run_dir}", *overrides],
+                       capture_output=True, text=True, env=env, cwd=run_dir.parent, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    return r.stdout
+
+
+@pytest.mark.slow
+def test_checkpoint_dir_on_gs_saves_and_resumes(gcs, tmp_path):
+    """checkpoint.dir=gs://BUCKET/ckpt: a run of 6 steps saves step 6 into the emulator's bucket
+    (nothing on local disk), a run of 12 resumes from it (its arrays read from the bucket) and
+    its losses are those of one straight 12-step run with local checkpoints."""
+    from tests.run_helpers import TINY_FAST, read_metrics
+    em, _, _ = gcs
+    env = {**os.environ, **em.env(), "JAX_PLATFORMS": "cpu"}
+    # decay_steps fixed: the schedule of a 6-step and a 12-step run is the same one
+    common = [*TINY_FAST, "train.log_every=1", "train.eval_every=0", "optimizer.decay_steps=50",
+              "logger.progress_bar=false"]
+    ckpt = f"gs://{BUCKET}/ckpt"
+    run_dir = tmp_path / "gs"
+    first = _train(run_dir, env, *common, "train.steps=6", f"checkpoint.dir={ckpt}")
+    assert "Resuming" not in first
+    fs = gcsfs.GCSFileSystem(token="anon", project="test")
+    fs.invalidate_cache()
+    assert fs.ls(f"{BUCKET}/ckpt") == [f"{BUCKET}/ckpt/6"]
+    saved = fs.find(f"{BUCKET}/ckpt/6")
+    assert f"{BUCKET}/ckpt/6/commit_success.txt" in saved      # Orbax's commit marker on gs://
+    assert any("/state/" in f and "/d/" in f for f in saved), saved   # the arrays' OCDBT data files
+    assert f"{BUCKET}/ckpt/6/data/process_0-of-1.json" in saved
+    assert not (run_dir / "checkpoints").exists()
+
+    before = len(em.requests)
+    second = _train(run_dir, env, *common, "train.steps=12", f"checkpoint.dir={ckpt}")
+    assert f"Resuming from latest checkpoint {ckpt}/6 at step 6" in second, second
+    media = [p for m, p in em.requests[before:] if m == "GET" and "alt=media" in p]
+    assert any("ckpt%2F6%2Fstate%2F" in p and "%2Fd%2F" in p for p in media), "no array read from the bucket"
+    fs.invalidate_cache()
+    assert sorted(fs.ls(f"{BUCKET}/ckpt")) == [f"{BUCKET}/ckpt/12", f"{BUCKET}/ckpt/6"]
+
+    straight = tmp_path / "local"
+    _train(straight, env, *common, "train.steps=12")
+    got = {r["step"]: r["loss"] for r in read_metrics(run_dir)}
+    want = {r["step"]: r["loss"] for r in read_metrics(straight)}
+    assert sorted(got) == sorted(want) == list(range(1, 13))
+    assert got == want, {s: (got[s], want[s]) for s in got if got[s] != want[s]}
