@@ -297,6 +297,7 @@ def run(cfg: DictConfig) -> dict:
                 if auto_workers is not None:
                     auto_workers.start(step, batches.stats()["wait_s"], meter.paused_s)
             watchdog.beat(step)
+            events.beat(step, metrics["loss"])      # a killed life's last steps count as lost work
             if auto_workers is not None and auto_workers.due(step):
                 jax.block_until_ready(metrics)      # the measured steps have run, not just dispatched
                 with watchdog.paused():
@@ -392,7 +393,7 @@ def build_program(cfg: DictConfig, model_cfg, tx, devices=None):
 # ====================================================================== CLI
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> None:
-    from model.distributed import quiet_cpu_start
+    from model.distributed import preempted_exit_code, quiet_cpu_start
 
     quiet_cpu_start()           # before anything imports JAX
     from data import BadDataError
@@ -401,7 +402,7 @@ def main(cfg: DictConfig) -> None:
     from model.watchdog import EXIT_HANG, PeerHung
 
     try:
-        train(cfg)
+        summary = train(cfg)
     except (ConfigError, InterpolationResolutionError) as e:
         # One line: e.g. an unset ${oc.env:JAX_COORDINATOR_ADDRESS} (configs/experiment/gpu_multihost_llama_1b.yaml)
         # comes from OmegaConf over three.
@@ -425,6 +426,9 @@ def main(cfg: DictConfig) -> None:
         # Another host hung and left: every host exits with the hang's code, and restarts (model/watchdog.py).
         print(f"hang: {e}", file=sys.stderr)
         sys.exit(EXIT_HANG)
+    if summary.get("preempted") and preempted_exit_code():
+        # Saved on a preemption: 0, or EXIT_PREEMPTED where a launcher's --restarts loop asked for it.
+        sys.exit(preempted_exit_code())
 
 
 if __name__ == "__main__":

@@ -11,15 +11,17 @@ hosts line up), written by process 0 only, appended by every start:
   eval         step, seconds              save    step, blocked_s
   rollback     step (rolled back to), from_step, seconds (train.on_divergence=rollback)
   stall        step, seconds (time over 3x the median step, see model/meters.py)
+  beat         step: the last step known completed, at most every BEAT_S seconds between
+               log rows (a killed life's steps after its last row count as lost, not dead)
   exit         reason (clean | preempted | crash | hang), error (the exception's type),
                step (last completed), saved (last saved)
-A process killed by SIGKILL (or a lost VM) writes no exit: its life ends at its last event, and
-the time to the next start is dead time.
+A process killed by SIGKILL (or a lost VM) writes no exit: its life ends at its last event (a
+beat at most BEAT_S before the kill), and the time to the next start is dead time.
 
 The ledger splits the wall time from the first start to now into productive step time and
 badput by cause (CAUSES); the parts add up to the wall time by construction (each life's span
 is cut into pieces, and the gaps between lives are dead time). Events are rare (phases, log
-rows, saves), so the log costs nothing per step: BENCHMARKS.md "Goodput".
+rows, saves, a beat every few seconds), so the log costs nothing per step: BENCHMARKS.md "Goodput".
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from pathlib import Path
 EVENTS_FILE = "events.jsonl"
 # Badput causes, in the order reports stack them.
 CAUSES = ("startup", "restore", "data_wait", "checkpoint", "eval", "stall", "lost", "dead", "shutdown")
+BEAT_S = 5.0            # seconds between beats: how much of a killed life's last work can go unseen
 
 
 def process_start_time() -> float:
@@ -150,6 +153,8 @@ class Life:
                     kept.append((first, last - gone, productive * keep, wait * keep, stall * keep))
             self.intervals = kept
             self.mark, self.mark_step, self.last_step = t, target, target
+        elif kind == "beat" and self.mark is not None:
+            self.last_step = max(self.last_step or 0, int(e["step"]))
         elif kind == "exit":
             self.exit = e
             if e.get("step") is not None:
@@ -199,6 +204,11 @@ class Life:
                 steps += overlap
                 for k, v in (("productive", productive), ("data_wait", wait), ("stall", stall)):
                     seconds[k] += v * overlap / n
+        # Steps after the last row that a beat (or the exit) saw, at this life's productive pace.
+        tail = max(0, (self.last_step or 0) - max(self.mark_step or 0, resumed_at))
+        if tail and self.steps:
+            steps += tail
+            seconds["productive"] += tail * self.sums["productive"] / self.steps
         self._lost[resumed_at] = steps, seconds
         return steps, seconds
 
@@ -240,6 +250,7 @@ def combine(lives: list[Life], now: float | None = None) -> dict:
             steps, lost = life.lost(nxt.start_step)
             lost_steps += steps
             for k, v in lost.items():
+                v = min(v, parts[k])        # the tail's pace is an estimate: never more than was counted
                 parts[k] -= v
                 parts["lost"] += v
             parts["dead"] = max(0.0, nxt.start - float(end))
@@ -290,6 +301,8 @@ class EventLog:
         self._buffer = []
         self._lives = []
         self.enabled = True
+        self._beat_candidate = None     # (step, an output of it) from the last beat() call
+        self._beat_t = 0.0
         t0 = process_start_time() if from_process_start else time.time()
         self.add("start", t=t0, pid=os.getpid())
 
@@ -320,6 +333,22 @@ class EventLog:
             self._buffer.append(e)
         else:
             self._write(e)
+
+    def beat(self, step: int, done) -> None:
+        """Called every step with its step number and one of its outputs (a jax.Array): at most
+        every BEAT_S seconds, a beat naming the newest step seen completed. A step's output is only
+        asked whether it is ready (no wait, no transfer); the step before the last that was asked
+        counts when it is."""
+        if self._file is None:
+            return
+        now = time.monotonic()
+        seen, self._beat_candidate = self._beat_candidate, (step, done)
+        if seen is None or now - self._beat_t < BEAT_S:
+            return
+        ready = getattr(seen[1], "is_ready", None)
+        if ready is None or ready():
+            self._beat_t = now
+            self.add("beat", step=seen[0])
 
     def breakdown(self) -> dict:
         return combine(self._lives, time.time())

@@ -70,6 +70,49 @@ def test_ledger_on_hand_built_lives():
     assert [sum(life["parts"].values()) for life in b["lives"]] == pytest.approx([40.0 + 10.0, 35.0])
 
 
+def test_a_beat_after_the_last_row_makes_a_killed_lifes_last_steps_lost_not_dead():
+    # Life 1 logs a row at step 4 (1 s a step), saves at 5, and a beat sees step 7 done before
+    # the kill; life 2 resumes at 5: steps 6..7 were trained twice (2 s lost, at the life's pace).
+    events = [ev("start", 0.0), ev("restore", 1.0, step=0, tier="init", seconds=0.0), ev("compile", 2.0, step=1),
+              ev("interval", 5.0, step=4, interval_s=3.0, data_wait_s=0.0, stall_s=0.0),    # steps 2..4
+              ev("save", 6.0, step=5, blocked_s=0.0), ev("beat", 8.0, step=7),
+              ev("start", 20.0), ev("restore", 21.0, step=5, tier="latest", seconds=1.0), ev("compile", 22.0, step=6),
+              ev("exit", 23.0, reason="clean", step=6, saved=6)]
+    b = goodput.breakdown(events)
+    assert b["lost_steps"] == 2 and b["seconds"]["lost"] == pytest.approx(2.0)
+    assert b["seconds"]["dead"] == pytest.approx(12.0)                  # from the beat to the next start
+    assert sum(b["seconds"].values()) == pytest.approx(b["wall_s"], rel=1e-9)
+    without = goodput.breakdown([e for e in events if e["event"] != "beat"])
+    assert without["lost_steps"] == 0 and without["seconds"]["dead"] == pytest.approx(14.0)
+
+
+def test_event_log_beats_at_most_every_beat_s_with_a_completed_step(tmp_path, monkeypatch):
+    class Out:                       # a step's output: ready or still running on the device
+        def __init__(self, ready):
+            self.ready = ready
+
+        def is_ready(self):
+            return self.ready
+
+    clock = [100.0]
+    monkeypatch.setattr(goodput.time, "monotonic", lambda: clock[0])
+    log = goodput.EventLog(from_process_start=False)
+    log.open(tmp_path, enabled=True)
+    log.beat(1, Out(True))                      # nothing seen before: no beat
+    clock[0] += goodput.BEAT_S
+    log.beat(2, Out(False))                     # step 1's output is ready: a beat for step 1
+    clock[0] += 1.0
+    log.beat(3, Out(True))                      # too soon after the last beat
+    clock[0] += goodput.BEAT_S
+    log.beat(4, Out(True))                      # step 3's output is ready: a beat for step 3
+    clock[0] += goodput.BEAT_S
+    log.beat(5, Out(True))                      # step 4 ready
+    clock[0] += goodput.BEAT_S
+    log.beat(6, Out(False)); log.beat(7, Out(True))    # noqa: E702 - step 5 ready at the first call
+    got = [e["step"] for e in goodput.read_events(tmp_path / goodput.EVENTS_FILE) if e["event"] == "beat"]
+    assert got == [1, 3, 4, 5]
+
+
 def test_a_rollback_counts_the_steps_rolled_back_as_lost():
     # Rows at steps 3 and 5 (checkpoint at 3), a divergence found at step 7 rolls back to 3:
     # steps 4..5 of the row at 5 and 6..7 since it are lost, with the 2 s reload.

@@ -111,7 +111,9 @@ def _planted_hang_env(spec):
 
 HANG_RUN = ["train.steps=12", "train.log_every=1", "checkpoint.every=3", "train.eval_every=0", "data.num_workers=0",
             "data.prefetch=1", "optimizer.warmup_steps=2", "optimizer.decay_steps=100", "logger.progress_bar=false",
-            "train.hang_timeout_s=3"]
+            # 8 s: well under the planted 600 s hang, and over what a loaded 2-core machine takes for
+            # a step and the run's first (async) save, which fired a 3 s watchdog beside other tests.
+            "train.hang_timeout_s=8"]
 
 
 @pytest.mark.slow
