@@ -3,13 +3,14 @@
 
     python scripts/report.py RUN_DIR [--out RUN_DIR/report.html] [--png quick.png]
 
-Reads the run directory only (metrics.jsonl, events.jsonl, config.yaml), so it works on a run in
-progress and on a directory copied from a pod. The page holds its plots as inline PNG images
-(matplotlib, Agg): no server, no network, it opens offline. Plots: loss and eval loss; tokens/s
-and MFU; the data-wait fraction (and the slowest host's); goodput and badput as a stacked bar
-per start of the run. Tables: the goodput breakdown, the input pipeline's per-stage seconds,
-bad records, the slowest hosts, a mixture's source shares. `--png` writes the four plots as one
-image for a quick look from a terminal session. Needs the `[report]` extra (matplotlib).
+Reads the run directory only (metrics.jsonl, events.jsonl), so it works on a run in progress, on a
+directory copied from a pod, and on one on a bucket (RUN_DIR=gs://..., read through fsspec).
+The page holds its plots as inline PNG images (matplotlib, Agg): no server, no network, it opens
+offline. Plots: loss and eval loss; tokens/s and MFU; the data-wait fraction (and the slowest
+host's); goodput and badput as a stacked bar per start of the run. Tables: the goodput
+breakdown, the input pipeline's per-stage seconds, bad records, the slowest hosts, a mixture's
+source shares. `--png` writes the four plots as one image for a quick look from a terminal
+session. Needs the `[report]` extra (matplotlib).
 """
 from __future__ import annotations
 
@@ -18,9 +19,11 @@ import base64
 import html
 import io
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+from data.objstore import is_url
 from model import goodput
 from model.goodput import CAUSES
 
@@ -30,15 +33,49 @@ COLORS = {"productive": "#2ca02c", "startup": "#7f7f7f", "restore": "#9467bd", "
 STAGES = ("fetch", "read", "parse", "tokenize", "pack", "ipc", "merge", "h2d")
 
 
-def load_run(run_dir: Path) -> tuple[list[dict], list[dict]]:
-    """(metrics rows, events); a line cut short by a run still writing is skipped."""
-    if not run_dir.is_dir():
+def load_run(run_dir: str) -> tuple[list[dict], list[dict]]:
+    """(metrics rows, events) of a run directory, local or a URL (gs://, s3://: a run directory on
+    a bucket, read through fsspec as the training data is, data/objstore.py); a line cut short by
+    a run still writing is skipped."""
+    if is_url(run_dir):
+        with tempfile.TemporaryDirectory() as tmp:
+            return _read(Path(tmp), run_dir, fetch=_fetcher(run_dir, Path(tmp)))
+    if not Path(run_dir).is_dir():
         raise SystemExit(f"report: {run_dir} is not a directory")
-    rows = goodput.read_events(run_dir / "metrics.jsonl")
-    events = goodput.read_events(run_dir / goodput.EVENTS_FILE)
+    return _read(Path(run_dir), run_dir)
+
+
+def _fetcher(url: str, into: Path):
+    """Copies the run's two logs from `url` into `into` (the object store's directory must exist)."""
+    from data.objstore import filesystem
+
+    try:
+        fs = filesystem(url)
+    except ValueError as e:
+        raise SystemExit(f"report: {e}") from None
+    base = url.rstrip("/")
+    if not fs.isdir(base):
+        raise SystemExit(f"report: {url} is not a directory")
+
+    def fetch(name: str) -> None:
+        if fs.exists(f"{base}/{name}"):
+            fs.get(f"{base}/{name}", str(into / name))
+    return fetch
+
+
+def _read(local: Path, shown: str, fetch=None) -> tuple[list[dict], list[dict]]:
+    for name in ("metrics.jsonl", goodput.EVENTS_FILE):
+        if fetch is not None:
+            fetch(name)
+    rows = goodput.read_events(local / "metrics.jsonl")
+    events = goodput.read_events(local / goodput.EVENTS_FILE)
     if not rows and not events:
-        raise SystemExit(f"report: {run_dir} holds neither metrics.jsonl nor {goodput.EVENTS_FILE}")
+        raise SystemExit(f"report: {shown} holds neither metrics.jsonl nor {goodput.EVENTS_FILE}")
     return rows, events
+
+
+def _name(run_dir) -> str:
+    return str(run_dir).rstrip("/").rsplit("/", 1)[-1]
 
 
 def series(rows: list[dict], key: str) -> tuple[list, list]:
@@ -216,14 +253,14 @@ r.push([b.left+window.scrollX,b.top+window.scrollY,b.width,b.height].map(Math.ro
 document.body.setAttribute('data-plots',ok+'/'+im.length);document.body.setAttribute('data-rects',r.join(';'));});"""
 
 
-def render(run_dir: Path, rows, events, now: float | None = None) -> str:
+def render(run_dir, rows, events, now: float | None = None) -> str:
     b = goodput.breakdown(events, now) if events else goodput.combine([])
     imgs = figures(rows, b)
     plots = "".join(f'<div><img class="plot" alt="{n}" src="data:image/png;base64,'
                     f'{base64.b64encode(png).decode()}"></div>' for n, png in imgs.items())
     last = rows[-1] if rows else {}
     status = "finished" if b["lives"] and b["lives"][-1]["reason"] == "clean" else "in progress or stopped"
-    return f"""<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(run_dir.name)} report</title>
+    return f"""<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(_name(run_dir))} report</title>
 <style>{CSS}</style></head><body>
 <h1>Run {html.escape(str(run_dir))}</h1>
 <p>Step {last.get('step', '-')}, {status}; {b['restarts'] + 1 if b['lives'] else 0} starts;
@@ -241,8 +278,9 @@ goodput <b>{b['goodput']:.1%}</b> of {b['wall_s'] / 3600:.2f} h.</p>
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[1])
-    p.add_argument("run_dir", type=Path)
-    p.add_argument("--out", type=Path, help="the HTML file (default RUN_DIR/report.html)")
+    p.add_argument("run_dir", help="a run directory, local or on a bucket (gs://...)")
+    p.add_argument("--out", type=Path, help="the HTML file (default RUN_DIR/report.html; for a URL "
+                   "./report-<run>.html)")
     p.add_argument("--png", type=Path, help="also write the plots as one PNG")
     args = p.parse_args(argv)
     try:
@@ -252,7 +290,8 @@ def main(argv=None) -> int:
         return 2
     matplotlib.use("Agg")
     rows, events = load_run(args.run_dir)
-    out = args.out or args.run_dir / "report.html"
+    out = args.out or (Path(f"report-{_name(args.run_dir)}.html") if is_url(args.run_dir)
+                       else Path(args.run_dir) / "report.html")
     out.write_text(render(args.run_dir, [r for r in rows if "step" in r], events))
     print(f"report: {out}")
     if args.png:

@@ -320,3 +320,40 @@ def test_checkpoint_dir_on_gs_saves_and_resumes(gcs, tmp_path):
     want = {r["step"]: r["loss"] for r in read_metrics(straight)}
     assert sorted(got) == sorted(want) == list(range(1, 13))
     assert got == want, {s: (got[s], want[s]) for s in got if got[s] != want[s]}
+
+
+def test_report_reads_a_run_directory_on_gs(gcs, tmp_path):
+    """scripts/report.py RUN_DIR=gs://...: the page of a run directory on the bucket is the page of
+    the same files on local disk (the run named by its URL)."""
+    import importlib.util
+    import json
+    import re
+
+    from tests.run_helpers import ROOT
+
+    spec = importlib.util.spec_from_file_location("report", ROOT / "scripts" / "report.py")
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    local = tmp_path / "run7"
+    local.mkdir()
+    rows = [{"step": s, "loss": 8.0 - s / 4, "tokens_per_s": 1000.0 + s, "data_wait_frac": 0.01} for s in (2, 4, 6)]
+    events = [{"event": "start", "t": 0.0}, {"event": "restore", "t": 1.0, "step": 0, "tier": "init", "seconds": 0.0},
+              {"event": "compile", "t": 2.0, "step": 1},
+              {"event": "interval", "t": 6.0, "step": 6, "interval_s": 4.0, "data_wait_s": 0.5, "stall_s": 0.0},
+              {"event": "exit", "t": 7.0, "reason": "clean", "step": 6, "saved": 6}]
+    (local / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (local / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    fs = gcsfs.GCSFileSystem(token="anon", project="test")
+    fs.put(str(local), f"{BUCKET}/runs/run7", recursive=True)
+    url = f"gs://{BUCKET}/runs/run7"
+
+    assert report.main([str(local), "--out", str(tmp_path / "local.html")]) == 0
+    assert report.main([url, "--out", str(tmp_path / "url.html")]) == 0
+
+    def text(p):   # the page without its images and the run's name
+        return re.sub(r'src="data:image/png;base64,[^"]*"', "", p.read_text()).replace(url, "RUN").replace(
+            str(local), "RUN")
+    assert text(tmp_path / "url.html") == text(tmp_path / "local.html")
+    assert "Goodput" in text(tmp_path / "url.html") or "goodput" in text(tmp_path / "url.html")
+    with pytest.raises(SystemExit, match="is not a directory"):
+        report.main([f"gs://{BUCKET}/runs/nothing_here"])
