@@ -1,5 +1,6 @@
 """What goodput accounting costs the training loop: the event log (model/goodput.py EventLog.row
-and a save event, once per log interval, with the goodput/* of the whole run so far) and the
+and a save event, once per log interval, with the goodput/* of the whole run so far; the beat,
+every step) and the
 per-host gather of (data wait, step time) (model/distributed.py gather_over_hosts, once per
 interval) against the all-gather it replaced (max_over_hosts), on 2 local jax.distributed
 processes. Prints one JSON line; per step = per interval / log_every.
@@ -51,9 +52,18 @@ def bench_event_log(past_intervals: int, n: int) -> dict:
                 log.add("save", step=10 * (i + 1), blocked_s=0.01)
             times.append(time.perf_counter() - t0)
         assert "goodput/goodput" in out
+        # The beat (EventLog.beat), called every step with one of the step's outputs: a real jax.Array.
+        import jax.numpy as jnp
+        done = jnp.zeros(())
+        done.block_until_ready()
+        beats = 20 * n
+        t0 = time.perf_counter()
+        for i in range(beats):
+            log.beat(i, done)
+        beat_us = (time.perf_counter() - t0) / beats * 1e6
         exit_t0 = time.perf_counter()
         log.exit("clean", step=10 * n)
-        return {"open_s": open_s, "per_interval_us": statistics.median(times) * 1e6,
+        return {"open_s": open_s, "per_interval_us": statistics.median(times) * 1e6, "beat_per_step_us": beat_us,
                 "per_interval_p90_us": sorted(times)[int(0.9 * n)] * 1e6,
                 "exit_s": time.perf_counter() - exit_t0}
 
@@ -106,13 +116,13 @@ def main() -> None:
     log = bench_event_log(args.past_intervals, args.intervals)
     gather = bench_gather(args.n)
     added_gather_us = gather["gather_over_hosts_us"] - gather["max_over_hosts_us"]
-    per_step_us = (log["per_interval_us"] + max(0.0, added_gather_us)) / args.log_every
+    per_step_us = (log["per_interval_us"] + max(0.0, added_gather_us)) / args.log_every + log["beat_per_step_us"]
     print(json.dumps({**log, **gather, "log_every": args.log_every,
                       "per_step_us": per_step_us, "gather_per_step_us": gather["gather_over_hosts_us"] / args.log_every,
                       "frac_of_tiny_step": per_step_us * 1e-6 / args.step_s,
                       "frac_of_tiny_step_with_whole_gather":
-                          (log["per_interval_us"] + gather["gather_over_hosts_us"]) / args.log_every * 1e-6
-                          / args.step_s}))
+                          ((log["per_interval_us"] + gather["gather_over_hosts_us"]) / args.log_every
+                           + log["beat_per_step_us"]) * 1e-6 / args.step_s}))
 
 
 if __name__ == "__main__":
