@@ -165,9 +165,24 @@ def gather_json(obj) -> list:
     return [json.loads(rows[i, :n].tobytes()) for i, n in enumerate(lengths.tolist())]
 
 
+# "Preempted: saved at the current step, start me again": train.py's exit code after a preemption
+# when the environment asks for it (EXIT_PREEMPTED_ENV=1, set by the launchers' --restarts loops,
+# which start the run again on it and on the hang watchdog's 75, model/watchdog.py). Otherwise a
+# preempted run exits 0, as any clean stop.
+EXIT_PREEMPTED = 76
+EXIT_PREEMPTED_ENV = "JAXPT_EXIT_PREEMPTED"
+
+
+def preempted_exit_code() -> int:
+    """The exit code of a run that saved on a preemption: EXIT_PREEMPTED when $JAXPT_EXIT_PREEMPTED
+    is set (and not 0), else 0."""
+    return EXIT_PREEMPTED if os.environ.get(EXIT_PREEMPTED_ENV, "") not in ("", "0") else 0
+
+
 class PreemptionFlag:
     """SIGTERM (a preempted VM, `scripts/tpu.py stop`) or JAX's preemption sync point on TPU:
-    save at the current step, wait for the save, exit 0; the next start resumes.
+    save at the current step, wait for the save, exit 0 (EXIT_PREEMPTED under a launcher's
+    --restarts: preempted_exit_code); the next start resumes.
 
     A save is collective, so every host must stop at the same step. TPU maintenance events come
     through the sync point, which agrees by design; a SIGTERM is agreed at log boundaries on

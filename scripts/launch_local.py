@@ -21,7 +21,11 @@ mesh through jax.distributed: the same code path a TPU pod takes, minus the TPUs
   is still alive after --grace-period seconds is killed. A second Ctrl-C kills at once.
 * --restarts N: when a process exits with code 75 (train.py's hang watchdog, model/watchdog.py),
   all processes are stopped and the job starts again (a new coordinator port, logs appended), up
-  to N times; the run resumes from its newest checkpoint.
+  to N times in all; the run resumes from its newest checkpoint. The same when the processes were
+  preempted (a SIGTERM that reached train.py, not the launcher): with N > 0 they run with
+  JAXPT_EXIT_PREEMPTED=1 and exit 76 (model/distributed.py EXIT_PREEMPTED) once they have saved,
+  the launcher waits up to --grace-period for all of them and starts the job again, which resumes
+  from the step just saved. A SIGTERM or Ctrl-C to the launcher itself is a stop: no restart.
 * Overrides are passed as argv lists (never through a shell), so any value is safe.
 """
 from __future__ import annotations
@@ -37,6 +41,7 @@ import threading
 import time
 from pathlib import Path
 
+from model.distributed import EXIT_PREEMPTED, EXIT_PREEMPTED_ENV
 from model.watchdog import EXIT_HANG
 from train import PROJECT_ROOT as REPO_ROOT  # the repo root (the project is installed)
 
@@ -228,6 +233,7 @@ class Launcher:
         return rc
 
     def _watch(self) -> int:
+        preempted_since = None
         while True:
             if self.signals:
                 sig = self.signals[0]
@@ -236,7 +242,7 @@ class Launcher:
                 self.stop_all(self.grace_period)
                 return 128 + sig
             codes = [p.poll() for p in self.procs]
-            failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
+            failed = [i for i, c in enumerate(codes) if c not in (None, 0, EXIT_PREEMPTED)]
             if failed:
                 # A hang anywhere decides the exit code: the others fail because of it.
                 hung = [i for i in failed if exit_code(codes[i]) == EXIT_HANG]
@@ -246,8 +252,17 @@ class Launcher:
                 self._print_tail(i)
                 self.stop_all(self.failure_grace)
                 return rc
-            if all(c == 0 for c in codes):
-                return 0
+            if all(c is not None for c in codes):
+                return EXIT_PREEMPTED if EXIT_PREEMPTED in codes else 0
+            if EXIT_PREEMPTED in codes:
+                # Preempted, saved: the others saved the same step and are leaving too.
+                if preempted_since is None:
+                    preempted_since = time.monotonic()
+                elif time.monotonic() - preempted_since > self.grace_period:
+                    log(f"a process was preempted (exit code {EXIT_PREEMPTED}) and others still run after "
+                        f"{self.grace_period:g}s; stopping them")
+                    self.stop_all(self.failure_grace)
+                    return EXIT_PREEMPTED
             time.sleep(0.1)
 
     def _print_tail(self, i: int, n: int = 40) -> None:
@@ -287,8 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--failure-grace", type=float, default=5.0,
                    help="seconds the survivors get after one process failed (default 5)")
     p.add_argument("--restarts", type=int, default=0,
-                   help=f"start the job again, up to N times, when a process exits with code {EXIT_HANG} "
-                        "(train.py's hang watchdog); default 0")
+                   help=f"start the job again, up to N times in all, when a process exits with code {EXIT_HANG} "
+                        f"(train.py's hang watchdog) or the processes were preempted (exit code {EXIT_PREEMPTED} "
+                        f"with ${EXIT_PREEMPTED_ENV}=1, which N > 0 sets); default 0")
     p.add_argument("overrides", nargs="*", help=argparse.SUPPRESS)
     return p
 
@@ -337,18 +353,26 @@ def main(argv: list[str] | None = None) -> int:
 
     P, D = args.processes, args.devices_per_process
     log_paths = [Path(log_dir) / f"process_{i}.log" for i in range(P)]
+    env = child_env()
+    if args.restarts > 0:
+        env[EXIT_PREEMPTED_ENV] = "1"   # a preempted train.py exits EXIT_PREEMPTED, not 0: restart it
+    rc = 0
     for life in range(args.restarts + 1):
         if life:
             port = free_port()      # the last life's coordinator may still hold its port
-            log(f"a process exited with code {EXIT_HANG} (hang): restart {life} of {args.restarts}")
+            why = "hang" if rc == EXIT_HANG else "preempted"
+            log(f"a process exited with code {rc} ({why}): restart {life} of {args.restarts}")
         commands = [[sys.executable, program, *args.overrides, *distributed_overrides(port, P, i, D)]
                     for i in range(P)]
         log(f"{P} processes x {D} CPU devices, coordinator localhost:{port}, logs in {log_dir}/")
-        launcher = Launcher(commands, log_paths, child_env(), args.grace_period, args.failure_grace,
+        launcher = Launcher(commands, log_paths, env, args.grace_period, args.failure_grace,
                             append=life > 0)
         rc = launcher.run()
-        if rc != EXIT_HANG or launcher.signals:
+        if rc not in (EXIT_HANG, EXIT_PREEMPTED) or launcher.signals:
             break
+    if rc == EXIT_PREEMPTED:
+        log("preempted: all processes saved and exited; no restart left")
+        rc = 0
     if rc == 0:
         log("all processes finished")
     return rc

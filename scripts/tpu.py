@@ -20,8 +20,11 @@ Everything sent to the workers' shells is quoted with shlex.quote, so a Hydra ov
 Layout on every worker (--remote-dir, default ~/jaxpt):
     ~/jaxpt/                      the synced code (pip install -e . by `setup`)
     ~/jaxpt/logs/worker_<hostname>.log   stdout+stderr of train.py on that worker (appended; each
-                                  launch ends with "=== <time> train.py exited with code N ===")
+                                  launch ends with "=== <time> train.py exited with code N ===",
+                                  under --restarts each life, then "=== restart i of N (...) ===")
     ~/jaxpt/logs/train.pid        pid of the detached train.py (its process group: the launch's)
+    ~/jaxpt/logs/stop_requested   written by `stop` (and by `run` as it stops a stale launch): the
+                                  --restarts loop does not start train.py again after it
     ~/jaxpt/runs/<name>/          Hydra run directory (checkpoints should go to gs://)
 """
 from __future__ import annotations
@@ -39,6 +42,7 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
+from model.distributed import EXIT_PREEMPTED, EXIT_PREEMPTED_ENV
 from model.watchdog import EXIT_HANG
 from train import PROJECT_ROOT as REPO_ROOT  # the repo root (the project is installed)
 
@@ -60,6 +64,8 @@ ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # A python interpreter whose script is train.py: "python3 -u /x/train.py ...". Anchored at the start
 # so the `bash -c '... train.py ...'` shell that runs this very command never matches.
 PROGRAM_REGEX = r"^([^ ]*/)?python[0-9.]*( +-[^ ]+)* +([^ ]*/)?train\.py( |$)"
+# A deliberate stop, for the --restarts loop (train_wrapper): relative to the code dir.
+STOP_MARKER = "logs/stop_requested"
 
 Runner = Callable[[list[str]], int]
 
@@ -133,10 +139,17 @@ def _stop_function(grace: int) -> str:
     processes, and those must keep serving batches until train.py has agreed on a step with the
     other hosts and saved it (killed early, they leave train.py waiting on a dead pipeline).
     A group is only killed when it is not the group of this very script.
+    First of all it writes STOP_MARKER (when logs/ exists, i.e. something was launched here): a
+    deliberate stop, which the --restarts loop (train_wrapper) must not answer with a restart,
+    though train.py exits with EXIT_PREEMPTED on the SIGTERM as on a preemption. Written before
+    anything else, so that it is there even when train.py leaves on its peers' agreement to stop
+    before this host's SIGTERM.
     """
     regex = shlex.quote(PROGRAM_REGEX)
+    marker = shlex.quote(STOP_MARKER)
     return (
         "stop_training() { "
+        f"if [ -d logs ]; then : > {marker}; fi; "
         'local here; here=$(pwd -P); local cands=""; local pids=""; local groups=""; local p; local g; '
         'local mine; mine=$(ps -o pgid= -p $$ | tr -d " "); '
         '[ -f logs/train.pid ] && cands=$(cat logs/train.pid); '
@@ -174,14 +187,24 @@ def train_wrapper(restarts: int) -> str:
     """Runs train.py inside the detached session and appends its exit code to the log, so that
     `logs` tells a clean stop (code 0) from a crash or a kill. train.py runs as a child (its pid
     goes to logs/train.pid, where `stop` sends SIGTERM); this wrapper stays to wait for it, and
-    starts it again, up to `restarts` times, when it exits with EXIT_HANG (the hang watchdog:
-    model/watchdog.py). Every worker restarts on its own; the new processes meet again at
-    jax.distributed's start and resume from the newest checkpoint."""
+    starts it again, up to `restarts` times in all, when it exits with EXIT_HANG (the hang
+    watchdog: model/watchdog.py) or with EXIT_PREEMPTED (saved on a preemption; with restarts,
+    $JAXPT_EXIT_PREEMPTED=1 asks train.py for that code instead of 0). Not after a deliberate
+    stop: with STOP_MARKER there (written by `stop`, removed as the wrapper starts) the loop ends
+    whatever the code. A preempted exit that is not restarted ends the wrapper with 0.
+    Every worker restarts on its own; the new processes meet again at jax.distributed's start and
+    resume from the newest checkpoint (a preempted run: the step it just saved)."""
     n = int(restarts)
-    return ('n=0; while :; do "$@" & echo $! > logs/train.pid; wait $!; rc=$?; '
+    marker = shlex.quote(STOP_MARKER)
+    return (f"rm -f {marker}; "
+            + (f"export {EXIT_PREEMPTED_ENV}=1; " if n > 0 else "")
+            + 'n=0; while :; do "$@" & echo $! > logs/train.pid; wait $!; rc=$?; '
             'echo "=== $(date -u +%Y-%m-%dT%H:%M:%SZ) train.py exited with code $rc ==="; '
-            f'if [ "$rc" -eq {EXIT_HANG} ] && [ "$n" -lt {n} ]; then n=$((n+1)); '
-            f'echo "=== restart $n of {n} (hang watchdog, exit code {EXIT_HANG}) ==="; continue; fi; '
+            f'case $rc in {EXIT_HANG}) why="hang watchdog";; {EXIT_PREEMPTED}) why=preempted;; *) why="";; esac; '
+            f'if [ -n "$why" ] && [ "$n" -lt {n} ]; then '
+            f'if [ -f {marker} ]; then echo "=== stop requested: no restart ==="; '
+            f'else n=$((n+1)); echo "=== restart $n of {n} ($why, exit code $rc) ==="; continue; fi; fi; '
+            f'if [ "$rc" -eq {EXIT_PREEMPTED} ]; then exit 0; fi; '
             'exit $rc; done')
 
 
@@ -490,8 +513,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stale-grace", type=int, default=30,
                    help="seconds a stale train.py gets after SIGTERM before SIGKILL (default 30)")
     p.add_argument("--restarts", type=int, default=0,
-                   help=f"start train.py again, up to N times, when it exits with code {EXIT_HANG} "
-                        "(the hang watchdog: train.hang_timeout_s); default 0")
+                   help=f"start train.py again, up to N times in all, when it exits with code {EXIT_HANG} "
+                        f"(the hang watchdog: train.hang_timeout_s) or {EXIT_PREEMPTED} (preempted after "
+                        f"saving: with N > 0, ${EXIT_PREEMPTED_ENV}=1 asks train.py for that code instead "
+                        "of 0); it resumes from the newest checkpoint. Never after `stop`; default 0")
     p.add_argument("--startup-check", type=int, default=5,
                    help="seconds to wait before checking train.py is still alive (0: don't; default 5)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides (put them after --)")

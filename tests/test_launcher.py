@@ -270,6 +270,7 @@ def test_worker_scripts_run_and_stop(tmp_path, monkeypatch, capsys):
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
     assert not (remote / "logs" / "train.pid").exists()
+    assert (remote / "logs" / "stop_requested").exists()      # the --restarts loop does not restart
     assert not list(tmp_path.rglob("PWNED"))
 
 
@@ -349,6 +350,69 @@ def test_run_reports_early_crash(tmp_path, monkeypatch, capsys):
     rc = tpu.main(["run", *POD, "--remote-dir", str(remote), "--python", str(fake), "--startup-check", "1",
                    "--retry-delay", "0"], runner=local_worker)
     assert rc == 7
+
+
+# A stand-in for train.py under the --restarts loop: start k exits with line k of ./codes ("stop":
+# first writes the marker, as `stop` does before its SIGTERM, then exits as a preempted run).
+FAKE_EXITS = """\
+n=$(( $(cat starts 2>/dev/null || echo 0) + 1 )); echo $n > starts
+echo "start $n ${JAXPT_EXIT_PREEMPTED:-unset}" >> env.txt
+code=$(sed -n "${n}p" codes)
+if [ "$code" = stop ]; then : > logs/stop_requested; code=76; fi
+exit $code
+"""
+
+
+def run_wrapper(tmp_path, restarts, codes, stale_marker=False):
+    """The --restarts loop of `tpu.py run` (train_wrapper) around FAKE_EXITS, as the detached
+    session runs it: (its exit code, its output, the program's starts as 'n env' lines)."""
+    work = tmp_path / f"w{len(list(tmp_path.iterdir()))}"
+    (work / "logs").mkdir(parents=True)
+    (work / "codes").write_text("\n".join(codes) + "\n")
+    (work / "fake.sh").write_text(FAKE_EXITS)
+    if stale_marker:
+        (work / "logs" / "stop_requested").write_text("")
+    r = subprocess.run(["bash", "-c", tpu.train_wrapper(restarts), "jaxpt-train", "bash", "fake.sh"], cwd=work,
+                       capture_output=True, text=True, timeout=30)
+    return r.returncode, r.stdout + r.stderr, (work / "env.txt").read_text().splitlines()
+
+
+def test_wrapper_restarts_on_hang_and_preemption_never_after_stop(tmp_path):
+    """train_wrapper: 75 (hang) and 76 (preempted, saved) start train.py again, against one count;
+    a preempted exit with no restart left ends it with 0; after `stop` (its marker) no restart,
+    but a marker left from before the launch does not count; any other code ends it as it is."""
+    rc, out, starts = run_wrapper(tmp_path, 2, ["76", "75", "0"])
+    assert rc == 0 and starts == ["start 1 1", "start 2 1", "start 3 1"], out
+    assert "=== restart 1 of 2 (preempted, exit code 76) ===" in out
+    assert "=== restart 2 of 2 (hang watchdog, exit code 75) ===" in out
+    assert out.rstrip().splitlines()[-1].endswith("train.py exited with code 0 ===")
+
+    rc, out, starts = run_wrapper(tmp_path, 1, ["76", "76"])       # no restart left: saved, a clean end
+    assert rc == 0 and len(starts) == 2 and out.count("=== restart") == 1, out
+    assert out.rstrip().splitlines()[-1].endswith("train.py exited with code 76 ===")
+
+    rc, out, starts = run_wrapper(tmp_path, 2, ["stop", "0"])        # a deliberate stop: no restart
+    assert rc == 0 and len(starts) == 1, out
+    assert "=== restart" not in out and out.rstrip().splitlines()[-1] == "=== stop requested: no restart ==="
+    rc, out, starts = run_wrapper(tmp_path, 2, ["75", "0"], stale_marker=True)
+    assert rc == 0 and len(starts) == 2 and "restart 1 of 2 (hang watchdog" in out, out
+
+    rc, out, starts = run_wrapper(tmp_path, 2, ["3", "0"])           # a crash is not restarted
+    assert rc == 3 and len(starts) == 1 and "restart" not in out, out
+    # Without restarts train.py is not asked for 76: a preempted run exits 0, as `stop` expects.
+    rc, out, starts = run_wrapper(tmp_path, 0, ["0"])
+    assert rc == 0 and starts == ["start 1 unset"], out
+
+
+def test_preempted_exit_code_only_when_asked(monkeypatch):
+    from model.distributed import EXIT_PREEMPTED, EXIT_PREEMPTED_ENV, preempted_exit_code
+
+    monkeypatch.delenv(EXIT_PREEMPTED_ENV, raising=False)
+    assert preempted_exit_code() == 0             # a plain `python train.py`: SIGTERM, save, exit 0
+    monkeypatch.setenv(EXIT_PREEMPTED_ENV, "0")
+    assert preempted_exit_code() == 0
+    monkeypatch.setenv(EXIT_PREEMPTED_ENV, "1")
+    assert preempted_exit_code() == EXIT_PREEMPTED == 76
 
 
 # ------------------------------------------------------------------------------------------------
@@ -445,6 +509,33 @@ def test_local_sigterm_is_forwarded(tmp_path):
     out, err = p.communicate(timeout=60)
     assert p.returncode == 128 + signal.SIGTERM, err
     assert (tmp_path / "term_0").exists() and (tmp_path / "term_1").exists()
+
+
+@pytest.mark.slow
+def test_local_preempted_processes_restart(tmp_path):
+    """--restarts: processes that were preempted (exit 76, asked for by $JAXPT_EXIT_PREEMPTED) are
+    waited for, not stopped, and the job starts again; without --restarts they exit 0 and it ends."""
+    prog = write_program(tmp_path, """
+        life_file = os.path.join(out, f"life_{pid}")
+        life = int(open(life_file).read()) + 1 if os.path.exists(life_file) else 1
+        open(life_file, "w").write(str(life))
+        if life == 1:
+            time.sleep(1.0 if pid == 0 else 0)     # process 1 leaves first; process 0 still saves
+            sys.exit(76 if os.environ.get("JAXPT_EXIT_PREEMPTED") == "1" else 0)
+    """)
+    p = launch(tmp_path, prog, "--log-dir", str(tmp_path / "logs"), "--restarts", "1")
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    assert "a process exited with code 76 (preempted): restart 1 of 1" in err
+    assert "stopping" not in err and not (tmp_path / "term_0").exists()   # process 0 was left to finish
+    assert [(tmp_path / f"life_{i}").read_text() for i in range(2)] == ["2", "2"]
+
+    for i in range(2):
+        (tmp_path / f"life_{i}").unlink()
+    p = launch(tmp_path, prog, "--log-dir", str(tmp_path / "logs"))
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0 and "restart" not in err, err
+    assert [(tmp_path / f"life_{i}").read_text() for i in range(2)] == ["1", "1"]
 
 
 @pytest.mark.slow

@@ -3,12 +3,16 @@ each command in the workers' homes, through their shells, with a TPU VM's enviro
 
     pytest tests/test_pod_sim.py -q        # about a minute on 2 cores
 
-setup (no pip install: --no-install) -> run -> logs -> stop -> run. The two train.py processes find
-each other from the TPU VM environment alone (no distributed.* override), train one tiny model
-together, save on SIGTERM and exit 0; the second run resumes from that checkpoint. A run name
-holding quotes, spaces, `;` and `$(...)` reaches train.py verbatim and never runs as a command.
+setup (no pip install: --no-install) -> run --restarts 2 -> logs -> a preempted host -> stop -> run.
+The two train.py processes find each other from the TPU VM environment alone (no distributed.*
+override), train one tiny model together, save on SIGTERM; a preemption (SIGTERM to one host's
+train.py) exits 76 and the run starts again from that step, `stop` exits 76 too but ends the run;
+the second run resumes from that checkpoint and exits 0. A run name holding quotes, spaces, `;`
+and `$(...)` reaches train.py verbatim and never runs as a command.
 """
 import json
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -28,6 +32,7 @@ TINY = ["mesh=fsdp", "data.seq_len=64", "data.global_batch_size=16", "data.num_s
 ODD_NAME = """name='it\\'s "odd"; $(touch PWNED) a  b'"""
 ODD_NAME_VALUE = """it's "odd"; $(touch PWNED) a  b"""
 EXIT_0 = "train.py exited with code 0"
+EXIT_76 = "train.py exited with code 76"
 
 
 def ok(result):
@@ -65,7 +70,7 @@ def test_sync_run_logs_stop_resume_on_simulated_pod(pod, tmp_path):
         assert f"t1v-n-pod-sim-w-{w}: jax " in out
         assert (pod.home(w) / "jaxpt" / "train.py").exists()
 
-    ok(pod.tpu("run", "--", *TINY, "train.steps=1000000", f"checkpoint.dir={bucket}", ODD_NAME))
+    ok(pod.tpu("run", "--restarts", "2", "--", *TINY, "train.steps=1000000", f"checkpoint.dir={bucket}", ODD_NAME))
     # `logs` (worker 0 by default) shows the training progress.
     deadline = time.time() + 300
     while "step 2 loss" not in (log0 := ok(pod.tpu("logs"))):
@@ -78,11 +83,28 @@ def test_sync_run_logs_stop_resume_on_simulated_pod(pod, tmp_path):
     assert argv[-1] == ODD_NAME                 # verbatim, one argument
     assert not any(a.startswith("distributed.") for a in argv)
 
+    # Worker 1 is preempted: both hosts save one step, exit 76, and the loops start them again.
+    os.kill(int((pod.home(1) / "jaxpt" / "logs" / "train.pid").read_text()), signal.SIGTERM)
+    wait_for_exits(pod, launches=1)
+    preempted = int(worker_log(pod, 0).split("Preempted: saved step ")[1].split()[0])
+    restarted = "=== restart 1 of 2 (preempted, exit code 76) ==="
+    deadline = time.time() + 300
+    while f"step {preempted + 1} loss" not in (log0 := worker_log(pod, 0)).partition(restarted)[2]:
+        assert time.time() < deadline and log0.count("exited with code") == 1, log0[-4000:]
+        time.sleep(1)
+    second_life = log0.partition(restarted)[2]
+    assert "Resuming from latest checkpoint" in second_life and f"at step {preempted}" in second_life, \
+        second_life[-3000:]
+    assert restarted in worker_log(pod, 1)
+
     out = ok(pod.tpu("stop", "--grace-period", "120"))
     assert "SIGKILL" not in out
     logs = [worker_log(pod, w) for w in range(2)]
-    assert all(EXIT_0 in log.rstrip().splitlines()[-1] for log in logs), [log[-1500:] for log in logs]
-    saved = int(logs[0].split("Preempted: saved step ")[1].split()[0])
+    for log in logs:        # both lives ended preempted; `stop` left the last restart unused
+        assert log.count(EXIT_76) == 2 and "restart 2 of 2" not in log, log[-3000:]
+        assert log.rstrip().splitlines()[-1] == "=== stop requested: no restart ===", log[-1500:]
+    saved = int(logs[0].split("Preempted: saved step ")[-1].split()[0])
+    assert saved > preempted
     # One checkpoint written by a 2-process job: each process saved its data state there.
     assert sorted(f.name for f in (bucket / str(saved) / "data").glob("*.json")) == \
         ["process_0-of-2.json", "process_1-of-2.json"]
@@ -92,15 +114,15 @@ def test_sync_run_logs_stop_resume_on_simulated_pod(pod, tmp_path):
     assert config["distributed"]["coordinator_address"] is None
 
     ok(pod.tpu("run", "--", *TINY, f"train.steps={saved + 2}", f"checkpoint.dir={bucket}", ODD_NAME))
-    wait_for_exits(pod, launches=2)
+    wait_for_exits(pod, launches=3)           # the preempted life, the stopped one, this run
     out = ok(pod.tpu("logs", "--worker", "all"))
-    assert out.count(EXIT_0) == 4, out[-4000:]      # both launches, both workers
+    assert out.count(EXIT_0) == 2, out[-4000:]      # the second launch, both workers
     logs = [worker_log(pod, w) for w in range(2)]
     second = logs[0].split("start ===")[-1]
     assert "Resuming from latest checkpoint" in second and f"at step {saved}" in second, second[-2000:]
     assert f"Done: steps {saved}->{saved + 2}" in second
     wandb_ids = [line.split()[2].rstrip(":") for line in logs[0].splitlines() if line.startswith("wandb run ")]
-    assert len(wandb_ids) == 2 and wandb_ids[0] == wandb_ids[1]      # the same wandb run continues
+    assert len(wandb_ids) == 3 and len(set(wandb_ids)) == 1      # the same wandb run continues
     assert (bucket / str(saved + 2)).is_dir()
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, saved + 3))     # continued, not restarted
