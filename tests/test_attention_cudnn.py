@@ -60,6 +60,26 @@ def test_cudnn_is_chosen_only_where_it_runs(platform, dtype, head_dim, seq, capa
         assert needle in reason
 
 
+def test_jax_refusing_the_kernel_at_trace_time_falls_back_with_its_reason(monkeypatch, capfd):
+    """A GPU that passes our checks but whose cuDNN JAX refuses when tracing (no cuDNN library, an
+    old version): the reference attention's numbers, and JAX's first line as the reason, once."""
+    monkeypatch.setattr(llama, "_devices_here", lambda: ("gpu", "9.0"))
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("cuDNN is not detected.\nsecond line of the message")
+    monkeypatch.setattr(llama, "attention_dpa", refuse)
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for shape in
+               ((2, 16, 4, 64), (2, 16, 2, 64), (2, 16, 2, 64)))
+    seg = jnp.asarray(np.repeat([[1] * 10 + [2] * 6], 2, 0), jnp.int32)
+    out = llama.attention(q, k, v, seg, "cudnn")
+    np.testing.assert_array_equal(out, llama.attention_xla(q, k, v, seg))
+    llama.attention(q, k, v, seg, "cudnn")
+    lines = [x for x in capfd.readouterr().err.splitlines() if "model.attention=cudnn" in x]
+    assert lines == ["model.attention=cudnn unavailable (cuDNN is not detected.); using the XLA reference "
+                     "attention"], lines
+
+
 def _batch(seed=0, b=2, t=128, vocab=CFG.vocab_size, cuts=(40, 90)):
     """Packed rows of three documents: [0, 40), [40, 90), [90, t)."""
     rng = np.random.default_rng(seed)

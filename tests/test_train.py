@@ -45,6 +45,19 @@ def test_every_experiment_composes(experiment, tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------- the GPU host recipe
+@pytest.mark.parametrize("gpus, microbatches", [(8, 2), (4, 4), (2, 8), (1, 16)])
+def test_readme_gpu_overrides_build_for_their_device_count(gpus, microbatches, tmp_path):
+    """README "GPUs": gpu_8_llama_1b with the table's train.microbatches for 1, 2 and 4 GPUs builds
+    its program (mesh, shardings, batch split; no compile) on that many devices, 16 rows a GPU a pass."""
+    import jax
+
+    cfg = make_cfg(tmp_path, "experiment=gpu_8_llama_1b", f"train.microbatches={microbatches}")
+    model_cfg, tx, _ = train_mod.model_and_optimizer(cfg)
+    program = train_mod.build_program(cfg, model_cfg, tx, devices=jax.devices()[:gpus])
+    assert program.mesh.devices.size == gpus
+    assert cfg.data.global_batch_size // (microbatches * gpus) == 16
+
+
 # configs/experiment/gpu_8_llama_1b.yaml with the model, data and tokenizer shrunk to the sample; the
 # mesh, remat, microbatches, attention and data.num_workers=auto are the experiment's own.
 GPU_SHRUNK = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128",
@@ -198,6 +211,16 @@ def test_bad_config_fails_fast_with_one_line(tmp_path, overrides, needle):
     # Nothing expensive started: no checkpoint, no metrics.
     assert not (tmp_path / "run" / "checkpoints").exists()
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_multihost_gpu_experiment_without_its_coordinator_is_one_line(tmp_path, monkeypatch):
+    # configs/experiment/gpu_multihost_llama_1b.yaml reads ${oc.env:JAX_COORDINATOR_ADDRESS}.
+    monkeypatch.delenv("JAX_COORDINATOR_ADDRESS", raising=False)
+    result = run_cli(tmp_path, "experiment=gpu_multihost_llama_1b")
+    assert result.returncode == 2, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and errors[0].startswith("config error:") and "JAX_COORDINATOR_ADDRESS" in errors[0], errors
 
 
 @pytest.mark.slow
