@@ -196,5 +196,9 @@ def test_a_frozen_worker_ends_in_a_hang_and_run_restarts_resumes(pod, tmp_path):
         if "loss" in r:
             by_step.setdefault(r["step"], []).append(r["loss"])
     assert max(by_step) == 30
+    # The second start resumes from a checkpoint the first one saved; the steps the first trained
+    # after it (none when worker 1 froze right after a save) are trained again to the same losses.
+    resumed_at = int(second.split("Resuming from latest checkpoint")[1].split(" at step ")[1].split()[0])
+    assert resumed_at >= 4 and resumed_at % 4 == 0 and set(range(1, 31)) <= set(by_step), (resumed_at, by_step)
     twice = [s for s, losses in by_step.items() if len(losses) == 2]
-    assert twice and all(by_step[s][0] == by_step[s][1] for s in twice), {s: by_step[s] for s in twice}
+    assert all(s > resumed_at and by_step[s][0] == by_step[s][1] for s in twice), {s: by_step[s] for s in twice}
