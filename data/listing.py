@@ -143,18 +143,34 @@ class _Walker:
         return list(self._expand(base, parts))
 
     def list_file(self, path: str, setting: str) -> list[str]:
-        path = os.path.expanduser(path)
+        """The entries of a list file (itself local or at a URL). A local entry is stat-ed once; a
+        URL entry is taken as written (a request per object would defeat the one listing per run):
+        a missing object is named when it is read, under data.strict's policy."""
+        url = "://" in path
+        path = path if url else os.path.expanduser(path)
         try:
-            with open(path) as f:
-                lines = f.read().splitlines()
-        except OSError as e:
+            if url:
+                from data import objstore  # fsspec is imported only when a URL is met
+
+                with objstore.open_url(path) as f:
+                    lines = f.read().decode("utf-8").splitlines()
+            else:
+                with open(path) as f:
+                    lines = f.read().splitlines()
+        except (OSError, ValueError) as e:
             raise ValueError(f"{setting}: cannot read the file list @{path} "
-                             f"({e.strerror or type(e).__name__})") from None
-        root = os.path.dirname(path)
+                             f"({getattr(e, 'strerror', None) or type(e).__name__})") from None
+        root = path.rsplit("/", 1)[0] if url else os.path.dirname(path)
         out = []
         for n, line in enumerate(lines, 1):
             entry = line.strip()
             if not entry or entry.startswith("#"):
+                continue
+            if "://" in entry:
+                out.append(entry)
+                continue
+            if url and not entry.startswith(("/", "~")):    # relative to the list file's place on the bucket
+                out.append(f"{root}/{entry}")
                 continue
             entry = os.path.join(root, os.path.expanduser(entry))
             if not self._is_file(entry):

@@ -7,6 +7,7 @@ same emulator: a train.py run saves there and a second one resumes from it, loss
 
     pytest tests/test_objstore.py -q
 """
+import dataclasses
 import os
 
 import pytest
@@ -106,6 +107,30 @@ def test_listing_is_one_request_per_pattern_and_none_per_file(gcs):
     assert len(files) == 4
     assert len(em.lists()) - n0 == 1
     assert len(em.per_object()) - m0 == 0
+
+
+def test_list_files_name_urls_and_live_on_the_bucket(gcs, tmp_path):
+    """An @list file may name URLs (a local list) or live on the bucket itself, its relative
+    entries relative to its place there; the files and batches are those of the pattern, and the
+    entries cost no request per object."""
+    em, _, url = gcs
+    _, remote = _pair(gcs)
+    files = data.list_files(remote)
+    local_list = tmp_path / "train_files.txt"
+    local_list.write_text("# the corpus on the bucket\n" + "\n".join(files) + "\n")
+    names = [f[len(url) + 1:] for f in files]               # e.g. 0000/en_head.json.gz
+    fs = gcsfs.GCSFileSystem(token="anon", project="test")
+    fs.pipe(f"{BUCKET}/rp/train_files.txt", ("\n".join(names) + "\n").encode())
+    m0 = len(em.per_object())
+    for entry in (f"@{local_list}", f"@{url}/train_files.txt"):
+        listed = dataclasses.replace(remote, paths=(entry,))
+        assert data.list_files(listed) == files, entry
+        a, b = take(data.make_host_iterator(remote, 0, 1), 3), take(data.make_host_iterator(listed, 0, 1), 3)
+        for x, y in zip(a, b, strict=True):
+            assert_batches_equal(x, y, entry)
+    assert len(em.per_object()) - m0 <= 1       # reading the list file on the bucket; none per entry
+    with pytest.raises(ValueError, match=r"cannot read the file list @gs://corpus/rp/nope.txt"):
+        data.list_files(dataclasses.replace(remote, paths=(f"@{url}/nope.txt",)))
 
 
 def test_a_missing_url_fails_in_one_line(gcs):
