@@ -224,6 +224,21 @@ def test_multihost_gpu_experiment_without_its_coordinator_is_one_line(tmp_path, 
 
 
 @pytest.mark.slow
+def test_a_cpu_start_with_libtpu_installed_prints_no_tpu_warnings(tmp_path):
+    # CI's venv has libtpu (.[tpu]) on a machine without a TPU: JAX_PLATFORMS unset, a mistake
+    # found after JAX has started must still print one line, with none of libtpu's warnings.
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    result = subprocess.run([sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={tmp_path}/run",
+                             "logger.wandb.mode=disabled", "data.global_batch_size=15"],
+                            capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1 and "global_batch_size" in lines[0], result.stderr[-3000:]
+
+
+@pytest.mark.slow
 def test_eval_files_need_not_divide_the_batch(tmp_path):
     # 3 held-out files and a batch of 16: the eval set picks a shard count that divides the batch
     # instead of failing on a data.num_shards the user never set.
