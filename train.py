@@ -426,9 +426,9 @@ def main(cfg: DictConfig) -> None:
         # Another host hung and left: every host exits with the hang's code, and restarts (model/watchdog.py).
         print(f"hang: {e}", file=sys.stderr)
         sys.exit(EXIT_HANG)
-    if summary.get("preempted") and preempted_exit_code():
+    if summary.get("preempted") and (code := preempted_exit_code()):
         # Saved on a preemption: 0, or EXIT_PREEMPTED where a launcher's --restarts loop asked for it.
-        sys.exit(preempted_exit_code())
+        sys.exit(code)
 
 
 if __name__ == "__main__":

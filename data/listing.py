@@ -27,6 +27,8 @@ import stat
 import time
 from typing import Callable
 
+from data import objstore  # no fsspec until a URL is met (objstore imports it then)
+
 
 @dataclasses.dataclass
 class Listing:
@@ -68,7 +70,6 @@ def list_paths(patterns, setting: str = "data.paths") -> Listing:
 
 def _list_url(pattern: str, setting: str) -> list[str]:
     """The objects a URL pattern matches, from one listing request (data/objstore.py)."""
-    from data import objstore  # fsspec is imported only when a URL is met
 
     try:
         found, _ = objstore.list_url(pattern)
@@ -146,12 +147,10 @@ class _Walker:
         """The entries of a list file (itself local or at a URL). A local entry is stat-ed once; a
         URL entry is taken as written (a request per object would defeat the one listing per run):
         a missing object is named when it is read, under data.strict's policy."""
-        url = "://" in path
+        url = objstore.is_url(path)
         path = path if url else os.path.expanduser(path)
         try:
             if url:
-                from data import objstore  # fsspec is imported only when a URL is met
-
                 with objstore.open_url(path) as f:
                     lines = f.read().decode("utf-8").splitlines()
             else:
@@ -160,13 +159,13 @@ class _Walker:
         except (OSError, ValueError) as e:
             raise ValueError(f"{setting}: cannot read the file list @{path} "
                              f"({getattr(e, 'strerror', None) or type(e).__name__})") from None
-        root = path.rsplit("/", 1)[0] if url else os.path.dirname(path)
+        root = os.path.dirname(path)
         out = []
         for n, line in enumerate(lines, 1):
             entry = line.strip()
             if not entry or entry.startswith("#"):
                 continue
-            if "://" in entry:
+            if objstore.is_url(entry):
                 out.append(entry)
                 continue
             if url and not entry.startswith(("/", "~")):    # relative to the list file's place on the bucket

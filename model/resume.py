@@ -48,13 +48,14 @@ def find_start(ccfg: Mapping, abstract_state, local_tier: LocalTier | None, *,
         meta, states = restore_meta_and_data(point, on_damaged=ccfg.get("on_damaged", "fall_back"))
     else:
         meta, states = {}, None
-    rolled_past = (rollback_lib.data_override(point.directory, point.step)
-                   if point is not None and point.source != "local" else None)
+    # The rollback records to this step, read once (one listing and a read per record, on gs:// too).
+    records = (rollback_lib.rollbacks_of(point.directory, point.step)
+               if point is not None and point.source != "local" else [])
+    rolled_past = (records[-1], rollback_lib.read_states(records[-1]["dir"])) if records else None
     rollbacks = meta.get("rollbacks", [])
     if rolled_past is not None:
         states = rolled_past[1]
-        rollbacks = rollbacks + [{k: v for k, v in r.items() if k != "dir"}
-                                 for r in rollback_lib.rollbacks_of(point.directory, point.step)]
+        rollbacks = rollbacks + [{k: v for k, v in r.items() if k != "dir"} for r in records]
     return Start(point, meta, states, rolled_past, rollbacks)
 
 

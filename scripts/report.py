@@ -24,49 +24,42 @@ import time
 from pathlib import Path
 
 from data.objstore import is_url
+from data.timing import STAGES
 from model import goodput
 from model.goodput import CAUSES
 
 COLORS = {"productive": "#2ca02c", "startup": "#7f7f7f", "restore": "#9467bd", "data_wait": "#d62728",
           "checkpoint": "#1f77b4", "eval": "#17becf", "stall": "#ff7f0e", "lost": "#8c564b",
           "dead": "#000000", "shutdown": "#bcbd22"}
-STAGES = ("fetch", "read", "parse", "tokenize", "pack", "ipc", "merge", "h2d")
 
 
 def load_run(run_dir: str) -> tuple[list[dict], list[dict]]:
     """(metrics rows, events) of a run directory, local or a URL (gs://, s3://: a run directory on
     a bucket, read through fsspec as the training data is, data/objstore.py); a line cut short by
     a run still writing is skipped."""
-    if is_url(run_dir):
-        with tempfile.TemporaryDirectory() as tmp:
-            return _read(Path(tmp), run_dir, fetch=_fetcher(run_dir, Path(tmp)))
-    if not Path(run_dir).is_dir():
-        raise SystemExit(f"report: {run_dir} is not a directory")
-    return _read(Path(run_dir), run_dir)
-
-
-def _fetcher(url: str, into: Path):
-    """Copies the run's two logs from `url` into `into` (the object store's directory must exist)."""
+    if not is_url(run_dir):
+        if not Path(run_dir).is_dir():
+            raise SystemExit(f"report: {run_dir} is not a directory")
+        return _read(Path(run_dir), run_dir)
     from data.objstore import filesystem
 
     try:
-        fs = filesystem(url)
+        fs = filesystem(run_dir)
     except ValueError as e:
         raise SystemExit(f"report: {e}") from None
-    base = url.rstrip("/")
+    base = run_dir.rstrip("/")
     if not fs.isdir(base):
-        raise SystemExit(f"report: {url} is not a directory")
+        raise SystemExit(f"report: {run_dir} is not a directory")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in ("metrics.jsonl", goodput.EVENTS_FILE):     # a log not written yet is absent
+            try:
+                fs.get(f"{base}/{name}", str(Path(tmp) / name))
+            except FileNotFoundError:
+                pass
+        return _read(Path(tmp), run_dir)
 
-    def fetch(name: str) -> None:
-        if fs.exists(f"{base}/{name}"):
-            fs.get(f"{base}/{name}", str(into / name))
-    return fetch
 
-
-def _read(local: Path, shown: str, fetch=None) -> tuple[list[dict], list[dict]]:
-    for name in ("metrics.jsonl", goodput.EVENTS_FILE):
-        if fetch is not None:
-            fetch(name)
+def _read(local: Path, shown: str) -> tuple[list[dict], list[dict]]:
     rows = goodput.read_events(local / "metrics.jsonl")
     events = goodput.read_events(local / goodput.EVENTS_FILE)
     if not rows and not events:
