@@ -104,6 +104,7 @@ def run(cfg: DictConfig) -> dict:
         distributed.init_distributed(cfg.distributed, heartbeat_timeout_s=heartbeat_over(hang_timeout_s))
     except ValueError as e:
         raise ConfigError(str(e)) from e
+    distributed.use_compile_cache(cfg.paths.get("compile_cache"))
     events.add("distributed")
     process_index, process_count = jax.process_index(), jax.process_count()
     is_main = process_index == 0

@@ -51,6 +51,18 @@ def init_distributed(dcfg, heartbeat_timeout_s: int = 100) -> None:
                   "process (set distributed.coordinator_address for a multi-host run)", file=sys.stderr)
 
 
+def use_compile_cache(path) -> None:
+    """Keep compiled programs in `path` (JAX's persistent compilation cache; None: off). Before the
+    first compile: JAX opens the cache once, at the first program it compiles."""
+    import jax
+
+    if not path:
+        return
+    if "://" not in str(path):
+        path = os.path.expanduser(str(path))
+    jax.config.update("jax_compilation_cache_dir", str(path))
+
+
 def tpu_slice_from_env() -> dict | None:
     """A multi-host slice as the TPU VM environment describes it (TPU_WORKER_HOSTNAMES, sorted by
     worker id, and TPU_WORKER_ID): jax.distributed.initialize's arguments, or None.
