@@ -412,6 +412,10 @@ class ArrayRecords:
 
 
 # ------------------------------------------------------------------ columnar (Parquet, Arrow)
+# A column reader's next() for rows of groups another part of a split file owns (skipped unread).
+OTHER_PART = object()
+
+
 def _pyarrow():
     try:
         import pyarrow
@@ -425,7 +429,8 @@ class _ColumnRecords:
     """Rows of one string column, read group by group (Parquet row groups, Arrow record batches).
     Position `off`: the row in the file; a restore loads only the group holding it."""
 
-    def _setup(self, path: str, text_key: str, off: int, schema, sizes: list[int]) -> None:
+    def _setup(self, path: str, text_key: str, off: int, schema, sizes: list[int],
+               part: tuple[int, int] | None = None) -> None:
         pa = _pyarrow()
         self.text_key = text_key
         if text_key not in schema.names:
@@ -443,15 +448,34 @@ class _ColumnRecords:
             self.group += 1
         self.row = off
         self.values = None
+        # A file read by `split` shards (fewer files than shards) whose groups are enough to
+        # go round: part `residue` owns the groups `g % split == residue` and never decodes
+        # another's. With fewer groups than parts, the parts split by row (ShardReader).
+        self.splits_itself = part is not None and part[0] > 1 and len(sizes) >= part[0]
+        self.part = part
+
+    def _owned(self, g: int) -> bool:
+        return not self.splits_itself or g % self.part[0] == self.part[1]
 
     def next(self):
+        """-> (value, 1) for the next row, (OTHER_PART, rows) for the rows up to this part's
+        next group (or the end), or (None, 0) at the end."""
         while self.values is None or self.row - self.first >= len(self.values):
             if self.values is not None:
                 self.first += len(self.values)
                 self.group += 1
+                self.values = None
             if self.group >= len(self.sizes):
                 self.values = []
                 return None, 0
+            if not self._owned(self.group):
+                skipped = 0
+                while self.group < len(self.sizes) and not self._owned(self.group):
+                    skipped += self.first + self.sizes[self.group] - max(self.row, self.first)
+                    self.first += self.sizes[self.group]
+                    self.row = self.first
+                    self.group += 1
+                return OTHER_PART, skipped
             self.values = self._load(self.group).to_pylist()
         v = self.values[self.row - self.first]
         self.row += 1
@@ -468,7 +492,8 @@ class _ColumnRecords:
 class ParquetRecords(_ColumnRecords):
     fmt = "parquet"
 
-    def __init__(self, path: str, text_key: str, off: int = 0, point: list | None = None):
+    def __init__(self, path: str, text_key: str, off: int = 0, point: list | None = None,
+                 part: tuple[int, int] | None = None):
         pa = _pyarrow()
         import pyarrow.parquet as pq
         try:
@@ -483,7 +508,7 @@ class ParquetRecords(_ColumnRecords):
                 raise
             raise FileProblem("corrupt_file", f"not a readable Parquet file: {e}") from None
         self.raw_file = None
-        self._setup(path, text_key, off, schema, sizes)
+        self._setup(path, text_key, off, schema, sizes, part)
 
     def _load(self, g: int):
         # one thread: the tokenizer has the cores; a column of one row group is one decode job
@@ -499,7 +524,8 @@ class ArrowRecords(_ColumnRecords):
     """An Arrow IPC stream (what `datasets`' save_to_disk writes) or IPC file, memory-mapped."""
     fmt = "arrow"
 
-    def __init__(self, path: str, text_key: str, off: int = 0, point: list | None = None):
+    def __init__(self, path: str, text_key: str, off: int = 0, point: list | None = None,
+                 part: tuple[int, int] | None = None):
         pa = _pyarrow()
         self.raw_file = None
         try:
@@ -517,7 +543,7 @@ class ArrowRecords(_ColumnRecords):
             if isinstance(e, FileNotFoundError):
                 raise
             raise FileProblem("corrupt_file", f"not a readable Arrow file: {e}") from None
-        self._setup(path, text_key, off, schema, [b.num_rows for b in self.batches])
+        self._setup(path, text_key, off, schema, [b.num_rows for b in self.batches], part)
 
     def _load(self, g: int):
         return self.batches[g].column(self.text_key)
@@ -538,7 +564,13 @@ _READERS = {"lines": LineRecords, "array": ArrayRecords, "parquet": ParquetRecor
 
 
 def open_records(path: str, text_key: str, off: int = 0, point: list | None = None,
-                 fmt: str | None = None):
+                 fmt: str | None = None, part: tuple[int, int] | None = None):
     """The record reader of `path` positioned at `off` (`fmt`: the format a saved position was
-    read in, else sniffed). FileProblem for a file that is not a format read here."""
-    return _READERS[fmt or sniff(path)](path, text_key, off, point)
+    read in, else sniffed). `part`: (split, residue) when `split` shards read the file; a reader
+    whose `splits_itself` is true then returns only that part's records (the others' as
+    OTHER_PART, unread), else the caller keeps every split-th record. FileProblem for a file
+    that is not a format read here."""
+    fmt = fmt or sniff(path)
+    if fmt in ("parquet", "arrow"):
+        return _READERS[fmt](path, text_key, off, point, part)
+    return _READERS[fmt](path, text_key, off, point)

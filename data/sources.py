@@ -13,7 +13,9 @@ reading the one row group holding the row.
 
 A part is the records `record % split == residue` of a file: with fewer files than virtual
 shards, `split` shards read the same file and each parses only its own records
-(decompression is ~100x cheaper than tokenization).
+(decompression is ~100x cheaper than tokenization). A Parquet or Arrow file with at least
+`split` row groups splits by group instead (`group % split == residue`): each part decodes
+only its own groups.
 """
 from __future__ import annotations
 
@@ -106,8 +108,8 @@ class _Slot:
         self.finder = None           # gzseek.PointFinder, once a .gz slot needs points
         self.recheck = off           # refresh `point` once off reaches this
 
-    def advance(self, n: int) -> None:
-        self.line += 1
+    def advance(self, n: int, records: int = 1) -> None:
+        self.line += records
         self.off += n
 
     def state(self, path: str) -> list:
@@ -205,7 +207,8 @@ class ShardReader:
         """Opens the slot's file at its record's position. False when unreadable."""
         path = self._path(slot)
         try:
-            slot.rec = formats.open_records(path, self.text_key, slot.off, slot.point, slot.fmt)
+            slot.rec = formats.open_records(path, self.text_key, slot.off, slot.point, slot.fmt,
+                                            part=(self.split, self._residue(slot)))
         except formats.FileProblem as e:   # the whole file: named at the file, once
             if self._residue(slot) == 0:
                 self.bad.add(path, 0, e.kind, e.detail)
@@ -311,7 +314,11 @@ class ShardReader:
                     self.bad.add(path, 0, "empty_file")
                 self._finish_slot(i)
                 continue
-            if self.split > 1 and s.line % self.split != self._residue(s):
+            if raw is formats.OTHER_PART:   # row groups of the file's other parts, not read
+                s.advance(n, records=n)
+                continue
+            if self.split > 1 and not getattr(s.rec, "splits_itself", False) \
+                    and s.line % self.split != self._residue(s):
                 s.advance(n)   # another shard's record: not parsed here
                 continue
             text, kind = s.rec.parse(raw)

@@ -5,7 +5,7 @@ import hashlib
 import json
 import os
 
-from data import records
+from data import formats, records
 from data.config import DataConfig, list_files
 from data.host import find_shard_states
 from data.listing import all_files
@@ -72,6 +72,19 @@ def files_hash(files: list[str]) -> str:
     return hashlib.sha256("\n".join(rel).encode()).hexdigest()[:16]
 
 
+def _split_marks(key: str, files: list[str], num_shards: int) -> dict:
+    """The split of files among shards, when they are fewer (else nothing: an unsplit run's
+    fingerprint stays what it was). Parquet/Arrow files split by row group since #21 (before:
+    by row): named, so a run saved under the row split is not resumed as if split by group."""
+    split = file_split(len(files), num_shards)
+    if split <= 1:
+        return {}
+    marks = {key: split}
+    if any(formats.name_format(f) in ("parquet", "arrow") for f in files):
+        marks[f"{key}_by"] = "row_group"
+    return marks
+
+
 def fingerprint(cfg: DataConfig, tokenizer=None,
                 files: list[str] | dict[str, list[str]] | None = None) -> dict:
     """What the saved data positions depend on. A mixture adds, per source,
@@ -87,8 +100,8 @@ def fingerprint(cfg: DataConfig, tokenizer=None,
           "files_per_stream": cfg.files_per_stream}
     # files split across shards (fewer files than shards) read in another order: named only
     # then, so that the fingerprint of an unsplit run stays what it was
-    if not cfg.sources and file_split(len(flat), cfg.num_shards) > 1:
-        fp["file_split"] = file_split(len(flat), cfg.num_shards)
+    if not cfg.sources:
+        fp.update(_split_marks("file_split", flat, cfg.num_shards))
     if cfg.sources:
         total = sum(src.weight for src in cfg.sources)
         fp["sources"] = [src.name for src in cfg.sources]
@@ -97,9 +110,7 @@ def fingerprint(cfg: DataConfig, tokenizer=None,
                        f"source.{src.name}.files": files_hash(files[src.name]),
                        f"source.{src.name}.num_files": len(files[src.name]),
                        f"source.{src.name}.text_key": cfg.source_text_key(src)})
-            split = file_split(len(files[src.name]), cfg.num_shards)
-            if split > 1:
-                fp[f"source.{src.name}.file_split"] = split
+            fp.update(_split_marks(f"source.{src.name}.file_split", files[src.name], cfg.num_shards))
     # A converted directory: the manifest holds documents and tokens per file, so its hash
     # identifies the corpus without reading (or walking) the files.
     if cfg.sources:
