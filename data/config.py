@@ -65,6 +65,10 @@ class DataConfig:
     add_bos: bool = False
     seed: int = 0
     prefetch: int = 2               # device batches prefetched ahead
+    # Input worker processes run this much nicer (lower CPU priority) than the trainer: on a
+    # host whose cores the workers keep busy, the training loop's thread is scheduled first
+    # when it wakes for the next batch (data/host.py yield_cores). 0: the trainer's priority.
+    worker_nice: int = 10
     # A weighted mixture (data/mixture.py) instead of `paths`: SourceConfig each.
     sources: tuple[SourceConfig, ...] = ()
     # On resume, "continue": the sources' shares and list may differ from the checkpoint's,
@@ -188,6 +192,8 @@ def validate_settings(cfg: DataConfig, process_count: int) -> None:
         raise ValueError(f"data.files_per_stream={cfg.files_per_stream}: must be >= 1")
     if cfg.prefetch < 1:
         raise ValueError(f"data.prefetch={cfg.prefetch}: must be >= 1")
+    if not isinstance(cfg.worker_nice, int) or not 0 <= cfg.worker_nice <= 19:
+        raise ValueError(f"data.worker_nice={cfg.worker_nice!r}: must be an integer from 0 to 19")
     if cfg.mixture_change not in MIXTURE_CHANGES:
         raise ValueError(f"data.mixture_change={cfg.mixture_change!r}: must be one of {MIXTURE_CHANGES}")
     check_shards(cfg, process_count, None)

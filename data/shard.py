@@ -82,6 +82,7 @@ class StreamSpec:
     process_index: int = 0
     process_count: int = 1
     group: int = 1                  # host batches per element (per worker IPC message)
+    worker_nice: int = 0            # a worker process lowers its CPU priority by this much
     # A weighted mixture (data/mixture.py): ((name, weight, StreamSpec of that source), ...);
     # then `files` is empty and each source's spec holds its own files and text_key.
     mixture: tuple = ()

@@ -175,6 +175,8 @@ def test_validate_errors(tmp_path):
         data.validate(cfg(tmp_path, num_shards=4, global_batch_size=12), 3, 1)
     with pytest.raises(FileNotFoundError, match="tokenizer.path"):
         data.load_tokenizer(str(tmp_path / "nothing" / "tokenizer.json"))
+    with pytest.raises(ValueError, match="data.worker_nice=25: must be an integer from 0 to 19"):
+        data.validate(cfg(tmp_path, worker_nice=25), 1, 1)
 
 
 def test_from_mapping_and_fingerprint(tmp_path):

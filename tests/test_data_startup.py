@@ -1,5 +1,6 @@
 """The way to the first batch (issue #26): first windows built without read-ahead, shards built
 side by side, read-ahead started once the first batch is out. Counts, never timings."""
+import os
 import threading
 
 import pytest
@@ -185,3 +186,40 @@ def test_workers_making_other_rows_than_the_head_batch_is_named(tmp_path, monkey
     with pytest.raises(RuntimeError, match="input workers made other rows"):
         take(it, 3)
     it.close()
+
+
+def _children_nice() -> dict[int, set[int]]:
+    """{pid: {nice of each of its threads}} of this process's child processes but
+    multiprocessing's resource tracker (Linux /proc)."""
+    out = {}
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                if next(line for line in f if line.startswith("PPid:")).split()[1] != str(os.getpid()):
+                    continue
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"resource_tracker" in f.read():   # multiprocessing's helper, not a worker
+                    continue
+            # /proc/PID/task/TID/stat: field 19 is the thread's nice (after the parenthesized name)
+            out[int(pid)] = {int(open(f"/proc/{pid}/task/{t}/stat").read().rsplit(")", 1)[1].split()[16])
+                             for t in os.listdir(f"/proc/{pid}/task")}
+        except (OSError, StopIteration):
+            continue
+    return out
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread priorities from Linux /proc")
+@pytest.mark.parametrize("nice", [10, 0])
+def test_input_workers_run_nicer_than_the_trainer(tmp_path, nice):
+    """data.worker_nice: every thread of a worker process (its tokenizer threads included) runs
+    that much nicer than the trainer, whose own threads keep their priority."""
+    write_corpus(tmp_path, n_files=4, docs_per_file=6)
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    before = set(_children_nice())
+    it = data.make_host_iterator(cfg(tmp_path, num_workers=2, worker_nice=nice), 0, 1)
+    take(it, 3)
+    workers = {pid: n for pid, n in _children_nice().items() if pid not in before}
+    it.close()
+    assert len(workers) >= 2, workers
+    assert all(n == {min(19, own + nice)} for n in workers.values()), (own, workers)
+    assert os.getpriority(os.PRIO_PROCESS, 0) == own
