@@ -423,6 +423,10 @@ class DevicePrefetcher:
         """Host iterator state right after the last batch returned by __next__."""
         return self._state
 
+    def buffered(self) -> int:
+        """Device batches ready for the loop now (benchmarks: a wait on a ready batch is not starvation)."""
+        return len(self._q._items)
+
     def stats(self) -> dict:
         c = state_counters(self._state)
         d = {k: c[k] - self._base[k] for k in COUNTER_KEYS}

@@ -152,7 +152,9 @@ def measure(cfg, max_tokens: int, sim_steps: int) -> dict:
     wait, step_s, stats, _ = bench_input.simulate_training(cfg, sim_steps, r["tok_s"],
                                                            compile_s=1.0, calib_batches=100)
     return {"first_batch_s": r["first_batch_s"], "tok_s": r["tok_s"], "restore_s": restore_s,
-            "sim_wait_frac": wait, "step_ms": step_s * 1e3, "sim_batches": stats["batches"]}
+            "sim_wait_frac": wait, "step_ms": step_s * 1e3, "sim_batches": stats["batches"],
+            "ready_wait_frac": stats.get("ready_wait_frac", 0.0), "empty_wait_frac": stats["empty_wait_frac"],
+            "ready_next_us": stats.get("ready_next_us")}
 
 
 def main():
@@ -209,12 +211,14 @@ def main():
                 runs[(c, n)].append(r)
                 print(f"round {rnd + 1} {c:>8} workers={n}: first {r['first_batch_s']:.2f} s, "
                       f"restore {r['restore_s']:.2f} s, {r['tok_s'] / 1e6:.2f} M tok/s, "
-                      f"wait {r['sim_wait_frac']:.4f} (step {r['step_ms']:.1f} ms), "
+                      f"wait {r['sim_wait_frac']:.4f} (step {r['step_ms']:.1f} ms; on a ready batch "
+                      f"{r['ready_wait_frac']:.4f}, next() p50/p99/max {r['ready_next_us']} us; "
+                      f"on an empty buffer {r['empty_wait_frac']:.4f}), "
                       f"load {os.getloadavg()[0]:.1f}", flush=True)
 
     print("\n| corpus | workers | first batch (s) | restore -> next (s) | M tok/s | sim_wait_frac "
-          "(rounds) | step (ms) |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+          "(rounds) | of it on a ready batch / an empty buffer | step (ms) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     out = {}
     for (c, n), rs in runs.items():
         first = min(r["first_batch_s"] for r in rs)
@@ -223,11 +227,16 @@ def main():
         tok = sum(r["tok_s"] for r in rs) / len(rs)
         step = sum(r["step_ms"] for r in rs) / len(rs)
         print(f"| {c} | {n} | {first:.2f} | {restore:.2f} | {tok / 1e6:.2f} | "
-              f"{max(waits):.4f} ({', '.join(f'{w:.4f}' for w in waits)}) | {step:.1f} |")
+              f"{max(waits):.4f} ({', '.join(f'{w:.4f}' for w in waits)}) | "
+              f"{max(r['ready_wait_frac'] for r in rs):.4f} / {max(r['empty_wait_frac'] for r in rs):.4f} | "
+              f"{step:.1f} |")
         out.setdefault(c, {"corpus": facts[c]})[str(n)] = {
             "first_batch_s": round(first, 3), "restore_s": round(restore, 3),
             "tok_s": round(tok), "sim_wait_frac": [round(w, 5) for w in waits],
-            "step_ms": round(step, 2), "first_slab_tokenizer_calls": work[(c, n)]["calls"],
+            "step_ms": round(step, 2),
+            "ready_wait_frac": [round(r["ready_wait_frac"], 5) for r in rs],
+            "empty_wait_frac": [round(r["empty_wait_frac"], 5) for r in rs],
+            "ready_next_us": [r["ready_next_us"] for r in rs], "first_slab_tokenizer_calls": work[(c, n)]["calls"],
             "first_slab_chars": work[(c, n)]["chars"]}
     out["load_avg_1m"] = round(os.getloadavg()[0], 2)
     print(json.dumps(out), flush=True)

@@ -266,13 +266,26 @@ def simulate_training(cfg, steps, tok_s, frac=0.8, compile_s=2.0, calib_batches=
         per_batch = max(per_batch, (time.perf_counter() - t0) / calib_batches)
     step_s = step_s or per_batch / frac
     w0 = pf.stats()["wait_s"]
+    ready_waits, empty_wait = [], 0.0   # next() with a batch buffered (no starvation) or not
     t0 = time.perf_counter()
     for _ in range(steps):
+        ready = pf.buffered() > 0
+        a = time.perf_counter()
         b = next(pf)
+        if ready:
+            ready_waits.append(time.perf_counter() - a)
+        else:
+            empty_wait += time.perf_counter() - a
         time.sleep(step_s)            # the accelerator step
     wall = time.perf_counter() - t0
     wait = pf.stats()["wait_s"] - w0
     stats = pf.stats()
+    # Where the wait comes from: the loop's thread getting the GIL and a core on a ready batch
+    # (per step, percentiles in us), or an empty buffer (the pipeline behind; share of wall).
+    if ready_waits:
+        stats["ready_next_us"] = [round(float(np.percentile(ready_waits, p)) * 1e6) for p in (50, 99, 100)]
+        stats["ready_wait_frac"] = sum(ready_waits) / wall
+    stats["empty_wait_frac"] = empty_wait / wall
     # the stage seconds cover the prefetcher's life: from its start, not from t0
     life = time.perf_counter() - t_start
     pf.close()
