@@ -254,8 +254,10 @@ def missing_key_detail(raw, text_key: str) -> str:
 class LineRecords:
     """JSON lines: a record is one line (blank lines are no record)."""
     fmt = "lines"
+    splits_itself = False   # a split file's parts are every split-th record (ShardReader)
 
-    def __init__(self, path: str, text_key: str, off: int = 0, point: list | None = None):
+    def __init__(self, path: str, text_key: str, off: int = 0, point: list | None = None,
+                 part: tuple[int, int] | None = None):
         self.text_key = text_key
         self.fh = open_bytes(path, off, point)
         self.raw_file = getattr(self.fh, "fileobj", None) or self.fh
@@ -289,8 +291,10 @@ class ArrayRecords:
     """One JSON array of objects: a record is an element. Position `off`: 0 before the `[`, else
     where the scan for the next element starts (after the previous element's comma)."""
     fmt = "array"
+    splits_itself = False
 
-    def __init__(self, path: str, text_key: str, off: int = 0, point: list | None = None):
+    def __init__(self, path: str, text_key: str, off: int = 0, point: list | None = None,
+                 part: tuple[int, int] | None = None):
         self.path = path
         self.text_key = text_key
         self.fh = open_bytes(path, off, point)
@@ -570,7 +574,4 @@ def open_records(path: str, text_key: str, off: int = 0, point: list | None = No
     whose `splits_itself` is true then returns only that part's records (the others' as
     OTHER_PART, unread), else the caller keeps every split-th record. FileProblem for a file
     that is not a format read here."""
-    fmt = fmt or sniff(path)
-    if fmt in ("parquet", "arrow"):
-        return _READERS[fmt](path, text_key, off, point, part)
-    return _READERS[fmt](path, text_key, off, point)
+    return _READERS[fmt or sniff(path)](path, text_key, off, point, part)

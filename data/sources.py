@@ -317,8 +317,7 @@ class ShardReader:
             if raw is formats.OTHER_PART:   # row groups of the file's other parts, not read
                 s.advance(n, records=n)
                 continue
-            if self.split > 1 and not getattr(s.rec, "splits_itself", False) \
-                    and s.line % self.split != self._residue(s):
+            if self.split > 1 and not s.rec.splits_itself and s.line % self.split != self._residue(s):
                 s.advance(n)   # another shard's record: not parsed here
                 continue
             text, kind = s.rec.parse(raw)

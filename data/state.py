@@ -102,7 +102,7 @@ def fingerprint(cfg: DataConfig, tokenizer=None,
     # then, so that the fingerprint of an unsplit run stays what it was
     if not cfg.sources:
         fp.update(_split_marks("file_split", flat, cfg.num_shards))
-    if cfg.sources:
+    else:
         total = sum(src.weight for src in cfg.sources)
         fp["sources"] = [src.name for src in cfg.sources]
         for src in cfg.sources:
