@@ -248,3 +248,28 @@ def test_eval_files_need_not_divide_the_batch(tmp_path):
                              f"data.eval.paths=['{sample}/000[5-7]/en_head.json.gz']"))
     [row] = read_metrics(tmp_path)
     assert row["eval_loss"] > 0
+
+
+@pytest.mark.slow
+def test_compile_cache_keeps_the_programs_and_null_turns_it_off(tmp_path, monkeypatch):
+    """paths.compile_cache: a run writes its compiled programs there (a restart loads them,
+    with the same losses); null writes none."""
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")   # else JAX's own setting names the cache
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))   # where the default (~/.cache/...) would go
+    cache = tmp_path / "xla"
+    for d in "abc":
+        (tmp_path / d).mkdir()
+    args = ["train.steps=4", "train.log_every=2", "checkpoint.every=0", "data.num_workers=0",
+            "optimizer.warmup_steps=1", "train.eval_every=0", f"paths.compile_cache={cache}"]
+    first = run_cli(tmp_path / "a", *args)
+    assert first.returncode == 0, first.stderr[-2000:]
+    kept = sorted(os.listdir(cache))
+    assert kept, "no compiled program was kept"
+    again = run_cli(tmp_path / "b", *args)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert [r["loss"] for r in read_metrics(tmp_path / "a" / "run")] == \
+        [r["loss"] for r in read_metrics(tmp_path / "b" / "run")]
+    assert sorted(os.listdir(cache)) == kept, "the second start compiled its programs again"
+    off = run_cli(tmp_path / "c", *args[:-1], "paths.compile_cache=null")
+    assert off.returncode == 0, off.stderr[-2000:]
+    assert not (tmp_path / "home" / ".cache").exists(), "null still kept programs (in the default place)"
