@@ -245,16 +245,60 @@ class RequestEncoder:
 
 @dataclasses.dataclass
 class PackedRows:
-    """Requests packed into [rows, seq_len] int32 arrays (the training batch's keys), plus where
-    each request's scored tokens lie: request i is row[i], targets [start[i], end[i])."""
+    """Requests packed into [rows, seq_len] int32 arrays (the training batch's keys, plus
+    branch_ids), and where each request's scored tokens lie: request i is row[i], targets
+    [start[i], end[i])."""
 
     inputs: np.ndarray
     targets: np.ndarray
     segment_ids: np.ndarray
     positions: np.ndarray
+    branch_ids: np.ndarray
     row: np.ndarray
     start: np.ndarray
     end: np.ndarray
+
+
+@dataclasses.dataclass
+class _Unit:
+    """What one segment of a packed row holds: a shared prefix (branch 0: context tokens but
+    the last) and one branch per request (the context's last token, then the continuation but
+    its last token; targets the continuation). A lone request is a unit with an empty prefix."""
+
+    prefix: tuple[int, ...]
+    branches: list[tuple[int, tuple[int, ...], tuple[int, ...], int]]   # (request, inputs, targets, n scored)
+
+    def __len__(self) -> int:
+        return len(self.prefix) + sum(len(b[1]) for b in self.branches)
+
+
+def _units(requests: Sequence[Request], seq_len: int) -> list[_Unit]:
+    """Requests with the same context share it: the multiple-choice case, where every choice of
+    an example repeats the context (HellaSwag: ~4 x 80 context tokens for ~4 x 25 scored ones).
+    A group is split into units of at most seq_len tokens; a request that needs truncation
+    (context + continuation > seq_len + 1) is scored alone on its last seq_len + 1 tokens."""
+    by_context: dict[tuple[int, ...], list[int]] = {}
+    units = []
+    for i, r in enumerate(requests):
+        if not r.continuation:
+            raise ValueError(f"request {i}: the continuation encodes to no tokens")
+        if r.context and len(r.context) + len(r.continuation) <= seq_len + 1:
+            by_context.setdefault(r.context, []).append(i)
+        else:
+            toks = (r.context + r.continuation)[-(seq_len + 1):]
+            n = min(len(r.continuation), len(toks) - 1)
+            units.append(_Unit((), [(i, toks[:-1], toks[1:], n)]))
+    for ctx, members in by_context.items():
+        unit = _Unit(ctx[:-1], [])
+        for i in members:
+            cont = requests[i].continuation
+            branch = (i, (ctx[-1],) + cont[:-1], cont, len(cont))
+            if unit.branches and len(unit) + len(cont) > seq_len:
+                units.append(unit)
+                unit = _Unit(ctx[:-1], [])
+            unit.branches.append(branch)
+        units.append(unit)
+    return units
 
 
 def pack_requests(requests: Sequence[Request], seq_len: int, rows_multiple: int = 1) -> PackedRows:
@@ -262,25 +306,21 @@ def pack_requests(requests: Sequence[Request], seq_len: int, rows_multiple: int 
 
     A request is the last seq_len + 1 tokens of context + continuation (left truncation, the
     harness's way); inputs are all but its last token, targets all but its first, and its scored
-    tokens are the last len(continuation) targets. Each request is its own segment (ids from 1,
-    0 = padding), positions restart at 0, so packed requests never see each other. The number of
-    rows is rounded up to a multiple of `rows_multiple` (the batch shape the step compiles for).
+    tokens are the last len(continuation) targets. Requests with the same context share one copy
+    of it (_units; the model's attention_mask keeps their continuations apart). Each unit is its
+    own segment (ids from 1, 0 = padding), positions restart at 0, so packed units never see each
+    other. The number of rows is rounded up to a multiple of `rows_multiple` (the batch shape the
+    step compiles for).
     """
     n = len(requests)
-    seqs, n_scored = [], np.zeros(n, np.int64)
-    for i, r in enumerate(requests):
-        if not r.continuation:
-            raise ValueError(f"request {i}: the continuation encodes to no tokens")
-        toks = (r.context + r.continuation)[-(seq_len + 1):]
-        seqs.append(toks)
-        n_scored[i] = min(len(r.continuation), len(toks) - 1)
-    order = sorted(range(n), key=lambda i: (-len(seqs[i]), i))
+    units = _units(requests, seq_len)
+    order = sorted(range(len(units)), key=lambda u: (-len(units[u]), min(b[0] for b in units[u].branches)))
     fill: list[int] = []          # tokens used per row
-    row_of, off_of = np.zeros(n, np.int64), np.zeros(n, np.int64)
-    first_open = 0                # rows before it are full to within the shortest request
-    shortest = min((len(s) - 1 for s in seqs), default=0)
-    for i in order:
-        need = len(seqs[i]) - 1
+    row_of, off_of = np.zeros(len(units), np.int64), np.zeros(len(units), np.int64)
+    first_open = 0                # rows before it are full to within the shortest unit
+    shortest = min((len(u) for u in units), default=0)
+    for u in order:
+        need = len(units[u])
         # First fit over the open rows (a window of 256 bounds the cost at many thousand rows).
         for r in range(first_open, min(len(fill), first_open + 256)):
             if fill[r] + need <= seq_len:
@@ -288,22 +328,32 @@ def pack_requests(requests: Sequence[Request], seq_len: int, rows_multiple: int 
         else:
             r = len(fill)
             fill.append(0)
-        row_of[i], off_of[i] = r, fill[r]
+        row_of[u], off_of[u] = r, fill[r]
         fill[r] += need
         while first_open < len(fill) and fill[first_open] + shortest > seq_len:
             first_open += 1
     n_rows = -(-max(len(fill), 1) // rows_multiple) * rows_multiple
     shape = (n_rows, seq_len)
     inputs, targets = np.zeros(shape, np.int32), np.zeros(shape, np.int32)
-    segs, pos = np.zeros(shape, np.int32), np.zeros(shape, np.int32)
+    segs, pos, branch = (np.zeros(shape, np.int32) for _ in range(3))
     seg_count = np.zeros(n_rows, np.int32)
-    for i in order:  # segment ids in packing order, so they are the same on every host
-        r, o, toks = row_of[i], off_of[i], seqs[i]
-        m = len(toks) - 1
+    row, start, end = (np.zeros(n, np.int64) for _ in range(3))
+    for u in order:  # segment ids in packing order, so they are the same on every host
+        r, o, unit = row_of[u], off_of[u], units[u]
         seg_count[r] += 1
-        inputs[r, o:o + m] = toks[:-1]
-        targets[r, o:o + m] = toks[1:]
+        m = len(unit)
         segs[r, o:o + m] = seg_count[r]
-        pos[r, o:o + m] = np.arange(m)
-    end = off_of + np.array([len(s) - 1 for s in seqs], np.int64)
-    return PackedRows(inputs, targets, segs, pos, row_of, end - n_scored, end)
+        p = len(unit.prefix)
+        if p:
+            inputs[r, o:o + p] = unit.prefix
+            targets[r, o:o + p - 1] = unit.prefix[1:]   # not scored; the last one is each branch's
+            pos[r, o:o + p] = np.arange(p)
+        at = o + p
+        for b, (i, ins, tgts, n_scored) in enumerate(unit.branches, start=1):
+            k = len(ins)
+            inputs[r, at:at + k], targets[r, at:at + k] = ins, tgts
+            pos[r, at:at + k] = np.arange(p, p + k)
+            branch[r, at:at + k] = b
+            row[i], start[i], end[i] = r, at + k - n_scored, at + k
+            at += k
+    return PackedRows(inputs, targets, segs, pos, branch, row, start, end)

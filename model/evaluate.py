@@ -37,7 +37,7 @@ from model.llama import LlamaConfig
 from model.step import abstract_model, as_cfg, batch_sharding, token_losses
 
 log = logging.getLogger(__name__)
-ROW_KEYS = ("inputs", "targets", "segment_ids", "positions")
+ROW_KEYS = ("inputs", "targets", "segment_ids", "positions", "branch_ids")
 
 
 # ----------------------------------------------------------------------------- config
@@ -95,7 +95,8 @@ def make_score_step(model_cfg, mesh: Mesh, rules, param_shardings):
     def step(params, rows):
         with shd.activation_sharding(mesh, rules):
             model = nnx.merge(graphdef, params)
-            logits_btv = model.logits(model.hidden(rows["inputs"], rows["positions"], rows["segment_ids"]))
+            logits_btv = model.logits(model.hidden(rows["inputs"], rows["positions"], rows["segment_ids"],
+                                                     rows["branch_ids"]))
             ce_bt, _ = token_losses(logits_btv, rows["targets"])
             greedy_bt = jnp.argmax(logits_btv, axis=-1).astype(jnp.int32) == rows["targets"]
         return -ce_bt, greedy_bt

@@ -142,17 +142,26 @@ def rope(x_btnh, positions_bt, theta: float):
     return out.astype(x_btnh.dtype)
 
 
-def attention_mask(segment_ids_bt):
-    """[b, t, s] bool: causal and same document. Packed documents never see each other."""
+def attention_mask(segment_ids_bt, branch_ids_bt=None):
+    """[b, t, s] bool: causal and same document. Packed documents never see each other.
+
+    branch_ids_bt (scoring only, model/evaluate.py): a document is a shared prefix (branch 0)
+    followed by branches 1, 2, ... that each see the prefix and themselves but not each other,
+    so several continuations of one context are scored in one pass over the context."""
     t = segment_ids_bt.shape[1]
     causal_ts = jnp.tril(jnp.ones((t, t), dtype=bool))
     same_doc_bts = segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
-    return causal_ts[None] & same_doc_bts
+    mask_bts = causal_ts[None] & same_doc_bts
+    if branch_ids_bt is not None:
+        key_b1s = branch_ids_bt[:, None, :]
+        mask_bts &= (key_b1s == 0) | (key_b1s == branch_ids_bt[:, :, None])
+    return mask_bts
 
 
-def attention_xla(q_btnh, k_bskh, v_bskh, segment_ids_bt):
+def attention_xla(q_btnh, k_bskh, v_bskh, segment_ids_bt, branch_ids_bt=None):
     """Reference attention: plain einsums, softmax in fp32. Runs on every backend."""
-    return _gqa_attention(q_btnh, k_bskh, v_bskh, attention_mask(segment_ids_bt)[:, None, None])
+    mask_bts = attention_mask(segment_ids_bt, branch_ids_bt)
+    return _gqa_attention(q_btnh, k_bskh, v_bskh, mask_bts[:, None, None])
 
 
 def _gqa_attention(q_btnh, k_bskh, v_bskh, mask):
@@ -270,9 +279,10 @@ def _devices_here():
     return device.platform, getattr(device, "compute_capability", None)
 
 
-def attention(q_btnh, k_bskh, v_bskh, segment_ids_bt, impl: str):
-    if impl == "xla":
-        return attention_xla(q_btnh, k_bskh, v_bskh, segment_ids_bt)
+def attention(q_btnh, k_bskh, v_bskh, segment_ids_bt, impl: str, branch_ids_bt=None):
+    if impl == "xla" or branch_ids_bt is not None:
+        # Branched rows are scoring's (no gradient, short rows): the kernels take segment ids only.
+        return attention_xla(q_btnh, k_bskh, v_bskh, segment_ids_bt, branch_ids_bt)
     if impl == "cudnn":
         platform, capability = _devices_here()
         reason = cudnn_unavailable(platform, q_btnh.dtype, q_btnh.shape[-1], q_btnh.shape[1], capability)
@@ -352,9 +362,9 @@ class Block(nnx.Module):
         x_btd = x_btd + jnp.einsum("btf,fd->btd", h_btf, self._w(self.w_down_fd))
         return shd.constrain(x_btd, ("act_batch", "act_len", "act_embed"))
 
-    def __call__(self, x_btd, positions_bt, segment_ids_bt):
+    def __call__(self, x_btd, positions_bt, segment_ids_bt, branch_ids_bt=None):
         q_btnh, k_btkh, v_btkh = self._qkv(x_btd, positions_bt)
-        o_btnh = attention(q_btnh, k_btkh, v_btkh, segment_ids_bt, self.attention_impl)
+        o_btnh = attention(q_btnh, k_btkh, v_btkh, segment_ids_bt, self.attention_impl, branch_ids_bt)
         return self._out_and_mlp(x_btd, o_btnh)
 
     def decode(self, x_btd, positions_bt, k_cache_bskh, v_cache_bskh, start):
@@ -401,9 +411,10 @@ class Llama(nnx.Module):
         """Logits [b, t, v] in fp32. positions restart at 0 per packed document."""
         return self.logits(self.hidden(tokens_bt, positions_bt, segment_ids_bt))
 
-    def hidden(self, tokens_bt, positions_bt, segment_ids_bt):
+    def hidden(self, tokens_bt, positions_bt, segment_ids_bt, branch_ids_bt=None):
         """The final-normed hidden states [b, t, d] that `logits` projects onto the vocab. Apart
-        so the loss can project a chunk of positions at a time (train.loss_chunk)."""
+        so the loss can project a chunk of positions at a time (train.loss_chunk).
+        branch_ids_bt: shared-prefix scoring rows (attention_mask); None in training."""
         cfg = self.cfg
         dt = jnp.dtype(cfg.dtype)
         x_btd = jnp.take(self.embed_vd[...], tokens_bt, axis=0).astype(dt)
@@ -412,7 +423,7 @@ class Llama(nnx.Module):
         policy = REMAT_POLICIES[cfg.remat]
 
         def apply(graphdef, state, x_btd):
-            return nnx.merge(graphdef, state)(x_btd, positions_bt, segment_ids_bt)
+            return nnx.merge(graphdef, state)(x_btd, positions_bt, segment_ids_bt, branch_ids_bt)
 
         if cfg.remat != "none":
             # prevent_cse=False is safe (and faster) inside scan, which already blocks CSE.

@@ -138,6 +138,12 @@ def test_packed_scores_equal_requests_scored_alone():
     ctx = tuple(rng.integers(1, 4096, 10))
     nxt = int(np.asarray(model(jnp.asarray([ctx]), jnp.arange(10)[None], jnp.ones((1, 10), jnp.int32)))[0, -1].argmax())
     reqs.append(Request(ctx, (nxt,)))
+    # Choices of one context share it (one prefix, a branch each): a group that fits one row,
+    # one that must be split over two units, and a member that needs truncation on its own.
+    shared = tuple(rng.integers(1, 4096, 12))
+    reqs += [Request(shared, tuple(rng.integers(1, 4096, k))) for k in (1, 4, 2, 3)]
+    wide = tuple(rng.integers(1, 4096, 20))
+    reqs += [Request(wide, tuple(rng.integers(1, 4096, k))) for k in (5, 6, 4, 14)]
 
     mesh_cfg = yaml.safe_load((ROOT / "configs" / "mesh" / "default.yaml").read_text())
     mesh, rules = shd.make_mesh(mesh_cfg), shd.rules_from_cfg(mesh_cfg)
@@ -152,7 +158,11 @@ def test_packed_scores_equal_requests_scored_alone():
         ref_ll, ref_g = _alone(params, r, seq_len)
         assert abs(ll[i] - ref_ll) <= 1e-4 * max(1.0, abs(ref_ll)), (i, ll[i], ref_ll)
         assert greedy[i] == ref_g, i
-    assert greedy[-1] and not greedy[:-1].all()
+    assert greedy[reqs.index(Request(ctx, (nxt,)))] and not greedy.all()
+    # The shared contexts were packed once per unit: fewer tokens than the requests alone.
+    alone = sum(min(len(r.context) + len(r.continuation), seq_len + 1) - 1 for r in reqs)
+    # (12-token context: 3 of 4 copies saved; 20-token: the 5 and 6 share, 4 is split off, 14 is truncated)
+    assert int((packed.segment_ids > 0).sum()) == alone - 3 * 11 - 19
 
 
 def test_pack_rows_are_disjoint_segments():
@@ -167,6 +177,30 @@ def test_pack_rows_are_disjoint_segments():
         assert (seg == seg[0]).all() and seg[0] > 0
         assert p.positions[p.row[i], p.end[i] - m:p.end[i]].tolist() == list(range(m))
         assert p.targets[p.row[i], p.start[i]:p.end[i]].tolist() == [2, 3]
+
+
+def test_choices_of_one_context_share_it_and_see_only_themselves():
+    ctx = (11, 12, 13, 14)
+    reqs = [Request(ctx, (21, 22)), Request((9,), (5,)), Request(ctx, (31,)), Request(ctx, (41, 42, 43))]
+    p = pack_requests(reqs, seq_len=16)
+    assert p.inputs.shape == (1, 16)
+    r = p.row[0]
+    seg = p.segment_ids[r]
+    shared = [i for i in (0, 2, 3)]
+    assert len({int(seg[p.start[i]]) for i in shared}) == 1              # one unit, one segment
+    assert int((seg == seg[p.start[0]]).sum()) == 3 + 2 + 1 + 3          # prefix once + each branch
+    for i, b in zip(shared, (1, 2, 3), strict=True):
+        cont = reqs[i].continuation
+        sl = slice(p.start[i], p.end[i])
+        assert p.targets[r, sl].tolist() == list(cont)
+        assert p.inputs[r, sl].tolist() == [14, *cont[:-1]]              # the context's last token leads
+        assert p.positions[r, sl].tolist() == list(range(3, 3 + len(cont)))
+        assert (p.branch_ids[r, sl] == b).all()
+    pre = (seg == seg[p.start[0]]) & (p.branch_ids[r] == 0)
+    assert p.inputs[r, pre].tolist() == [11, 12, 13] and p.positions[r, pre].tolist() == [0, 1, 2]
+    # A tight row splits the group: each unit repeats the prefix and stays within seq_len.
+    p = pack_requests(reqs, seq_len=8)
+    assert p.end.max() <= 8 and len({(int(p.row[i]), int(p.segment_ids[p.row[i], p.start[i]])) for i in shared}) == 2
 
 
 def test_metrics_follow_the_harness_definitions():
