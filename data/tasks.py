@@ -272,7 +272,7 @@ class _Unit:
         return len(self.prefix) + sum(len(b[1]) for b in self.branches)
 
 
-def _units(requests: Sequence[Request], seq_len: int) -> list[_Unit]:
+def _units(requests: Sequence[Request], seq_len: int, share_contexts: bool = True) -> list[_Unit]:
     """Requests with the same context share it: the multiple-choice case, where every choice of
     an example repeats the context (HellaSwag: ~4 x 80 context tokens for ~4 x 25 scored ones).
     A group is split into units of at most seq_len tokens; a request that needs truncation
@@ -283,12 +283,13 @@ def _units(requests: Sequence[Request], seq_len: int) -> list[_Unit]:
         if not r.continuation:
             raise ValueError(f"request {i}: the continuation encodes to no tokens")
         if r.context and len(r.context) + len(r.continuation) <= seq_len + 1:
-            by_context.setdefault(r.context, []).append(i)
+            by_context.setdefault(r.context if share_contexts else (i, r.context), []).append(i)
         else:
             toks = (r.context + r.continuation)[-(seq_len + 1):]
             n = min(len(r.continuation), len(toks) - 1)
             units.append(_Unit((), [(i, toks[:-1], toks[1:], n)]))
-    for ctx, members in by_context.items():
+    for members in by_context.values():
+        ctx = requests[members[0]].context
         unit = _Unit(ctx[:-1], [])
         for i in members:
             cont = requests[i].continuation
@@ -301,7 +302,8 @@ def _units(requests: Sequence[Request], seq_len: int) -> list[_Unit]:
     return units
 
 
-def pack_requests(requests: Sequence[Request], seq_len: int, rows_multiple: int = 1) -> PackedRows:
+def pack_requests(requests: Sequence[Request], seq_len: int, rows_multiple: int = 1,
+                  share_contexts: bool = True) -> PackedRows:
     """First-fit-decreasing packing of requests into rows of seq_len tokens.
 
     A request is the last seq_len + 1 tokens of context + continuation (left truncation, the
@@ -310,10 +312,10 @@ def pack_requests(requests: Sequence[Request], seq_len: int, rows_multiple: int 
     of it (_units; the model's attention_mask keeps their continuations apart). Each unit is its
     own segment (ids from 1, 0 = padding), positions restart at 0, so packed units never see each
     other. The number of rows is rounded up to a multiple of `rows_multiple` (the batch shape the
-    step compiles for).
+    step compiles for). share_contexts=False packs every request alone (the benchmark's baseline).
     """
     n = len(requests)
-    units = _units(requests, seq_len)
+    units = _units(requests, seq_len, share_contexts)
     order = sorted(range(len(units)), key=lambda u: (-len(units[u]), min(b[0] for b in units[u].branches)))
     fill: list[int] = []          # tokens used per row
     row_of, off_of = np.zeros(len(units), np.int64), np.zeros(len(units), np.int64)

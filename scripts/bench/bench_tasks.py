@@ -29,6 +29,7 @@ import yaml
 from train import PROJECT_ROOT as ROOT  # the project is installed editable (README)
 
 sys.path.insert(0, str(ROOT))
+from data.tasks import pack_requests  # noqa: E402
 from data.tokenizer import load_tokenizer  # noqa: E402
 from model.evaluate import TaskEvaluator, TasksConfig  # noqa: E402
 from model.llama import LlamaConfig  # noqa: E402
@@ -92,6 +93,11 @@ def main() -> None:
     rows = ev.packed.inputs.shape[0]
     print(f"in-loop: {n_ex} examples ({len(ev.requests)} requests) in {rows} rows of {seq}: {t_eval:.3f} s "
           f"= {n_ex / t_eval:.1f} examples/s; train step {t_step * 1e3:.1f} ms")
+    # The same requests with every context packed once per choice (no shared prefixes).
+    alone = pack_requests(ev.requests, seq, rows_multiple=16, share_contexts=False)
+    t_alone = timed(lambda: ev.scorer.score_packed(holder["s"]["params"], alone))
+    print(f"  without shared contexts: {alone.inputs.shape[0]} rows, {t_alone:.3f} s = {n_ex / t_alone:.1f} "
+          f"examples/s; shared / alone speed {t_alone / t_eval:.2f}x")
     for every in (int(x) for x in args.every.split(",")):
         print(f"  share of training time at eval.tasks_every={every}: {t_eval / (every * t_step + t_eval):.4f}")
     results = {"in_loop": n_ex / t_eval}
