@@ -94,9 +94,98 @@ def _converted_dir(path: str, setting: str) -> list[str]:
     hf = _hf_saved_dir(path, setting)
     if hf is not None:
         return hf
+    hf = _hf_repo_dir(path, setting)
+    if hf is not None:
+        return hf
     raise ValueError(f"{setting}: {path!r} is a directory, neither written by scripts/prepare_data.py "
-                     f"({records.MANIFEST}) nor by Hugging Face datasets' save_to_disk (state.json): "
-                     "give globs of its files instead (e.g. DIR/*.parquet, DIR/**/*.json.gz)")
+                     f"({records.MANIFEST}) nor by Hugging Face datasets' save_to_disk (state.json), nor "
+                     "a Hugging Face dataset folder with data files we read: give globs of its files "
+                     "instead (e.g. DIR/*.parquet, DIR/**/*.json.gz)")
+
+
+# A file's split in a hub dataset folder, from its path as the hub's default layout names it
+# (data/train-00000-of-00004.parquet, train/part-0.jsonl, en/validation.json.gz ...).
+_SPLIT_WORDS = {"train": ("train", "training"), "validation": ("validation", "valid", "val", "dev"),
+                "test": ("test", "testing", "eval", "evaluation")}
+
+
+def _path_split(rel: str) -> str | None:
+    import re
+
+    tokens = set(re.split(r"[-._ 0-9/]+", rel.lower()))
+    found = [split for split, words in _SPLIT_WORDS.items() if tokens & set(words)]
+    return found[0] if len(found) == 1 else None
+
+
+def _hf_repo_dir(path: str, setting: str) -> list[str] | None:
+    """The training files of a Hugging Face dataset folder (a `huggingface-cli download
+    --repo-type dataset` snapshot or a clone of the hub repository), resolved as the hub does:
+    the dataset card's `configs:` (README.md's YAML header: the `default: true` config, else
+    "default", else the first; its `train` split, or its only one), else every file of a format
+    we read, those whose path names the train split when any path names a split. None: no such
+    file. Globs in `configs:` are relative to the folder."""
+    from data.formats import name_format
+
+    configs = _card_configs(os.path.join(path, "README.md"), setting)
+    if configs:
+        chosen = next((c for c in configs if c.get("default")), None) or \
+            next((c for c in configs if c.get("config_name") == "default"), configs[0])
+        name = chosen.get("config_name", "default")
+        data_files = chosen.get("data_files")
+        if isinstance(data_files, (str, list)) and all(isinstance(d, str) for d in _as_list(data_files)):
+            data_files = [{"split": "train", "path": data_files}]
+        splits = {d.get("split", "train"): _as_list(d.get("path")) for d in _as_list(data_files)
+                  if isinstance(d, dict)}
+        if not splits:
+            raise ValueError(f"{setting}: {path}/README.md: config {name!r} lists no data_files")
+        split = "train" if "train" in splits else (next(iter(splits)) if len(splits) == 1 else None)
+        if split is None:
+            raise ValueError(f"{setting}: {path}/README.md: config {name!r} has no train split "
+                             f"({', '.join(splits)}): give the files of one as a glob")
+        files = sorted({f for pattern in splits[split]
+                        for f in glob.glob(os.path.join(path, pattern), recursive=True) if os.path.isfile(f)})
+        if not files:
+            raise ValueError(f"{setting}: {path}/README.md: config {name!r} split {split!r} "
+                             f"({', '.join(splits[split])}) matches no file in the folder")
+        return files
+    found = []
+    for root, dirs, names in os.walk(path):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        found += [os.path.join(root, n) for n in sorted(names) if name_format(n) is not None]
+    if not found:
+        return None
+    by_split = [(_path_split(os.path.relpath(f, path)), f) for f in found]
+    if any(split for split, _ in by_split):
+        found = [f for split, f in by_split if split == "train"]
+        if not found:
+            raise ValueError(f"{setting}: {path!r}: its data files name splits but none is train "
+                             f"({', '.join(sorted({s for s, _ in by_split if s}))}): give one's files as a glob")
+    return found
+
+
+def _as_list(x) -> list:
+    return [] if x is None else (x if isinstance(x, list) else [x])
+
+
+def _card_configs(readme: str, setting: str) -> list[dict]:
+    """The `configs:` of a dataset card's YAML header ([] without a card or without configs)."""
+    import yaml
+
+    try:
+        with open(readme, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        return []
+    if not text.startswith("---"):
+        return []
+    header = text[3:].split("\n---", 1)[0]
+    try:
+        meta = yaml.safe_load(header) or {}
+    except yaml.YAMLError as e:
+        raise ValueError(f"{setting}: {readme}: its YAML header does not parse "
+                         f"({str(e).splitlines()[0]})") from None
+    configs = meta.get("configs") if isinstance(meta, dict) else None
+    return [c for c in configs if isinstance(c, dict)] if isinstance(configs, list) else []
 
 
 def _hf_saved_dir(path: str, setting: str) -> list[str] | None:

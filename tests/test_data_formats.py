@@ -355,6 +355,62 @@ def test_hf_save_to_disk_directory(tmp_path):
         data.list_files(cfg(tmp_path, paths=(str(tmp_path / "plain"),)))
 
 
+def _epoch0_texts(c, n_files, batches=80):
+    """{(file index, record)} read in epoch 0."""
+    rows = rows_of(take(data.make_host_iterator(c, 0, 1, debug=True), batches))
+    return {(f, rec) for (e, f, rec) in doc_tokens(rows, n_files) if e == 0}
+
+
+def test_hf_dataset_folder_reads_its_train_files_as_the_hub_does(tmp_path):
+    """A Hugging Face dataset folder (a hub snapshot or clone) given as a path: its train split,
+    by the card's `configs:` when it has them, else by the hub's default layout; the same files
+    `datasets.load_dataset(folder, split="train")` reads, where `datasets` is installed."""
+    rng = random.Random(7)
+    hub = tmp_path / "hub"
+    (hub / "data").mkdir(parents=True)
+    train = {f"data/train-{i:05d}-of-00002.parquet": [doc_text(rng, f"tr{i}-{j}", 20) for j in range(6)]
+             for i in range(2)}
+    test = {"data/test-00000-of-00001.parquet": [doc_text(rng, f"te-{j}", 20) for j in range(4)]}
+    for rel, texts in {**train, **test}.items():
+        write_records(str(hub / rel), "parquet", [{"text": t} for t in texts])
+    (hub / ".gitattributes").write_text("*.parquet filter=lfs\n")
+    (hub / "README.md").write_text("---\nlicense: cc-by-4.0\nlanguage: [en]\n---\n# A dataset\n")
+    c = cfg(tmp_path, paths=(str(hub),), text_key="text", num_shards=2, global_batch_size=2, shuffle_window=0)
+    files = data.list_files(c)
+    assert [os.path.relpath(f, hub) for f in files] == sorted(train)
+    data.validate(c, 1, 1)
+    assert _epoch0_texts(c, 2) == {(f, j) for f in range(2) for j in range(6)}
+    try:
+        import datasets
+    except ImportError:
+        datasets = None
+    if datasets is not None:
+        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+        ref = datasets.load_dataset(str(hub), split="train", cache_dir=str(tmp_path / "hf_cache"))
+        assert sorted(ref["text"]) == sorted(t for ts in train.values() for t in ts)
+
+    # The card's configs: the default config's train split (globs relative to the folder).
+    (hub / "stories").mkdir()
+    for i in range(2):
+        write_records(str(hub / "stories" / f"part{i}.jsonl"), "lines",
+                      [{"text": doc_text(rng, f"st{i}-{j}", 20)} for j in range(5)])
+    (hub / "README.md").write_text(
+        "---\nconfigs:\n- config_name: tiny\n  data_files: data/test-*.parquet\n"
+        "- config_name: stories\n  default: true\n  data_files:\n  - split: train\n    path: stories/*.jsonl\n"
+        "  - split: validation\n    path: data/test-*.parquet\n---\n")
+    assert [os.path.relpath(f, hub) for f in data.list_files(c)] == ["stories/part0.jsonl", "stories/part1.jsonl"]
+    # No train split among several: named in one line, with the splits.
+    (hub / "README.md").write_text("---\nconfigs:\n- config_name: default\n  data_files:\n"
+                                   "  - split: a\n    path: data/*.parquet\n  - split: b\n    path: stories/*\n---\n")
+    with pytest.raises(ValueError, match=r"config 'default' has no train split \(a, b\)"):
+        data.list_files(c)
+    # A folder with no file of a format read here is still refused, naming what it accepts.
+    (tmp_path / "empty" / "sub").mkdir(parents=True)
+    (tmp_path / "empty" / "sub" / "notes.txt").write_text("hello")
+    with pytest.raises(ValueError, match="nor a Hugging Face dataset folder"):
+        data.list_files(cfg(tmp_path, paths=(str(tmp_path / "empty"),)))
+
+
 # ---------------------------------------------------------------- the converter
 def _converted_records(src_glob, out, text_key):
     from array_record.python.array_record_module import ArrayRecordReader
