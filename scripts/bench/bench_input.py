@@ -240,7 +240,8 @@ def simulate_training(cfg, steps, tok_s, frac=0.8, compile_s=2.0, calib_batches=
     negligible beside tokenizing but 40% of the time of a converted corpus's ~0.5 ms batch.
     The first step is followed by a `compile_s` pause, as a real first step compiles while the
     input pipeline fills up; then `calib_batches` unthrottled batches (after the buffers'
-    worth) measure the prefetcher's rate. `step_s`: a fixed step instead (no calibration).
+    worth) measure the prefetcher's rate, and another `compile_s` pause refills the buffers.
+    `step_s`: a fixed step instead (no calibration).
     -> (wait fraction, step seconds, stats, life)."""
     import jax
     import numpy as np
@@ -264,6 +265,10 @@ def simulate_training(cfg, steps, tok_s, frac=0.8, compile_s=2.0, calib_batches=
         for _ in range(calib_batches):
             next(pf)
         per_batch = max(per_batch, (time.perf_counter() - t0) / calib_batches)
+        # The calibration emptied every buffer, which a training loop never sees: it starts after
+        # its compile with them full, and at 80% of the rate they stay full. Refill them as the
+        # compile would, so the loop below measures the steady state, not a catch-up.
+        time.sleep(compile_s)
     step_s = step_s or per_batch / frac
     w0 = pf.stats()["wait_s"]
     ready_waits, empty_wait = [], 0.0   # next() with a batch buffered (no starvation) or not
