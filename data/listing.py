@@ -23,6 +23,7 @@ import dataclasses
 import fnmatch
 import glob
 import os
+import re
 import stat
 import time
 from typing import Callable
@@ -110,8 +111,6 @@ _SPLIT_WORDS = {"train": ("train", "training"), "validation": ("validation", "va
 
 
 def _path_split(rel: str) -> str | None:
-    import re
-
     tokens = set(re.split(r"[-._ 0-9/]+", rel.lower()))
     found = [split for split, words in _SPLIT_WORDS.items() if tokens & set(words)]
     return found[0] if len(found) == 1 else None

@@ -316,7 +316,7 @@ def pack_requests(requests: Sequence[Request], seq_len: int, rows_multiple: int 
     """
     n = len(requests)
     units = _units(requests, seq_len, share_contexts)
-    order = sorted(range(len(units)), key=lambda u: (-len(units[u]), min(b[0] for b in units[u].branches)))
+    order = sorted(range(len(units)), key=lambda u: (-len(units[u]), units[u].branches[0][0]))   # then first request
     fill: list[int] = []          # tokens used per row
     row_of, off_of = np.zeros(len(units), np.int64), np.zeros(len(units), np.int64)
     first_open = 0                # rows before it are full to within the shortest unit

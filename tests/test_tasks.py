@@ -186,7 +186,7 @@ def test_choices_of_one_context_share_it_and_see_only_themselves():
     assert p.inputs.shape == (1, 16)
     r = p.row[0]
     seg = p.segment_ids[r]
-    shared = [i for i in (0, 2, 3)]
+    shared = (0, 2, 3)
     assert len({int(seg[p.start[i]]) for i in shared}) == 1              # one unit, one segment
     assert int((seg == seg[p.start[0]]).sum()) == 3 + 2 + 1 + 3          # prefix once + each branch
     for i, b in zip(shared, (1, 2, 3), strict=True):
