@@ -6,7 +6,9 @@ A bucket mounted with gcsfuse holds thousands of files, and every uncached metad
 per file: a glob component is matched against one read of its directory (the entries' types
 come with the read), and only a literal last component (`*/en_head.json.gz`, a plain path,
 an entry of a list file) is stat-ed, once. train.py runs it on one process, hands the list
-to the other hosts and saves it with the checkpoint, so a run lists its bucket once.
+to the other hosts and saves it with the checkpoint, so a run lists its bucket once. A URL
+pattern's objects come with their sizes (one list request), kept with the listing ("sizes"), so
+that no process of the run, a resumed one included, asks the store for an object's metadata.
 
 Entries of a pattern list:
   /mnt/rp/*/en_head.json.gz   a glob (`*`, `?`, `[...]`, `**` for any depth)
@@ -36,6 +38,8 @@ class Listing:
     files: list[str]            # sorted, deduplicated
     dirs_read: int = 0          # directory reads (os.scandir)
     stats: int = 0              # per-file metadata calls (os.stat)
+    # {url: size} of the files listed from URL patterns (local files and @list entries: none)
+    sizes: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def describe(self) -> str:
         return (f"{len(self.files)} files ({self.dirs_read} directory reads, "
@@ -50,6 +54,7 @@ def list_paths(patterns, setting: str = "data.paths") -> Listing:
         patterns = (patterns,)
     walker = _Walker()
     files: set[str] = set()
+    sizes: dict[str, int] = {}
     for p in patterns:
         p = str(p)
         if p.startswith("@"):
@@ -59,6 +64,7 @@ def list_paths(patterns, setting: str = "data.paths") -> Listing:
             found = _list_url(p, setting)
             walker.dirs_read += 1   # one list request per URL pattern (sizes come with it)
             files.update(found)
+            sizes.update(found)
             continue
         found = walker.expand(os.path.expanduser(p))
         if not found and not glob.has_magic(p) and os.path.isdir(os.path.expanduser(p)):
@@ -66,14 +72,15 @@ def list_paths(patterns, setting: str = "data.paths") -> Listing:
         if not found:
             raise ValueError(f"{setting}: {p!r} matches no file")
         files.update(found)
-    return Listing(sorted(files), walker.dirs_read, walker.stats)
+    return Listing(sorted(files), walker.dirs_read, walker.stats, sizes)
 
 
-def _list_url(pattern: str, setting: str) -> list[str]:
-    """The objects a URL pattern matches, from one listing request (data/objstore.py)."""
+def _list_url(pattern: str, setting: str) -> dict[str, int]:
+    """{object: size} of the objects a URL pattern matches, from one listing request
+    (data/objstore.py)."""
 
     try:
-        found, _ = objstore.list_url(pattern)
+        _, found = objstore.list_url(pattern)
     except ValueError as e:
         raise ValueError(f"{setting}: {e}") from None
     except Exception as e:   # noqa: BLE001 - a backend's error: named in one line
@@ -329,7 +336,9 @@ def run_listing(patterns: list | dict, eval_paths: list, saved: dict | None, *,
                 from_process_0: Callable = lambda make: make(), log: Callable | None = None) -> dict:
     """The run's files, {"paths", "eval_paths": the patterns; "train", "eval": their files}
     ("paths" and "train" keyed by source name for a mixture, given `patterns` as
-    {source name: patterns}).
+    {source name: patterns}), and "sizes": {url: size} of the files listed from URL patterns
+    (absent without any: a listing of local files is what it always was). Every host keeps the
+    sizes (data/objstore.py SIZES), so opening those objects asks the store nothing.
 
     A resumed run reuses the listing saved with its checkpoint (`saved`) when it was made from
     the same patterns, and trusts it: a file deleted since then is found when read (an
@@ -356,6 +365,7 @@ def run_listing(patterns: list | dict, eval_paths: list, saved: dict | None, *,
             return saved
         t0 = time.perf_counter()
         out = dict(wanted)
+        sizes = dict(saved.get("sizes", {})) if saved else {}   # of the sources reused below
         if mixture:
             known = saved_source_listings(saved)
             train, listed, reused = {}, [], []
@@ -366,6 +376,7 @@ def run_listing(patterns: list | dict, eval_paths: list, saved: dict | None, *,
                     continue
                 part = list_paths(p, f"data.sources[{name}].paths")
                 train[name] = part.files
+                sizes.update(part.sizes)
                 listed.append(f"{name}: {part.describe()}")
             what = "; ".join(listed + ([f"the checkpoint's list for {', '.join(reused)}"] if reused else []))
             parked = {name: v for name, v in known.items() if name not in patterns}
@@ -374,15 +385,25 @@ def run_listing(patterns: list | dict, eval_paths: list, saved: dict | None, *,
         else:
             part = list_paths(patterns, "data.paths")
             train, what = part.files, part.describe()
+            sizes.update(part.sizes)
         held_out = list_paths(eval_paths, "data.eval.paths") if eval_paths else None
+        if held_out:
+            sizes.update(held_out.sizes)
         say(f"data: listed {what}" + (f" + held-out {held_out.describe()}" if held_out else "")
             + f" in {time.perf_counter() - t0:.1f} s")
-        return {**out, "train": train, "eval": held_out.files if held_out else []}
+        out = {**out, "train": train, "eval": held_out.files if held_out else []}
+        kept = set(all_files(train)) | set(out["eval"]) | {
+            f for v in out.get("parked", {}).values() for f in v["files"]}
+        sizes = {f: n for f, n in sorted(sizes.items()) if f in kept}
+        return {**out, "sizes": sizes} if sizes else out
 
     # Process 0 decides for all (reuse or walk): hosts whose resolved patterns differ (another
     # install directory behind ${project_root:}) must still take the same branch, or the
     # others would wait in the broadcast for a process 0 that never enters it.
-    return from_process_0(walk)
+    listing = from_process_0(walk)
+    # A listing saved before sizes were kept has none: its objects' sizes are asked when opened.
+    objstore.remember_sizes(listing.get("sizes", {}))
+    return listing
 
 
 def saved_source_listings(saved: dict | None) -> dict:

@@ -42,7 +42,7 @@ import zlib
 import numpy as np
 
 from data import records
-from data.shard import COUNTER_KEYS, StreamSpec, zero_counters
+from data.shard import COUNTER_KEYS, StreamSpec, url_sizes, zero_counters
 
 _WEYL = 0x9E3779B97F4A7C15          # round(2^64 / golden ratio), odd
 _MASK = (1 << 64) - 1
@@ -79,7 +79,8 @@ def mixture_spec(base: StreamSpec, cfg, files: dict[str, list[str]]) -> StreamSp
     return dataclasses.replace(base, files=(), mixture=tuple(
         (src.name, src.weight,
          dataclasses.replace(base, files=tuple(files[src.name]), text_key=cfg.source_text_key(src),
-                             seed=source_seed(cfg.seed, src.name), **records.stream_fields(files[src.name])))
+                             seed=source_seed(cfg.seed, src.name), sizes=url_sizes(files[src.name]),
+                             **records.stream_fields(files[src.name])))
         for src in cfg.sources))
 
 

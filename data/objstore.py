@@ -6,6 +6,11 @@ latency is spread over megabytes of text, and a listing asks the store once per 
 sizes included (`glob(detail=True)`), never once per file. fsspec and its backends are imported
 only here and only when a URL is met, so validating a config stays light.
 
+The sizes of a listing are kept (SIZES, `remember_sizes`) and travel with the run's listing (saved
+with the checkpoint, data/listing.py) and with the StreamSpec to input worker processes: opening
+an object of known size asks the store nothing, where an fsspec file would first fetch the
+object's metadata (one request per file, in every fresh process: a resume, each input worker).
+
 Credentials are whatever the backend finds (gcsfs: application default credentials, the
 metadata server, GOOGLE_APPLICATION_CREDENTIALS); they are never part of a URL we keep, and the
 messages here print the URL only.
@@ -21,6 +26,11 @@ BLOCK = 8 << 20
 # Seconds this process spent in object-store reads (requests and transfer): the per-stage table's
 # "fetch" (data/timing.py), taken out of "read" by data/sources.py around each record it reads.
 FETCH_S = [0.0]
+# {url: size in bytes} of the objects listed in (or handed to) this process. Every reader of a URL
+# (data/formats.py, data/gzseek.py, held-out files) opens it by its URL alone; a per-process table
+# spares threading a size through each of them. Objects are taken as unchanged since the listing,
+# as the listing itself is.
+SIZES: dict[str, int] = {}
 RETRIES = 4            # tries of a read that fails with a transient error
 BACKOFF_S = 0.2        # first wait between tries, doubled each time
 
@@ -72,7 +82,19 @@ def list_url(pattern: str) -> tuple[list[str], dict[str, int]]:
         found = fs.find(pattern, detail=True)
     sizes = {_full(fs, pattern, p): int(info.get("size") or 0)
              for p, info in found.items() if info.get("type", "file") == "file"}
+    remember_sizes(sizes)
     return sorted(sizes), sizes
+
+
+def remember_sizes(sizes) -> None:
+    """Objects' sizes ({url: size} or (url, size) pairs) known from a listing: opening one of
+    them then costs no metadata request."""
+    SIZES.update(sizes)
+
+
+def known_sizes(paths) -> dict[str, int]:
+    """{url: size} of those of `paths` whose size this process knows (local paths never)."""
+    return {p: SIZES[p] for p in paths if p in SIZES}
 
 
 class ReadError(OSError):
@@ -86,13 +108,45 @@ def _transient(e: BaseException) -> bool:
         "HttpError", "ClientError", "ServerDisconnectedError", "ClientPayloadError")
 
 
+class _Ranged:
+    """The read surface of an fsspec file (read, seek, size) over an object of known size, read
+    through the backend's ranged GET (`cat_file`), BLOCK bytes ahead as fsspec's "readahead"
+    cache does. Why not fs.open(size=...): gcsfs's GCSFile fetches the object's metadata in its
+    constructor whatever size it is given (its content type); a ranged GET needs none."""
+
+    def __init__(self, fs, url: str, size: int, block: int):
+        from fsspec.caching import ReadAheadCache
+
+        self.size = size
+        self.loc = 0
+        self._cache = ReadAheadCache(block, lambda start, end: fs.cat_file(url, start=start, end=end), size)
+
+    def read(self, n: int = -1) -> bytes:
+        end = self.size if n is None or n < 0 else min(self.size, self.loc + n)
+        data = self._cache._fetch(self.loc, end)
+        self.loc += len(data)
+        return data
+
+    def seek(self, off: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self.loc, 2: self.size}[whence]
+        if base + off < 0:
+            raise ValueError(f"seek before the start of the object ({base + off})")
+        self.loc = base + off
+        return self.loc
+
+    def close(self) -> None:
+        self._cache = None
+
+
 class _Retrying(io.RawIOBase):
     """A file object of a URL whose reads and seeks are retried with backoff; the whole object is
-    re-opened at the same position after a failure (an fsspec file may be left half-read)."""
+    re-opened at the same position after a failure (an fsspec file may be left half-read).
+    `size`: the object's size when known (from a listing): then opening it asks for nothing."""
 
-    def __init__(self, url: str, block: int):
+    def __init__(self, url: str, block: int, size: int | None = None):
         self.url = url
         self._block = block
+        self._size = size
         self._pos = 0
         self._fh = None
         self._retry(self._reopen)
@@ -104,7 +158,16 @@ class _Retrying(io.RawIOBase):
                 self._fh.close()
             except Exception:   # noqa: BLE001 - the broken handle is dropped anyway
                 pass
-        self._fh = fs.open(self.url, "rb", block_size=self._block, cache_type="readahead")
+        from fsspec.asyn import AsyncFileSystem
+
+        if self._size is not None and isinstance(fs, AsyncFileSystem):
+            # gcsfs, s3fs: cat_file is one ranged GET, no metadata first
+            self._fh = _Ranged(fs, self.url, self._size, self._block)
+        else:
+            # others (memory://, hf://) open a file; size= spares the metadata request where the
+            # backend's file honours it (fsspec's AbstractBufferedFile does)
+            extra = {} if self._size is None else {"size": self._size}
+            self._fh = fs.open(self.url, "rb", block_size=self._block, cache_type="readahead", **extra)
         if self._pos:
             self._fh.seek(self._pos)
         return None
@@ -162,7 +225,9 @@ class _Retrying(io.RawIOBase):
         super().close()
 
 
-def open_url(url: str, block: int | None = None):
+def open_url(url: str, block: int | None = None, size: int | None = None):
     """A seekable buffered binary file object of the object at `url`, read BLOCK bytes per
-    request, every read retried (RETRIES tries with backoff) on a transient error."""
-    return io.BufferedReader(_Retrying(url, block or BLOCK), buffer_size=1 << 20)
+    request, every read retried (RETRIES tries with backoff) on a transient error. `size` (else
+    the size a listing gave, SIZES): no metadata request; unknown: one (fsspec's fs.info)."""
+    size = SIZES.get(url) if size is None else size
+    return io.BufferedReader(_Retrying(url, block or BLOCK, size), buffer_size=1 << 20)

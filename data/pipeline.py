@@ -14,7 +14,7 @@ from data import records
 from data.config import DataConfig, check_files, list_files
 from data.host import HostIterDataset, find_shard_states
 from data.mixture import mixture_spec, source_counters
-from data.shard import COUNTER_KEYS, StreamSpec
+from data.shard import COUNTER_KEYS, StreamSpec, url_sizes
 from data.state import normalize_shard_states, sum_counters
 from data.timing import STAGES, WAITS, sub_times
 from data.tokenizer import load_tokenizer, special_ids
@@ -49,7 +49,7 @@ def stream_spec(cfg: DataConfig, process_index: int, process_count: int, files, 
         bos_id=-1 if bos is None else bos)
     if cfg.sources:
         return mixture_spec(spec, cfg, files)
-    return dataclasses.replace(spec, **records.stream_fields(files))
+    return dataclasses.replace(spec, sizes=url_sizes(files), **records.stream_fields(files))
 
 
 def make_host_dataset(cfg: DataConfig, process_index: int, process_count: int,

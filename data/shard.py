@@ -32,7 +32,7 @@ import time
 
 import numpy as np
 
-from data import packing
+from data import objstore, packing
 from data.sources import BadRecords, ShardReader
 from data.timing import zero_times
 from data.tokenizer import BatchEncoder
@@ -95,6 +95,14 @@ class StreamSpec:
     records_docs: tuple[int, ...] = ()
     records_tokens: int = 0
     records_dtype: str = ""
+    # ((url, size), ...) of `files` listed from URL patterns: a worker process opens them without
+    # asking the store for their metadata (data/objstore.py SIZES); () for local files
+    sizes: tuple = ()
+
+
+def url_sizes(files) -> tuple:
+    """StreamSpec.sizes of `files`: the sizes this process knows of those that are URLs."""
+    return tuple(sorted(objstore.known_sizes(files).items()))
 
 
 def zero_counters() -> dict:
@@ -166,6 +174,7 @@ class ShardStream(WindowRows):
         self.enc = encoder
         # this process's stage timers (data/timing.py), shared by its streams; never in the state
         self.times = zero_times() if times is None else times
+        objstore.remember_sizes(spec.sizes)   # in an input worker: the listing's sizes arrive here
         files, ids, residues, split = shard_files(spec.files, spec.num_shards, shard)
         self.bad = BadRecords(spec.strict)
         self.reader = ShardReader(files, ids, len(spec.files), shard, spec.seed,
