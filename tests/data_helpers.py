@@ -99,6 +99,13 @@ def rows_of(batches):
     return out
 
 
+def expected_tokens(text):
+    """A document's tokens as the stream packs them: its text's, then EOS."""
+    from data.tokenizer import load_tokenizer
+    tok = load_tokenizer(TOKENIZER)
+    return tok.encode(text, add_special_tokens=False).ids + [tok.token_to_id("</s>")]
+
+
 def doc_tokens(rows, n_files):
     """{(epoch, file, line): token list in stream order within rows}; rows must be in order
     per shard for the token order to be meaningful, counts are always exact."""

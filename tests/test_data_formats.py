@@ -20,12 +20,12 @@ from data import formats
 from data.pipeline import state_counters
 from tests.data_helpers import (
     FORMATS,
-    TOKENIZER,
     assert_batches_equal,
     cfg,
     convert,
     doc_text,
     doc_tokens,
+    expected_tokens,
     fcfg,
     jround,
     rows_of,
@@ -37,12 +37,6 @@ from tests.data_helpers import (
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
-
-def expected_tokens(text):
-    from data.tokenizer import load_tokenizer
-    tok = load_tokenizer(TOKENIZER)
-    return tok.encode(text, add_special_tokens=False).ids + [tok.token_to_id("</s>")]
-
 
 # ---------------------------------------------------------------- exactly once per epoch
 @pytest.mark.parametrize("kind", list(FORMATS))

@@ -1,20 +1,34 @@
 """Training text read from an object store (data/objstore.py) through fsspec: gs:// against a real
 local GCS emulator (gcp-storage-emulator, started here in this process), checked against the same
-files on local disk: the same batches on 1 and 2 hosts, exact restore mid-file, listing requests
-counted at the emulator, a missing URL and a vanished object named in one line. And checkpoint.dir
+files on local disk: the same batches on 1 and 2 hosts, exact restore mid-file, every document once
+per epoch, a 2-host state restored on 1 host, requests counted at the emulator (one list request
+per pattern; none per object, in input workers and in a resumed fresh process either), a missing
+URL and a vanished object named in one line. And checkpoint.dir
 on gs:// (Orbax: etils.epath through gcsfs, arrays through TensorStore's gcs driver) against the
 same emulator: a train.py run saves there and a second one resumes from it, losses unchanged.
 
     pytest tests/test_objstore.py -q
 """
 import dataclasses
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 
 import data
 from data.pipeline import state_counters
-from tests.data_helpers import assert_batches_equal, cfg, jround, take, write_corpus
+from tests.data_helpers import (
+    assert_batches_equal,
+    cfg,
+    doc_tokens,
+    expected_tokens,
+    jround,
+    rows_of,
+    take,
+    write_corpus,
+)
 
 pytest.importorskip("gcp_storage_emulator.server")
 from tests.gcs_emulator import BUCKET, Emulator  # noqa: E402  (sets gcsfs's env before it loads)
@@ -69,14 +83,26 @@ def test_gs_gives_the_batches_of_the_same_local_files(gcs, P):
 
 @pytest.mark.slow
 def test_gs_through_input_worker_processes(gcs):
-    """Spawned input workers open gs:// themselves (credentials and emulator from the environment)."""
+    """Spawned input workers open gs:// themselves (credentials and emulator from the environment),
+    with the listing's sizes handed over in their StreamSpec: no request per object, no listing."""
+    em, _, _ = gcs
     local, remote = _pair(gcs, num_workers=1)
     a = take(data.make_host_iterator(local, 0, 1), 6)
-    it = data.make_host_iterator(remote, 0, 1)
+    files = data.list_files(remote)
+    n0, m0, g0 = len(em.lists()), len(em.per_object()), len(_media(em))
+    it = data.make_host_iterator(remote, 0, 1, files=files)
     b = take(it, 6)
     it.close()
     for i, (x, y) in enumerate(zip(a, b, strict=True)):
         assert_batches_equal(x, y, f"batch {i} through a worker")
+    assert len(_media(em)) > g0, "the worker read nothing from the bucket"
+    assert em.per_object()[m0:] == [], "an input worker asked for an object's metadata"
+    assert len(em.lists()) == n0, "an input worker listed the bucket"
+
+
+def _media(em) -> list[str]:
+    """Object reads (media downloads) the emulator answered."""
+    return [p for m, p in em.requests if m == "GET" and "alt=media" in p]
 
 
 def test_gs_restore_mid_file_is_exact_and_lists_nothing(gcs):
@@ -96,6 +122,121 @@ def test_gs_restore_mid_file_is_exact_and_lists_nothing(gcs):
         r.set_state(states[k])
         assert_batches_equal(next(r), batches[k], f"restore at {k}")
     assert len(em.lists()) == before, "a restore listed the bucket"
+
+
+# A resumed run's data path as train.py takes it, in a process of its own (no gcsfs cache, no size
+# known but the saved listing's): the listing saved with the checkpoint, the shard states, batches.
+_RESUME = r"""
+import json, sys
+import numpy as np
+import data
+from tests.data_helpers import cfg
+
+a = json.load(open(sys.argv[1]))
+c = cfg(a["root"], paths=tuple(a["paths"]))
+listing = data.run_listing(c.patterns(), [], a["saved"])
+c, _, files, _ = data.split_eval(c, listing, 0)
+data.check_files(c, 1, files)
+it = data.make_host_iterator(c, 0, 1, files=files)
+it.set_state(a["state"])
+out = {}
+for i in range(a["n"]):
+    out.update({f"{i}.{k}": np.asarray(v) for k, v in next(it).items()})
+np.savez(a["out"], **out)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("with_sizes", [True, False], ids=["sizes_saved", "old_checkpoint"])
+def test_a_resume_in_a_fresh_process_asks_the_bucket_nothing(gcs, tmp_path, with_sizes):
+    """A resume in a fresh process from the listing saved with the checkpoint: no list request, no
+    request for an object's metadata (the sizes were saved with the listing), and the batches of
+    the run it resumes. A checkpoint saved before sizes were kept still resumes: each object it
+    opens costs a metadata request, as before."""
+    import numpy as np
+
+    from tests.run_helpers import ROOT
+    em, root, _ = gcs
+    _, remote = _pair(gcs)
+    listing = data.run_listing(list(remote.paths), [], None, log=lambda _line: None)
+    fs = gcsfs.GCSFileSystem(token="anon", project="test")
+    assert listing["sizes"] == {f: fs.size(f) for f in listing["train"]}
+    it = data.make_host_iterator(remote, 0, 1, files=listing["train"])
+    take(it, 29)
+    state = jround(it.get_state())
+    assert max(s[3] for sh in state["shards"].values() for s in sh["start"]["reader"]["slots"]) > 0
+    want = take(it, 4)
+    saved = jround(listing)            # as in the checkpoint's meta "files" (JSON)
+    if not with_sizes:
+        del saved["sizes"]
+    args = tmp_path / "args.json"
+    args.write_text(json.dumps({"root": str(root), "paths": list(remote.paths), "saved": saved,
+                                "state": state, "n": len(want), "out": str(tmp_path / "got.npz")}))
+    n0, m0, g0 = len(em.lists()), len(em.per_object()), len(_media(em))
+    r = subprocess.run([sys.executable, "-c", _RESUME, str(args)], capture_output=True, text=True,
+                       timeout=300, cwd=ROOT, env={**os.environ, **em.env(), "JAX_PLATFORMS": "cpu"})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert "from the checkpoint's list (no new listing)" in r.stdout, r.stdout
+    assert len(_media(em)) > g0, "the resumed process read nothing from the bucket"
+    got = np.load(tmp_path / "got.npz")
+    for i, b in enumerate(want):
+        assert_batches_equal({k: got[f"{i}.{k}"] for k in b}, b, f"batch {i} after the resume")
+    if with_sizes:
+        assert em.per_object()[m0:] == [], "the resumed process asked for an object's metadata"
+        assert len(em.lists()) == n0, "the resumed process listed the bucket"
+    else:
+        assert em.per_object()[m0:], "an old checkpoint's objects were opened without their sizes?"
+
+
+@pytest.mark.parametrize("P", [1, 2])
+def test_gs_reads_every_document_exactly_once_per_epoch(gcs, tmp_path, P):
+    """As tests/test_data_formats.py test_exactly_once_per_epoch, from gs://: 3 objects over 4
+    shards (each object read by two shards from its own offsets), two epochs, 1 and 2 hosts."""
+    prefix = f"{BUCKET}/once{P}"
+    local = write_corpus(tmp_path, n_files=3, docs_per_file=10, max_words=40)
+    gcsfs.GCSFileSystem(token="anon", project="test").put(str(tmp_path), prefix, recursive=True)
+    texts = {(f"gs://{prefix}/{os.path.relpath(p, tmp_path)}", line): t for (p, line), t in local.items()}
+    files = sorted({p for p, _ in texts})
+    c = cfg(tmp_path, paths=(f"gs://{prefix}/*/en_head.*",), num_shards=4, global_batch_size=4,
+            shuffle_window=4)
+    assert data.list_files(c) == files
+    # every batch takes one row (33 tokens) of each shard; the biggest shard (two of the six parts)
+    # must pass two epochs
+    n_batches = int(2.6 * sum(len(expected_tokens(t)) for t in texts.values()) / 3 / 33) + 24
+    rows = []
+    for h in range(P):
+        it = data.make_host_iterator(c, h, P, debug=True, files=files)
+        rows += rows_of(take(it, n_batches))
+    epochs = {}
+    for (e, f, rec), toks in doc_tokens(rows, len(files)).items():
+        epochs.setdefault(e, {})[(files[f], rec + 1)] = toks
+    assert max(epochs) >= 2
+    for e in (0, 1):
+        assert set(epochs[e]) == set(texts), f"epoch {e} on {P} hosts: documents missing or extra"
+        for key, toks in epochs[e].items():
+            assert sorted(toks) == sorted(expected_tokens(texts[key])), f"{key} on {P} hosts"
+    assert not state_counters(it.get_state())["bad"]
+
+
+def test_gs_state_of_2_hosts_restored_on_1_host(gcs):
+    """As tests/test_data_formats.py test_elastic_restore_2_hosts_to_1, from gs://: the states of 2
+    hosts merged and restored on 1 give the batches of the run that was on 1 host throughout,
+    listing nothing."""
+    from data.state import merge_host_states
+    em, _, _ = gcs
+    _, remote = _pair(gcs, shuffle_window=4, seq_len=16)
+    files = data.list_files(remote)
+    ref = take(data.make_host_iterator(remote, 0, 1, debug=True, files=files), 14)
+    states = []
+    for h in range(2):
+        it = data.make_host_iterator(remote, h, 2, debug=True, files=files)
+        take(it, 5)
+        states.append(jround(it.get_state()))
+    n0 = len(em.lists())
+    it1 = data.make_host_iterator(remote, 0, 1, shard_states=merge_host_states(states), debug=True, files=files)
+    for j in range(5, 14):
+        assert_batches_equal(next(it1), ref[j], f"batch {j} after 2 hosts -> 1")
+    assert len(em.lists()) == n0
 
 
 def test_listing_is_one_request_per_pattern_and_none_per_file(gcs):
