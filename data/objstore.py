@@ -108,6 +108,15 @@ def _transient(e: BaseException) -> bool:
         "HttpError", "ClientError", "ServerDisconnectedError", "ClientPayloadError")
 
 
+def _reads_ranges(fs) -> bool:
+    """Whether the backend reads a byte range in one request of its own (gcsfs, s3fs, any async
+    backend; memory://), not through fsspec's default cat_file, which opens a file per call."""
+    from fsspec.asyn import AsyncFileSystem
+    from fsspec.spec import AbstractFileSystem
+
+    return isinstance(fs, AsyncFileSystem) or type(fs).cat_file is not AbstractFileSystem.cat_file
+
+
 class _Ranged:
     """The read surface of an fsspec file (read, seek, size) over an object of known size, read
     through the backend's ranged GET (`cat_file`), BLOCK bytes ahead as fsspec's "readahead"
@@ -158,25 +167,24 @@ class _Retrying(io.RawIOBase):
                 self._fh.close()
             except Exception:   # noqa: BLE001 - the broken handle is dropped anyway
                 pass
-        from fsspec.asyn import AsyncFileSystem
-
-        if self._size is not None and isinstance(fs, AsyncFileSystem):
-            # gcsfs, s3fs: cat_file is one ranged GET, no metadata first
+        if self._size is not None and _reads_ranges(fs):
             self._fh = _Ranged(fs, self.url, self._size, self._block)
         else:
-            # others (memory://, hf://) open a file; size= spares the metadata request where the
-            # backend's file honours it (fsspec's AbstractBufferedFile does)
+            # others (hf://) open a file; size= spares the metadata request where the backend's
+            # file honours it (fsspec's AbstractBufferedFile does)
             extra = {} if self._size is None else {"size": self._size}
             self._fh = fs.open(self.url, "rb", block_size=self._block, cache_type="readahead", **extra)
         if self._pos:
             self._fh.seek(self._pos)
         return None
 
-    def _retry(self, fn, *args):
+    def _retry(self, fn):
+        """fn() with retries; fn must look self._fh up when called: a retry re-opens it, and a
+        method bound to the old handle would read a closed file."""
         wait = BACKOFF_S
         for attempt in range(RETRIES):
             try:
-                return fn(*args)
+                return fn()
             except Exception as e:   # noqa: BLE001 - sorted below: transient or not
                 if isinstance(e, FileNotFoundError):
                     raise FileNotFoundError(f"{self.url}: the object does not exist (any more)") from None
@@ -193,14 +201,14 @@ class _Retrying(io.RawIOBase):
     # --- the file-object surface the readers use
     def readinto(self, b) -> int:
         t0 = time.perf_counter()
-        data = self._retry(self._fh.read, len(b))
+        data = self._retry(lambda: self._fh.read(len(b)))
         FETCH_S[0] += time.perf_counter() - t0
         self._pos += len(data)
         b[: len(data)] = data
         return len(data)
 
     def seek(self, off: int, whence: int = 0) -> int:
-        self._pos = self._retry(self._fh.seek, off, whence)
+        self._pos = self._retry(lambda: self._fh.seek(off, whence))
         return self._pos
 
     def tell(self) -> int:

@@ -320,12 +320,18 @@ def test_an_object_deleted_mid_run_is_a_named_bad_file(gcs, strict):
 
 
 # ---------------------------------------------------------------- transient errors
-def test_a_transient_read_error_is_retried_then_a_bad_file(tmp_path, monkeypatch):
+@pytest.mark.parametrize("sizes_known", [True, False], ids=["ranged_reads", "opened_files"])
+def test_a_transient_read_error_is_retried_then_a_bad_file(tmp_path, monkeypatch, sizes_known):
+    """Both ways an object is read: ranged reads (its size known from the listing) and an fsspec
+    file (size unknown: an old checkpoint's listing, an @list entry)."""
     import fsspec
     from fsspec.implementations.memory import MemoryFileSystem
 
     from data import objstore
     monkeypatch.setattr(objstore, "BACKOFF_S", 0.01)
+    if not sizes_known:
+        monkeypatch.setattr(objstore, "SIZES", {})
+        monkeypatch.setattr(objstore, "remember_sizes", lambda sizes: None)
     state = {"fails": 2, "reads": 0, "dead": None}
 
     class FlakyFS(MemoryFileSystem):
@@ -335,17 +341,26 @@ def test_a_transient_read_error_is_retried_then_a_bad_file(tmp_path, monkeypatch
         def _strip_protocol(cls, path):
             return super()._strip_protocol(path.removeprefix("flaky://"))
 
+        @staticmethod
+        def _flaky(path):
+            state["reads"] += 1
+            if state["dead"] and state["dead"] in path:
+                raise ConnectionError("connection reset")
+            if state["fails"] > 0:
+                state["fails"] -= 1
+                raise ConnectionError("connection reset")
+
+        def cat_file(self, path, start=None, end=None, **kw):
+            self._flaky(path)
+            return super().cat_file(path, start, end, **kw)
+
         def _open(self, path, mode="rb", **kw):
+            assert not (sizes_known and mode == "rb"), "an object of known size was opened as a file"
             f = super()._open(path, mode, **kw)
             read = f.read
 
             def flaky_read(n=-1):
-                state["reads"] += 1
-                if state["dead"] and state["dead"] in path:
-                    raise ConnectionError("connection reset")
-                if state["fails"] > 0:
-                    state["fails"] -= 1
-                    raise ConnectionError("connection reset")
+                self._flaky(path)
                 return read(n)
             f.read = flaky_read
             return f
@@ -353,9 +368,10 @@ def test_a_transient_read_error_is_retried_then_a_bad_file(tmp_path, monkeypatch
     fsspec.register_implementation("flaky", FlakyFS, clobber=True)
     write_corpus(tmp_path, n_files=2, docs_per_file=10)
     fs = fsspec.filesystem("flaky")
-    fs.put(str(tmp_path), "/flaky_corpus", recursive=True)
+    base = f"/flaky_corpus_{os.getpid()}_{sizes_known}"     # the memory store is per process
+    fs.put(str(tmp_path), base, recursive=True)
     local = cfg(tmp_path, num_shards=2)
-    remote = cfg(tmp_path, paths=("flaky:///flaky_corpus/*/en_head.*",), num_shards=2)
+    remote = cfg(tmp_path, paths=(f"flaky://{base}/*/en_head.*",), num_shards=2)
     a = take(data.make_host_iterator(local, 0, 1), 5)
     b = take(data.make_host_iterator(remote, 0, 1), 5)
     for i, (x, y) in enumerate(zip(a, b, strict=True)):
@@ -367,15 +383,16 @@ def test_a_transient_read_error_is_retried_then_a_bad_file(tmp_path, monkeypatch
     it = data.make_host_iterator(cfg(tmp_path, paths=remote.paths, num_shards=1), 0, 1)
     take(it, 10)
     bad = state_counters(it.get_state())
-    assert bad["bad"] and "flaky:///flaky_corpus/0001/en_head.json.gz" in str(bad["badex"]), bad
+    assert bad["bad"] and f"flaky://{base}/0001/en_head.json.gz" in str(bad["badex"]), bad
     assert "after 4 tries" in str(bad["badex"]), bad
 
 
 # ---------------------------------------------------------------- every format, through fsspec
 @pytest.mark.parametrize("kind", ["array.json", "array.json.gz", "lines.jsonl.zstd", "parquet", "arrow"])
 def test_every_format_from_a_url_gives_the_local_batches(tmp_path, kind):
-    """fsspec's in-memory file system stands in for hf:// and s3:// (same code path: only the
-    scheme's backend differs); restore mid-file is exact through it too."""
+    """fsspec's in-memory file system stands in for s3:// (the same ranged reads of objects whose
+    size the listing gave, as gs://: only the backend differs); restore mid-file is exact through
+    it too."""
     import fsspec
 
     from tests.data_helpers import fcfg, write_docs
