@@ -36,6 +36,9 @@ class Listing:
     files: list[str]            # sorted, deduplicated
     dirs_read: int = 0          # directory reads (os.scandir)
     stats: int = 0              # per-file metadata calls (os.stat)
+    # bytes of each URL found by a pattern, from its listing (scripts/prepare_data.py's progress
+    # total without a request per object); local files and @list entries are not in it
+    sizes: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def describe(self) -> str:
         return (f"{len(self.files)} files ({self.dirs_read} directory reads, "
@@ -50,6 +53,7 @@ def list_paths(patterns, setting: str = "data.paths") -> Listing:
         patterns = (patterns,)
     walker = _Walker()
     files: set[str] = set()
+    sizes: dict[str, int] = {}
     for p in patterns:
         p = str(p)
         if p.startswith("@"):
@@ -59,6 +63,7 @@ def list_paths(patterns, setting: str = "data.paths") -> Listing:
             found = _list_url(p, setting)
             walker.dirs_read += 1   # one list request per URL pattern (sizes come with it)
             files.update(found)
+            sizes.update(found)
             continue
         found = walker.expand(os.path.expanduser(p))
         if not found and not glob.has_magic(p) and os.path.isdir(os.path.expanduser(p)):
@@ -66,14 +71,15 @@ def list_paths(patterns, setting: str = "data.paths") -> Listing:
         if not found:
             raise ValueError(f"{setting}: {p!r} matches no file")
         files.update(found)
-    return Listing(sorted(files), walker.dirs_read, walker.stats)
+    return Listing(sorted(files), walker.dirs_read, walker.stats, sizes)
 
 
-def _list_url(pattern: str, setting: str) -> list[str]:
-    """The objects a URL pattern matches, from one listing request (data/objstore.py)."""
+def _list_url(pattern: str, setting: str) -> dict[str, int]:
+    """The objects a URL pattern matches with their sizes, from one listing request
+    (data/objstore.py)."""
 
     try:
-        found, _ = objstore.list_url(pattern)
+        found, sizes = objstore.list_url(pattern)
     except ValueError as e:
         raise ValueError(f"{setting}: {e}") from None
     except Exception as e:   # noqa: BLE001 - a backend's error: named in one line
@@ -81,7 +87,13 @@ def _list_url(pattern: str, setting: str) -> list[str]:
                          f"{str(e).splitlines()[0][:200] if str(e) else ''}") from None
     if not found:
         raise ValueError(f"{setting}: {pattern!r} matches no file")
-    return found
+    from data import records  # only names; array_record is imported when a part is read
+    part = next((f for f in found if f.endswith(records.PART_SUFFIX)), None)
+    if part is not None:
+        # converted corpora are read from local paths (data/records.py): said now, not later as
+        # a mix of records and "text" files or a missing manifest
+        raise ValueError(records.url_dir_message(part, setting))
+    return sizes
 
 
 def _converted_dir(path: str, setting: str) -> list[str]:

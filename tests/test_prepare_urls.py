@@ -1,0 +1,138 @@
+"""scripts/prepare_data.py with URLs: input listed and read through fsspec (gs:// on a local GCS
+emulator, Parquet on memory://), --out on gs:// / memory:// (parts written locally, uploaded, the
+manifest last; a restart lists --out once and redoes only unfinished parts), each checked against
+the same conversion on local disk. And training from a converted corpus named by URL: one line.
+
+    pytest tests/test_prepare_urls.py -q
+"""
+import json
+import os
+
+import numpy as np
+import pytest
+
+import data
+from data import records
+from tests.data_helpers import convert, write_corpus
+
+pytest.importorskip("gcp_storage_emulator.server")
+from tests.gcs_emulator import BUCKET, Emulator  # noqa: E402  (sets gcsfs's env before it loads)
+
+gcsfs = pytest.importorskip("gcsfs")
+pytest.importorskip("pyarrow")
+N_FILES = 3
+
+
+@pytest.fixture(scope="module")
+def gcs(tmp_path_factory):
+    """The emulator, gcsfs pointed at it (anonymous), a .json.gz corpus on local disk and on the
+    bucket, and its local conversion: (emulator, fs, local text root, gs:// text root, local out)."""
+    em = Emulator()
+    mp = pytest.MonkeyPatch()
+    mp.setenv("STORAGE_EMULATOR_HOST", f"http://localhost:{em.port}")
+    mp.setenv("FSSPEC_GCS_TOKEN", "anon")
+    mp.setenv("FSSPEC_GCS_PROJECT", "test")
+    import fsspec
+    fsspec.config.conf.setdefault("gcs", {})
+    mp.setitem(fsspec.config.conf, "gcs", {"token": "anon", "project": "test"})
+    gcsfs.GCSFileSystem.clear_instance_cache()
+    root = tmp_path_factory.mktemp("text")
+    write_corpus(root, n_files=N_FILES, docs_per_file=25, max_words=80)
+    fs = gcsfs.GCSFileSystem(token="anon", project="test")
+    fs.put(str(root), f"{BUCKET}/text", recursive=True)
+    out = tmp_path_factory.mktemp("conv") / "local"
+    assert convert(os.path.join(str(root), "*", "en_head.json.gz"), out) == 0
+    yield em, fs, root, f"gs://{BUCKET}/text", out
+    gcsfs.GCSFileSystem.clear_instance_cache()
+    mp.undo()
+    em.stop()
+
+
+def tree(d) -> dict[str, bytes]:
+    return {os.path.relpath(os.path.join(r, f), d): open(os.path.join(r, f), "rb").read()
+            for r, _, fs in os.walk(d) for f in fs}
+
+
+def token_arrays(out) -> list[list[np.ndarray]]:
+    """Every part's documents, decoded: token ids per document, per part."""
+    from array_record.python.array_record_module import ArrayRecordReader
+    m = records.load_manifest(str(out))
+    got = []
+    for part in records.part_files(str(out)):
+        r = ArrayRecordReader(part, "readahead_buffer_size:0")
+        got.append([np.frombuffer(b, m["dtype"]) for b in r.read(list(range(r.num_records())))])
+        r.close()
+    return got
+
+
+def without_sources(meta: dict) -> dict:
+    meta = json.loads(json.dumps(meta))
+    for p in meta.get("files", []):
+        p.pop("source")
+    meta.pop("source", None)
+    meta.pop("sources", None)
+    return meta
+
+
+def assert_same_conversion(a, b, sources_b=None):
+    """Two converted directories hold the same documents and metadata (sources apart: compared
+    with `sources_b` when given)."""
+    ta, tb = token_arrays(a), token_arrays(b)
+    assert len(ta) == len(tb) == N_FILES
+    for k, (x, y) in enumerate(zip(ta, tb, strict=True)):
+        assert len(x) == len(y) > 0, k
+        for d, (u, v) in enumerate(zip(x, y, strict=True)):
+            np.testing.assert_array_equal(u, v, err_msg=f"part {k} document {d}")
+    fa, fb = tree(a), tree(b)
+    assert sorted(fa) == sorted(fb)
+    for name in fa:
+        if name.endswith(records.PART_SUFFIX):
+            assert fa[name] == fb[name], name
+        else:
+            assert without_sources(json.loads(fa[name])) == without_sources(json.loads(fb[name])), name
+    if sources_b is not None:
+        assert json.loads(fb["job.json"])["sources"] == sources_b
+        assert [p["source"] for p in records.load_manifest(str(b))["files"]] == sources_b
+
+
+def test_a_converted_corpus_on_a_url_fails_in_one_line(gcs, tmp_path):
+    """data.paths naming a converted directory (or its parts, also through an @list file) by
+    URL: one line saying where converted corpora are read from and how to get them there."""
+    from tests.data_helpers import cfg
+    _, fs, root, _, local_out = gcs
+    fs.put(str(local_out), f"{BUCKET}/conv", recursive=True)
+    url = f"gs://{BUCKET}/conv"
+    line = (f"data.paths: {url} is a converted corpus on an object store; training reads converted "
+            f"corpora from local or mounted storage: gcloud storage cp -r {url} DIR, or mount the "
+            "bucket with gcsfuse, then data.paths=DIR")
+    for paths in ([url], [f"{url}/*.array_record"]):
+        with pytest.raises(ValueError) as e:
+            data.list_files(cfg(root, paths=paths))
+        assert str(e.value) == line
+    listed = tmp_path / "parts.txt"
+    listed.write_text(f"{url}/part-000000.array_record\n")
+    files = data.list_files(cfg(root, paths=[f"@{listed}"]))
+    with pytest.raises(ValueError) as e:
+        records.stream_fields(files)
+    assert str(e.value) == line
+
+
+@pytest.mark.slow
+def test_train_py_on_a_converted_url_stops_in_one_line_before_compile(gcs, tmp_path):
+    import subprocess
+    import sys
+
+    from tests.run_helpers import ROOT
+    em, fs, _, _, local_out = gcs
+    fs.put(str(local_out), f"{BUCKET}/conv_cli", recursive=True)
+    url = f"gs://{BUCKET}/conv_cli"
+    env = {**os.environ, **em.env(), "JAX_PLATFORMS": "cpu"}
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={tmp_path}/run",
+                        "logger.wandb.mode=disabled", f"data.paths=[{url}]"],
+                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert r.returncode != 0
+    err = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert err and f"{url} is a converted corpus on an object store" in err[-1], r.stderr[-3000:]
+    assert "gcloud storage cp -r" in err[-1] and "gcsfuse" in err[-1]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
