@@ -13,7 +13,7 @@ import pytest
 
 import data
 from data import records
-from tests.data_helpers import convert, write_corpus
+from tests.data_helpers import convert, write_corpus, write_docs
 
 pytest.importorskip("gcp_storage_emulator.server")
 from tests.gcs_emulator import BUCKET, Emulator  # noqa: E402  (sets gcsfs's env before it loads)
@@ -93,6 +93,73 @@ def assert_same_conversion(a, b, sources_b=None):
     if sources_b is not None:
         assert json.loads(fb["job.json"])["sources"] == sources_b
         assert [p["source"] for p in records.load_manifest(str(b))["files"]] == sources_b
+
+
+def test_gs_json_gz_converts_to_the_records_of_the_local_files(gcs, tmp_path):
+    """The same .json.gz files read from gs:// give the same token arrays, parts and metadata as
+    from local disk; the sources are recorded as the URLs; sizes come from the one listing."""
+    em, _, root, url, local_out = gcs
+    gcsfs.GCSFileSystem.clear_instance_cache()
+    n0, m0 = len(em.lists()), len(em.per_object())
+    assert convert(f"{url}/*/en_head.json.gz", tmp_path / "out") == 0
+    want = [f"{url}/{i:04d}/en_head.json.gz" for i in range(N_FILES)]
+    assert_same_conversion(local_out, tmp_path / "out", sources_b=want)
+    assert len(em.lists()) - n0 == 1
+    # no metadata request per file beyond opening it to read it (a size request would add one each)
+    # no metadata request per object: sizes and opens go by the listing
+    assert len(em.per_object()) - m0 == 0, em.per_object()[m0:]
+    listing = data.listing.list_paths(f"{url}/*/en_head.json.gz")
+    assert listing.sizes == {u: os.path.getsize(os.path.join(root, *u.split("/")[-2:])) for u in want}
+
+
+def test_out_on_gs_is_the_local_out_and_a_restart_redoes_only_unfinished_parts(gcs, tmp_path, capsys):
+    """--out gs://...: downloaded, every file is byte-identical to a local --out run's (local
+    input); the staging directory is gone; nothing is left under a temporary name on the bucket.
+    A restart finds the finished parts with one listing; a part without its done marker (a run
+    killed between the two uploads) is converted again, and the corpus is unchanged."""
+    em, fs, root, _, local_out = gcs
+    src = os.path.join(str(root), "*", "en_head.json.gz")
+    dest = f"gs://{BUCKET}/tok"
+    stage = tmp_path / "stage"
+    assert convert(src, dest, "--tmp", str(stage)) == 0
+    assert "Training reads converted corpora from local or mounted storage: gcloud storage cp -r " \
+           f"{dest} DIR" in capsys.readouterr().out
+    assert os.listdir(stage) == []
+    fs.invalidate_cache()
+    assert not [p for p in fs.find(f"{BUCKET}/tok") if ".tmp" in p]
+    fs.get(f"{BUCKET}/tok", str(tmp_path / "got"), recursive=True)
+    assert tree(tmp_path / "got") == tree(local_out)
+
+    fs.rm(f"{BUCKET}/tok/done/part-000001.json")
+    fs.rm(f"{BUCKET}/tok/{records.MANIFEST}")
+    n0 = len(em.lists())
+    assert convert(src, dest, "--tmp", str(stage)) == 0
+    assert "converted 1 of its 3 files (2 were already done)" in capsys.readouterr().out
+    # the restart's listing of --out, and the listing of done/ that finds every part finished
+    assert len(em.lists()) - n0 == 2
+    fs.invalidate_cache()
+    fs.get(f"{BUCKET}/tok", str(tmp_path / "again"), recursive=True)
+    assert tree(tmp_path / "again") == tree(local_out)
+
+
+def test_parquet_on_memory_converts_and_writes_to_memory(tmp_path):
+    """Parquet read through fsspec (memory:// stands in for s3:// and hf://) into a memory://
+    --out: the documents and metadata of the same files converted locally."""
+    import fsspec
+    write_docs(tmp_path / "in", "parquet", n_files=N_FILES, docs_per_file=12)
+    mem = fsspec.filesystem("memory")
+    base = f"memory://prep_{os.getpid()}"
+    mem.put(str(tmp_path / "in"), f"{base}/in", recursive=True)
+    src = os.path.join(str(tmp_path / "in"), "*", "part.parquet")
+    assert convert(src, tmp_path / "local", "--text-key", "story") == 0
+    assert convert(f"{base}/in/*/part.parquet", f"{base}/out", "--text-key", "story",
+                   "--tmp", str(tmp_path / "stage")) == 0
+    mem.get(f"{base}/out", str(tmp_path / "got"), recursive=True)
+    # the URLs as listed (fsspec's memory:// names them memory:///...)
+    listed = data.listing.list_paths(f"{base}/in/*/part.parquet").files
+    assert [u.replace(":///", "://") for u in listed] == [f"{base}/in/{i:04d}/part.parquet" for i in range(N_FILES)]
+    assert_same_conversion(tmp_path / "local", tmp_path / "got", sources_b=listed)
+    mem.rm(base, recursive=True)
 
 
 def test_a_converted_corpus_on_a_url_fails_in_one_line(gcs, tmp_path):
