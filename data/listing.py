@@ -38,7 +38,9 @@ class Listing:
     files: list[str]            # sorted, deduplicated
     dirs_read: int = 0          # directory reads (os.scandir)
     stats: int = 0              # per-file metadata calls (os.stat)
-    # {url: size} of the files listed from URL patterns (local files and @list entries: none)
+    # {url: size} of the objects URL patterns matched, from their listing: opened without a
+    # metadata request (data/objstore.py), the converter's progress total; local files and @list
+    # entries are not in it
     sizes: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def describe(self) -> str:
@@ -76,11 +78,11 @@ def list_paths(patterns, setting: str = "data.paths") -> Listing:
 
 
 def _list_url(pattern: str, setting: str) -> dict[str, int]:
-    """{object: size} of the objects a URL pattern matches, from one listing request
+    """The objects a URL pattern matches with their sizes, from one listing request
     (data/objstore.py)."""
 
     try:
-        _, found = objstore.list_url(pattern)
+        found, sizes = objstore.list_url(pattern)
     except ValueError as e:
         raise ValueError(f"{setting}: {e}") from None
     except Exception as e:   # noqa: BLE001 - a backend's error: named in one line
@@ -88,7 +90,13 @@ def _list_url(pattern: str, setting: str) -> dict[str, int]:
                          f"{str(e).splitlines()[0][:200] if str(e) else ''}") from None
     if not found:
         raise ValueError(f"{setting}: {pattern!r} matches no file")
-    return found
+    from data import records  # only names; array_record is imported when a part is read
+    part = next((f for f in found if f.endswith(records.PART_SUFFIX)), None)
+    if part is not None:
+        # converted corpora are read from local paths (data/records.py): said now, not later as
+        # a mix of records and "text" files or a missing manifest
+        raise ValueError(records.url_dir_message(part, setting))
+    return sizes
 
 
 def _converted_dir(path: str, setting: str) -> list[str]:

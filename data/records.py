@@ -46,6 +46,24 @@ def is_converted_dir(path: str) -> bool:
     return os.path.isfile(os.path.join(os.path.expanduser(str(path)), MANIFEST))
 
 
+def from_local_storage(url: str, setting: str = "data.paths") -> str:
+    """How a converted corpus at `url` gets to where it is read from (the end of the lines below
+    and of the converter's summary)."""
+    how = {"gs": f"gcloud storage cp -r {url} DIR, or mount the bucket with gcsfuse",
+           "s3": f"aws s3 cp --recursive {url} DIR, or mount the bucket (mountpoint-s3)"}.get(
+        "gs" if url.startswith("gcs://") else url.split("://", 1)[0].lower(), "copy it to local disk")
+    return f"converted corpora from local or mounted storage: {how}, then {setting}=DIR"
+
+
+def url_dir_message(part_url: str, setting: str = "data.paths") -> str:
+    """The one line for a converted corpus named by URL. Its manifest, sizes and records are read
+    with local file calls (os, ArrayRecordReader by path), and a block of documents is hundreds
+    of random reads: a mount's page cache or a local copy serves them, a request each would not."""
+    url = part_url.rsplit("/", 1)[0]
+    return (f"{setting}: {url} is a converted corpus on an object store; training reads "
+            + from_local_storage(url, setting))
+
+
 def load_manifest(root: str) -> dict:
     path = os.path.join(root, MANIFEST)
     try:
@@ -117,6 +135,9 @@ def describe(files: list[str]) -> RecordsInfo | None:
     parts = [f for f in files if f.endswith(PART_SUFFIX)]
     if not parts:
         return None
+    url = next((f for f in parts if "://" in f), None)
+    if url is not None:   # an @list entry or a saved listing naming a part by URL
+        raise ValueError(url_dir_message(url))
     if len(parts) != len(files):
         text = next(f for f in files if not f.endswith(PART_SUFFIX))
         raise ValueError(f"data.paths mixes converted records ({parts[0]}) with text files "

@@ -19,20 +19,28 @@ A part is written under a temporary name and renamed when complete, so a convers
 at any moment (SIGKILL included) continues when started again with the same arguments and
 ends byte-identical to an uninterrupted one; the same inputs always give the same bytes.
 
+--paths and --out may be URLs (gs://, s3://, hf://, any fsspec scheme; data/objstore.py): input
+sizes come from the pattern's listing, and a URL --out gets each part written to a local
+temporary directory (--tmp) and uploaded when complete (an object appears whole or not at all),
+then its done/ marker, the manifest last; a restart lists --out once to find the finished parts.
+
 On a pod every host converts its own share of the input files (input i goes to host
-i % process_count) into the same DIR on a shared bucket mount; the last host to finish writes
-the manifest (run it on all workers, each with its --process-index; see README).
+i % process_count) into the same DIR on a shared bucket mount (or the same URL); the last host
+to finish writes the manifest (run it on all workers, each with its --process-index; see README).
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import hashlib
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 
-from data import formats, records
+from data import formats, objstore, records
 from data.listing import list_paths
 from data.sources import BAD_KINDS, MAX_BAD_EXAMPLES, BadRecords, split_pieces
 from data.state import files_hash
@@ -62,6 +70,134 @@ def _atomic_write(path: str, text: str, owner: int) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+class LocalOut:
+    """--out on a local disk or a mount: parts written under a temporary name and renamed."""
+
+    def __init__(self, root: str, owner: int):
+        self.root, self.owner = root, owner
+        self._leftovers: list[str] | None = None
+
+    def join(self, *names: str) -> str:
+        return os.path.join(self.root, *names)
+
+    def open(self) -> None:
+        os.makedirs(self.join("done"), exist_ok=True)
+
+    def read_json(self, name: str) -> dict | None:
+        try:
+            with open(self.join(name)) as f:
+                return json.load(f)
+        except FileNotFoundError:
+            return None
+
+    def write_text(self, name: str, text: str) -> None:
+        _atomic_write(self.join(name), text, self.owner)
+
+    def finished(self, i: int) -> bool:
+        """Part i is complete (its done marker is written after the part's rename); the
+        temporary files a killed run left for it (under any host's name: the share may have been
+        another host's) removed otherwise."""
+        final, done = self.join(part_name(i)), self.join(done_name(i))
+        if os.path.exists(done) and os.path.exists(final):
+            return True
+        if self._leftovers is None:
+            self._leftovers = ([self.join(n) for n in os.listdir(self.root)]
+                               + [self.join("done", n) for n in os.listdir(self.join("done"))])
+        for path in self._leftovers:
+            if path.startswith((final + ".tmp-", done + ".tmp-")):
+                os.remove(path)
+        return False
+
+    def staging(self, i: int) -> str:
+        return tmp_name(self.join(part_name(i)), self.owner)
+
+    def commit(self, i: int, staged: str) -> None:
+        os.replace(staged, self.join(part_name(i)))
+
+    def done_markers(self, n: int) -> list[dict] | None:
+        out = []
+        for i in range(n):
+            m = self.read_json(done_name(i))
+            if m is None:
+                return None
+            out.append(m)
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+class UrlOut:
+    """--out at a URL. An object store writes an object whole or not at all, so an uploaded part
+    needs no temporary name there: it is written locally (ArrayRecordWriter takes a local path) in
+    a staging directory, uploaded, then deleted, so local disk holds one part at a time. The done
+    marker goes up after its part and the manifest after every marker, so a listing never shows a
+    done part without its bytes, nor a manifest before its parts."""
+
+    def __init__(self, root: str, owner: int, tmp: str | None):
+        self.root, self.owner = root.rstrip("/"), owner
+        self.fs = objstore.filesystem(root)
+        # One directory per --out and host: a restart clears what its killed run left in flight.
+        key = hashlib.sha256(self.root.encode()).hexdigest()[:12]
+        self.stage = os.path.join(tmp or tempfile.gettempdir(), f"jaxpt-prepare-{key}-h{owner}")
+        self.listed: set[str] = set()
+        self._base = self.fs._strip_protocol(self.root).rstrip("/")
+
+    def _names(self, under: str) -> set[str]:
+        """Names (relative to --out) of the objects below `under`: one listing, never cached
+        (other hosts upload meanwhile)."""
+        self.fs.invalidate_cache()
+        try:
+            found = self.fs.find(self.join(under) if under else self.root)
+        except FileNotFoundError:
+            return set()
+        return {p[len(self._base) + 1:] for p in found if p.startswith(self._base + "/")}
+
+    def join(self, *names: str) -> str:
+        return "/".join((self.root, *names))
+
+    def open(self) -> None:
+        shutil.rmtree(self.stage, ignore_errors=True)
+        os.makedirs(self.stage)
+        self.listed = self._names("")   # the one listing of a (re)start: job.json, finished parts
+
+    def read_json(self, name: str) -> dict | None:
+        if name not in self.listed:
+            return None
+        return json.loads(self.fs.cat_file(self.join(name)))
+
+    def write_text(self, name: str, text: str) -> None:
+        self.fs.pipe_file(self.join(name), text.encode())
+
+    def finished(self, i: int) -> bool:
+        return done_name(i) in self.listed and part_name(i) in self.listed
+
+    def staging(self, i: int) -> str:
+        return os.path.join(self.stage, part_name(i))
+
+    def commit(self, i: int, staged: str) -> None:
+        self.fs.put_file(staged, self.join(part_name(i)))
+        os.remove(staged)
+
+    def done_markers(self, n: int) -> list[dict] | None:
+        """Every part's marker, or None while some host's part is not done: one listing (not
+        the cached one of the start: other hosts upload meanwhile), then one read per part."""
+        have = self._names("done")
+        names = [done_name(i) for i in range(n)]
+        if any(name not in have for name in names):
+            return None
+        got = self.fs.cat([self.join(name) for name in names])   # concurrent where the backend can
+        got = {self.fs._strip_protocol(k): v for k, v in got.items()}   # keys lose the scheme
+        return [json.loads(got[f"{self._base}/{name}"]) for name in names]
+
+    def close(self) -> None:
+        shutil.rmtree(self.stage, ignore_errors=True)
+
+
+def done_name(i: int) -> str:
+    return "done/" + part_name(i)[:-len(records.PART_SUFFIX)] + ".json"
 
 
 class BadRecordStop(SystemExit):
@@ -129,10 +265,13 @@ class _Chunk:
 
 
 class Converter:
-    def __init__(self, args, files: list[str], tok):
+    def __init__(self, args, files: list[str], tok, sizes: dict[str, int] | None = None):
         self.args = args
         self.files = files
+        self.sizes = dict(sizes or {})
         self.out = args.out
+        self.store = (UrlOut(args.out, args.process_index, args.tmp) if objstore.is_url(args.out)
+                      else LocalOut(args.out, args.process_index))
         self.dtype = "uint16" if tok.get_vocab_size() < 1 << 16 else "uint32"
         self.tok_hash = tokenizer_hash(tok)
         self.threads = available_cores()
@@ -142,45 +281,39 @@ class Converter:
                     "text_key": args.text_key, "sources": self._rel_sources(),
                     "sources_hash": files_hash(files)}
 
-    def _rel_sources(self) -> list[str]:
-        root = os.path.commonpath([os.path.abspath(f) for f in self.files])
-        if len(self.files) == 1:
-            root = os.path.dirname(root)
-        return [os.path.relpath(os.path.abspath(f), root) for f in self.files]
+    def size(self, i: int) -> int:
+        """Input i's bytes (the progress bar's unit): a URL's from its pattern's listing; a URL
+        named in an @list file costs one request (it is read whole anyway)."""
+        f = self.files[i]
+        if f not in self.sizes:
+            self.sizes[f] = objstore.filesystem(f).size(f) if objstore.is_url(f) else os.path.getsize(f)
+        return self.sizes[f]
 
-    def done_path(self, i: int) -> str:
-        return os.path.join(self.out, "done", part_name(i)[:-len(records.PART_SUFFIX)] + ".json")
+    def _rel_sources(self) -> list[str]:
+        """Local files relative to their common directory (mount point independent); a URL as
+        it is (its bucket and path are its name wherever it is read from)."""
+        local = [f for f in self.files if not objstore.is_url(f)]
+        if not local:
+            return list(self.files)
+        root = os.path.commonpath([os.path.abspath(f) for f in local])
+        if len(local) == 1:
+            root = os.path.dirname(root)
+        return [f if objstore.is_url(f) else os.path.relpath(os.path.abspath(f), root) for f in self.files]
 
     def start(self) -> None:
-        os.makedirs(os.path.join(self.out, "done"), exist_ok=True)
-        job_path = os.path.join(self.out, "job.json")
-        if os.path.exists(job_path):
-            with open(job_path) as f:
-                old = json.load(f)
+        self.store.open()
+        old = self.store.read_json("job.json")
+        if old is not None:
             if old != self.job:
                 diff = sorted(k for k in self.job if old.get(k) != self.job[k])
                 raise SystemExit(f"prepare_data: --out {self.out} holds a conversion with other "
-                                 f"{', '.join(diff)} ({job_path}); use another --out")
+                                 f"{', '.join(diff)} ({self.store.join('job.json')}); use another --out")
         else:
-            _atomic_write(job_path, json.dumps(self.job, indent=1, sort_keys=True),
-                          self.args.process_index)
+            self.store.write_text("job.json", json.dumps(self.job, indent=1, sort_keys=True))
 
     def pending(self, mine: list[int]) -> list[int]:
-        """My parts not yet complete; the temporary files a killed run left for them (under
-        any host's name: the share may have been another host's) removed."""
-        todo = []
-        leftovers = ([os.path.join(self.out, n) for n in os.listdir(self.out)]
-                     + [os.path.join(self.out, "done", n)
-                        for n in os.listdir(os.path.join(self.out, "done"))])
-        for i in mine:
-            final = os.path.join(self.out, part_name(i))
-            if os.path.exists(self.done_path(i)) and os.path.exists(final):
-                continue
-            for path in leftovers:
-                if path.startswith((final + ".tmp-", self.done_path(i) + ".tmp-")):
-                    os.remove(path)
-            todo.append(i)
-        return todo
+        """My parts not yet complete."""
+        return [i for i in mine if not self.store.finished(i)]
 
     def _chunks(self, todo: list[int], bads: dict, bar):
         """Chunks of documents handed to the tokenizer pool in order; a chunk never spans
@@ -203,7 +336,7 @@ class Converter:
                     yield _Chunk(i, per_doc, self.enc.submit(texts), False)
                     texts, per_doc, chars = [], [], 0
             yield _Chunk(i, per_doc, self.enc.submit(texts), True)
-            done_bytes += os.path.getsize(path)
+            done_bytes += self.size(i)
             bar.update(done_bytes - bar.n)
 
     def run(self, todo: list[int], bar) -> dict:
@@ -229,9 +362,8 @@ class Converter:
                 break
             ch = ahead.popleft()
             i = ch.part
-            final = os.path.join(self.out, part_name(i))
-            tmp = tmp_name(final, self.args.process_index)
             if writer is None:
+                tmp = self.store.staging(i)
                 writer = ArrayRecordWriter(tmp, WRITER_OPTIONS)
                 docs = tokens = 0
             flat, lens = ch.future.result()
@@ -252,26 +384,23 @@ class Converter:
             if ch.last:
                 writer.close()
                 writer = None
-                os.replace(tmp, final)
+                nbytes = os.path.getsize(tmp)
+                self.store.commit(i, tmp)
                 bad = bads.pop(i)
-                _atomic_write(self.done_path(i), json.dumps({
+                self.store.write_text(done_name(i), json.dumps({
                     "file": part_name(i), "source": self.job["sources"][i],
-                    "documents": docs, "tokens": tokens, "bytes": os.path.getsize(final),
+                    "documents": docs, "tokens": tokens, "bytes": nbytes,
                     "bad_records": dict(sorted(bad.counts.items())),
-                    "bad_examples": bad.examples}, sort_keys=True), self.args.process_index)
+                    "bad_examples": bad.examples}, sort_keys=True))
                 stats["parts"] += 1
         stats["seconds"] = time.perf_counter() - t0
         return stats
 
     def manifest(self) -> dict | None:
         """The manifest once every part is done (any host may finish last), else None."""
-        parts = []
-        for i in range(len(self.files)):
-            try:
-                with open(self.done_path(i)) as f:
-                    parts.append(json.load(f))
-            except FileNotFoundError:
-                return None
+        parts = self.store.done_markers(len(self.files))
+        if parts is None:
+            return None
         bad: collections.Counter = collections.Counter()
         examples = []
         for p in parts:
@@ -290,9 +419,11 @@ def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--paths", nargs="+", required=True,
-                    help="globs of .json.gz/.jsonl/.jsonl.zst files")
+                    help="input files as data.paths takes them: globs, paths, @lists, URLs (gs://...)")
     ap.add_argument("--tokenizer", required=True, help="tokenizer.json, a directory or a hub id")
-    ap.add_argument("--out", required=True, help="output directory (data.paths=DIR)")
+    ap.add_argument("--out", required=True, help="output directory (data.paths=DIR) or URL (gs://BUCKET/DIR)")
+    ap.add_argument("--tmp", default=None, help="local directory for the part in flight when --out is a "
+                    "URL (default: the system's temporary directory)")
     ap.add_argument("--text-key", default="raw_content")
     ap.add_argument("--strict", action="store_true", help="stop at the first bad record")
     ap.add_argument("--process-index", type=int, default=0, help="this host's index (pods)")
@@ -309,26 +440,29 @@ def main(argv=None) -> int:
     from tqdm import tqdm
     args = parse_args(argv)
     try:   # globs, plain paths or @file-lists, as data.paths takes them
-        files = list_paths(args.paths, "--paths").files
+        listing = list_paths(args.paths, "--paths")
+        files = listing.files
     except ValueError as e:
         raise SystemExit(f"prepare_data: {e}") from None
     try:
         tok = load_tokenizer(args.tokenizer)
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"prepare_data: {e}") from None
-    conv = Converter(args, files, tok)
-    conv.start()
-    mine = list(range(args.process_index, len(files), args.process_count))
-    todo = conv.pending(mine)
-    total = sum(os.path.getsize(files[i]) for i in todo)
-    with tqdm(total=total, unit="B", unit_scale=True, disable=args.no_progress,
-              desc=f"host {args.process_index}: {len(todo)} of {len(mine)} files") as bar:
-        stats = conv.run(todo, bar)
-    conv.enc.close()
-    m = conv.manifest()
-    if m is not None:
-        _atomic_write(os.path.join(args.out, records.MANIFEST), json.dumps(m, indent=1),
-                      args.process_index)
+    conv = Converter(args, files, tok, listing.sizes)
+    try:
+        conv.start()
+        mine = list(range(args.process_index, len(files), args.process_count))
+        todo = conv.pending(mine)
+        total = sum(conv.size(i) for i in todo)
+        with tqdm(total=total, unit="B", unit_scale=True, disable=args.no_progress,
+                  desc=f"host {args.process_index}: {len(todo)} of {len(mine)} files") as bar:
+            stats = conv.run(todo, bar)
+        conv.enc.close()
+        m = conv.manifest()
+        if m is not None:
+            conv.store.write_text(records.MANIFEST, json.dumps(m, indent=1))
+    finally:
+        conv.store.close()   # the local staging directory of a URL --out
     _summary(args, files, mine, todo, stats, m)
     return 0
 
@@ -351,7 +485,8 @@ def _summary(args, files, mine, todo, stats, m) -> None:
                  f"per token on disk; {bad} bad records skipped"
                  + (f" ({', '.join(f'{k}: {v}' for k, v in m['bad_records'].items())}; e.g. "
                     f"{m['bad_examples'][0]})" if bad else "")
-                 + f". Train on it with data.paths={args.out}")
+                 + (f". Train on it with data.paths={args.out}" if not objstore.is_url(args.out)
+                    else f". Training reads {records.from_local_storage(args.out)}"))
     print(text, flush=True)
 
 
