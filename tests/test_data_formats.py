@@ -33,6 +33,7 @@ from tests.data_helpers import (
     write_corpus,
     write_docs,
     write_records,
+    write_save_to_disk,
 )
 
 pa = pytest.importorskip("pyarrow")
@@ -317,31 +318,10 @@ def test_a_later_unreadable_file_is_a_bad_record(tmp_path):
 
 
 # ---------------------------------------------------------------- Hugging Face save_to_disk
-def _save_to_disk(root, texts_per_file):
-    """A `datasets` save_to_disk directory: with `datasets` installed, written by it; otherwise
-    the same layout written by pyarrow (Arrow IPC stream files + state.json + dataset_info.json)."""
-    flat = [t for ts in texts_per_file for t in ts]
-    try:
-        import datasets
-    except ImportError:
-        datasets = None
-    if datasets is not None:
-        datasets.Dataset.from_dict({"story": flat}).save_to_disk(
-            str(root), num_shards=len(texts_per_file))
-        return
-    os.makedirs(root)
-    names = []
-    for i, ts in enumerate(texts_per_file):
-        names.append(f"data-{i:05d}-of-{len(texts_per_file):05d}.arrow")
-        write_records(str(root / names[-1]), "arrow", [{"story": t} for t in ts])
-    (root / "state.json").write_text(json.dumps({"_data_files": [{"filename": n} for n in names]}))
-    (root / "dataset_info.json").write_text("{}")
-
-
 def test_hf_save_to_disk_directory(tmp_path):
     rng = random.Random(5)
     per_file = [[doc_text(rng, f"{f}-{i}", 30) for i in range(10)] for f in range(3)]
-    _save_to_disk(tmp_path / "ds", per_file)
+    write_save_to_disk(tmp_path / "ds", per_file)
     c = cfg(tmp_path, paths=(str(tmp_path / "ds"),), text_key="story", num_shards=2,
             global_batch_size=2, shuffle_window=0)
     files = data.list_files(c)
