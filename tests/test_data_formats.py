@@ -210,8 +210,9 @@ def _bad_corpus(root, case):
     """A good file and a bad one (`case`); -> (bad path, where it is named, kind)."""
     os.makedirs(root / "d", exist_ok=True)
     good = [{"story": f"good document {i} " + "text " * 150} for i in range(8)]
-    ext = ".parquet" if case.startswith("parquet") else ".json"
-    write_records(str(root / "d" / ("a" + ext)), "parquet" if ext == ".parquet" else "array.json", good)
+    fmt = {"parquet": "parquet", "arrow": "arrow", "zstd": "lines.jsonl.zstd"}.get(case.split("_")[0], "array.json")
+    ext = FORMATS[fmt]
+    write_records(str(root / "d" / ("a" + ext)), fmt, good)
     bad = str(root / "d" / ("b" + ext))
     if case == "array_cut_mid_object":
         raw = json.dumps(good[:4]).encode()
@@ -240,11 +241,30 @@ def _bad_corpus(root, case):
     if case == "parquet_not_text":
         pq.write_table(pa.table({"story": [1, 2]}), bad)
         return bad, f"{bad}:0: non_string_text (column 'story' holds int64", "non_string_text"
+    if case in ("arrow_truncated", "zstd_truncated"):   # a download cut short: half the file
+        write_records(bad, fmt, good)
+        raw = open(bad, "rb").read()
+        with open(bad, "wb") as f:
+            f.write(raw[: len(raw) // 2])
+        if fmt == "arrow":
+            return bad, f"{bad}:0: corrupt_file (not a readable Arrow file", "corrupt_file"
+        return bad, f"{bad}:1: truncated_file (the zstd file ends inside a frame)", "truncated_file"
+    if case == "arrow_missing_column":
+        write_records(bad, "arrow", [{"content": "x"}, {"content": "y"}])
+        return bad, f"{bad}:0: missing_key (no column 'story'; its columns: content", "missing_key"
+    if case == "arrow_null":
+        write_records(bad, "arrow", [{"story": "fine"}, {"story": None}, {"story": "also fine"}])
+        return bad, f"{bad}:2: null_text", "null_text"
+    if case == "zstd_corrupt":      # DCLM's .jsonl.zstd ending, not zstd at all
+        with open(bad, "wb") as f:
+            f.write(random.Random(0).randbytes(4000))
+        return bad, f"{bad}:1: corrupt_file (ZstdError", "corrupt_file"
     raise AssertionError(case)
 
 
 BAD_CASES = ["array_cut_mid_object", "array_malformed_element", "array_wrong_key", "parquet_truncated",
-             "parquet_missing_column", "parquet_null", "parquet_not_text"]
+             "parquet_missing_column", "parquet_null", "parquet_not_text", "arrow_truncated",
+             "arrow_missing_column", "arrow_null", "zstd_corrupt", "zstd_truncated"]
 
 
 @pytest.mark.parametrize("case", BAD_CASES)
