@@ -83,11 +83,7 @@ def open_bytes(path: str, off: int = 0, point: list | None = None):
     if comp == "gz":
         return gzseek.open_gz_at(path, point, off)
     if comp == "zst":
-        import zstandard
-        fh = open_raw(path)
-        reader = zstandard.ZstdDecompressor().stream_reader(fh, read_across_frames=True,
-                                                            closefd=True)
-        fh = io.BufferedReader(reader, buffer_size=1 << 20)
+        fh = io.BufferedReader(_ZstdFrames(open_raw(path)), buffer_size=1 << 20)
         while off > 0:   # no frame index: re-read from the start
             got = len(fh.read(min(off, 1 << 20)))
             if not got:
@@ -97,6 +93,56 @@ def open_bytes(path: str, off: int = 0, point: list | None = None):
     fh = open_raw(path)
     fh.seek(off)
     return fh
+
+
+class _ZstdFrames(io.RawIOBase):
+    """The decompressed bytes of a zstd file, frame after frame. EOFError when the file ends
+    inside a frame (a truncated file), as gzip raises: zstandard's stream reader ends there
+    without a word, so a cut file would read as a shorter (or empty) one."""
+
+    RAW_READ = 1 << 18     # compressed bytes per read (JSON text inflates ~4-10x)
+
+    def __init__(self, fh):
+        import zstandard
+        self._fh = fh
+        self._dctx = zstandard.ZstdDecompressor()
+        self._frame = None     # the decompressor of the frame being read (None: between frames)
+        self._out = b""
+        self._pos = 0
+
+    def _inflate(self, raw: bytes) -> bytes:
+        out = []
+        while raw:
+            if self._frame is None:
+                self._frame = self._dctx.decompressobj()
+            out.append(self._frame.decompress(raw))
+            raw = b""
+            if self._frame.eof:        # the frame is whole; what follows starts the next one
+                raw = self._frame.unused_data
+                self._frame = None
+        return b"".join(out)
+
+    def readinto(self, b) -> int:
+        while self._pos >= len(self._out):
+            raw = self._fh.read(self.RAW_READ)
+            if not raw:
+                if self._frame is not None:
+                    self._frame = None
+                    raise EOFError("the zstd file ends inside a frame")
+                return 0
+            self._out, self._pos = self._inflate(raw), 0
+        n = min(len(b), len(self._out) - self._pos)
+        b[:n] = self._out[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+    def readable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        if not self.closed:
+            self._fh.close()
+        super().close()
 
 
 def open_raw(path: str):

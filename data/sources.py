@@ -215,7 +215,7 @@ class ShardReader:
             return False
         except (OSError, EOFError, ValueError, zlib.error) as e:  # the record was reached before
             if self._residue(slot) == 0:   # the file's other parts skip it silently
-                self.bad.add(path, slot.line + 1, "unreadable_file", type(e).__name__)
+                self.bad.add(path, slot.line + 1, "unreadable_file", _read_error(e))
             return False
         slot.fmt = slot.rec.fmt
         return True
@@ -298,6 +298,11 @@ class ShardReader:
                     self.bad.add(path, s.line + 1, e.kind, e.detail)
                 self._finish_slot(i)
                 continue
+            except (objstore.ReadError, FileNotFoundError) as e:   # a URL failing after its
+                if self._residue(s) == 0:                          # retries, a vanished object
+                    self.bad.add(path, s.line + 1, "unreadable_file", _read_error(e))
+                self._finish_slot(i)
+                continue
             except Exception as e:  # noqa: BLE001 - any decoder's error: gzip's BadGzipFile
                 # (not gzip, bad CRC), zlib.error, zstandard.ZstdError, pyarrow's ArrowInvalid
                 # (a damaged row group), an OSError of the mount
@@ -341,6 +346,14 @@ class ShardReader:
             s.advance(n)
             self.rr = (self.rr + 1) % len(self.slots)
             return text, did, True, True
+
+
+def _read_error(e: BaseException) -> str:
+    """An unreadable file's detail: an object store's own message (the URL, the tries), else
+    the error's type (a local path is already named beside it)."""
+    if isinstance(e, objstore.ReadError) or (isinstance(e, FileNotFoundError) and "://" in str(e)):
+        return str(e)
+    return type(e).__name__
 
 
 def no_document_reason(path: str, text_key: str, strict: bool = False) -> str | None:

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -191,6 +192,28 @@ def write_docs(root, kind, n_files=4, docs_per_file=9, seed=0, text_key="story",
             texts[(path, i + 1)] = t
         write_records(path, kind, recs)
     return texts
+
+
+def write_save_to_disk(root, texts_per_file, text_key="story"):
+    """A `datasets` save_to_disk directory: with `datasets` installed, written by it; otherwise
+    the same layout written by pyarrow (Arrow IPC stream files + state.json + dataset_info.json)."""
+    flat = [t for ts in texts_per_file for t in ts]
+    try:
+        import datasets
+    except ImportError:
+        datasets = None
+    if datasets is not None:
+        datasets.Dataset.from_dict({text_key: flat}).save_to_disk(
+            str(root), num_shards=len(texts_per_file))
+        return
+    os.makedirs(root)
+    root = Path(root)
+    names = []
+    for i, ts in enumerate(texts_per_file):
+        names.append(f"data-{i:05d}-of-{len(texts_per_file):05d}.arrow")
+        write_records(str(root / names[-1]), "arrow", [{text_key: t} for t in ts])
+    (root / "state.json").write_text(json.dumps({"_data_files": [{"filename": n} for n in names]}))
+    (root / "dataset_info.json").write_text("{}")
 
 
 def fcfg(root, **kw):

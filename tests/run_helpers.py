@@ -141,25 +141,34 @@ def run(run_dir, *overrides, processes=0):
     finish(start(run_dir, *overrides, processes=processes), run_dir)
 
 
-def run_until(run_dir, condition, sig, *overrides, group=True):
+def run_until(run_dir, condition, sig, *overrides, group=True, processes=0):
     """Starts a run and sends `sig` once condition() holds (polled every 5 ms): to the whole
-    process group (the trainer and its data workers, like a crash) or to the trainer only."""
-    (proc,) = start(run_dir, *overrides)
-    while proc.poll() is None:
+    process group (the trainer and its data workers, like a crash) or to the trainer only; with
+    processes=P, to each of the P trainers. Returns the exit code (P > 0: the list of them)."""
+    procs = start(run_dir, *overrides, processes=processes)
+    while all(p.poll() is None for p in procs):
         if condition():
-            (os.killpg if group else os.kill)(proc.pid if not group else os.getpgid(proc.pid), sig)
+            for p in procs:
+                (os.killpg if group else os.kill)(os.getpgid(p.pid) if group else p.pid, sig)
             break
         time.sleep(0.005)
     else:
-        pytest.fail(f"the run ended before the condition held\n{logs(run_dir)}")
-    try:
-        return proc.wait(timeout=120)
-    finally:
-        if group:
+        for p in procs:
             try:
-                os.killpg(proc.pid, signal.SIGKILL)     # stragglers (data workers)
+                os.killpg(p.pid, signal.SIGKILL)        # the peers of a process that ended
             except ProcessLookupError:
                 pass
+        pytest.fail(f"the run ended before the condition held\n{logs(run_dir)}")
+    try:
+        rcs = [p.wait(timeout=120) for p in procs]
+        return rcs if processes else rcs[0]
+    finally:
+        if group:
+            for p in procs:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)     # stragglers (data workers)
+                except ProcessLookupError:
+                    pass
 
 
 def complete_steps(ckpt_dir):

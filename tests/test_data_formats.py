@@ -33,6 +33,7 @@ from tests.data_helpers import (
     write_corpus,
     write_docs,
     write_records,
+    write_save_to_disk,
 )
 
 pa = pytest.importorskip("pyarrow")
@@ -203,8 +204,9 @@ def _bad_corpus(root, case):
     """A good file and a bad one (`case`); -> (bad path, where it is named, kind)."""
     os.makedirs(root / "d", exist_ok=True)
     good = [{"story": f"good document {i} " + "text " * 150} for i in range(8)]
-    ext = ".parquet" if case.startswith("parquet") else ".json"
-    write_records(str(root / "d" / ("a" + ext)), "parquet" if ext == ".parquet" else "array.json", good)
+    fmt = {"parquet": "parquet", "arrow": "arrow", "zstd": "lines.jsonl.zstd"}.get(case.split("_")[0], "array.json")
+    ext = FORMATS[fmt]
+    write_records(str(root / "d" / ("a" + ext)), fmt, good)
     bad = str(root / "d" / ("b" + ext))
     if case == "array_cut_mid_object":
         raw = json.dumps(good[:4]).encode()
@@ -233,11 +235,30 @@ def _bad_corpus(root, case):
     if case == "parquet_not_text":
         pq.write_table(pa.table({"story": [1, 2]}), bad)
         return bad, f"{bad}:0: non_string_text (column 'story' holds int64", "non_string_text"
+    if case in ("arrow_truncated", "zstd_truncated"):   # a download cut short: half the file
+        write_records(bad, fmt, good)
+        raw = open(bad, "rb").read()
+        with open(bad, "wb") as f:
+            f.write(raw[: len(raw) // 2])
+        if fmt == "arrow":
+            return bad, f"{bad}:0: corrupt_file (not a readable Arrow file", "corrupt_file"
+        return bad, f"{bad}:1: truncated_file (the zstd file ends inside a frame)", "truncated_file"
+    if case == "arrow_missing_column":
+        write_records(bad, "arrow", [{"content": "x"}, {"content": "y"}])
+        return bad, f"{bad}:0: missing_key (no column 'story'; its columns: content", "missing_key"
+    if case == "arrow_null":
+        write_records(bad, "arrow", [{"story": "fine"}, {"story": None}, {"story": "also fine"}])
+        return bad, f"{bad}:2: null_text", "null_text"
+    if case == "zstd_corrupt":      # DCLM's .jsonl.zstd ending, not zstd at all
+        with open(bad, "wb") as f:
+            f.write(random.Random(0).randbytes(4000))
+        return bad, f"{bad}:1: corrupt_file (ZstdError", "corrupt_file"
     raise AssertionError(case)
 
 
 BAD_CASES = ["array_cut_mid_object", "array_malformed_element", "array_wrong_key", "parquet_truncated",
-             "parquet_missing_column", "parquet_null", "parquet_not_text"]
+             "parquet_missing_column", "parquet_null", "parquet_not_text", "arrow_truncated",
+             "arrow_missing_column", "arrow_null", "zstd_corrupt", "zstd_truncated"]
 
 
 @pytest.mark.parametrize("case", BAD_CASES)
@@ -311,31 +332,10 @@ def test_a_later_unreadable_file_is_a_bad_record(tmp_path):
 
 
 # ---------------------------------------------------------------- Hugging Face save_to_disk
-def _save_to_disk(root, texts_per_file):
-    """A `datasets` save_to_disk directory: with `datasets` installed, written by it; otherwise
-    the same layout written by pyarrow (Arrow IPC stream files + state.json + dataset_info.json)."""
-    flat = [t for ts in texts_per_file for t in ts]
-    try:
-        import datasets
-    except ImportError:
-        datasets = None
-    if datasets is not None:
-        datasets.Dataset.from_dict({"story": flat}).save_to_disk(
-            str(root), num_shards=len(texts_per_file))
-        return
-    os.makedirs(root)
-    names = []
-    for i, ts in enumerate(texts_per_file):
-        names.append(f"data-{i:05d}-of-{len(texts_per_file):05d}.arrow")
-        write_records(str(root / names[-1]), "arrow", [{"story": t} for t in ts])
-    (root / "state.json").write_text(json.dumps({"_data_files": [{"filename": n} for n in names]}))
-    (root / "dataset_info.json").write_text("{}")
-
-
 def test_hf_save_to_disk_directory(tmp_path):
     rng = random.Random(5)
     per_file = [[doc_text(rng, f"{f}-{i}", 30) for i in range(10)] for f in range(3)]
-    _save_to_disk(tmp_path / "ds", per_file)
+    write_save_to_disk(tmp_path / "ds", per_file)
     c = cfg(tmp_path, paths=(str(tmp_path / "ds"),), text_key="story", num_shards=2,
             global_batch_size=2, shuffle_window=0)
     files = data.list_files(c)

@@ -308,22 +308,26 @@ def test_an_object_deleted_mid_run_is_a_named_bad_file(gcs, strict):
     if strict:
         with pytest.raises(data.BadDataError) as e:
             take(it, 300)
-        assert "\n" not in str(e.value) and victim in str(e.value), str(e.value)
+        assert "\n" not in str(e.value) and f"{victim}:" in str(e.value), str(e.value)
+        assert "unreadable_file" in str(e.value), str(e.value)
         return
     for _ in range(300):
         next(it)
         bad = state_counters(it.get_state())
         if bad["bad"]:
             break
-    assert bad["bad"], "the vanished object was not counted"
-    assert victim in str(bad["badex"])
+    assert bad["bad"] == {"unreadable_file": 1}, bad
+    assert bad["badex"][0].startswith(f"{victim}:") and "unreadable_file" in bad["badex"][0], bad
 
 
 # ---------------------------------------------------------------- transient errors
+@pytest.mark.parametrize("strict", [False, True], ids=["lenient", "strict"])
 @pytest.mark.parametrize("sizes_known", [True, False], ids=["ranged_reads", "opened_files"])
-def test_a_transient_read_error_is_retried_then_a_bad_file(tmp_path, monkeypatch, sizes_known):
+def test_a_transient_read_error_is_retried_then_a_bad_file(tmp_path, monkeypatch, sizes_known, strict):
     """Both ways an object is read: ranged reads (its size known from the listing) and an fsspec
-    file (size unknown: an old checkpoint's listing, an @list entry)."""
+    file (size unknown: an old checkpoint's listing, an @list entry). Reads that fail a few times
+    are retried (strict too: nothing raised); a URL whose reads keep failing is an unreadable
+    file, named with its tries, or one line in strict mode."""
     import fsspec
     from fsspec.implementations.memory import MemoryFileSystem
 
@@ -368,10 +372,11 @@ def test_a_transient_read_error_is_retried_then_a_bad_file(tmp_path, monkeypatch
     fsspec.register_implementation("flaky", FlakyFS, clobber=True)
     write_corpus(tmp_path, n_files=2, docs_per_file=10)
     fs = fsspec.filesystem("flaky")
-    base = f"/flaky_corpus_{os.getpid()}_{sizes_known}"     # the memory store is per process
-    fs.put(str(tmp_path), base, recursive=True)
+    # a folder of its own: the in-memory store (and the reads patched into its files) outlives the test
+    corpus = f"flaky_corpus_{int(strict)}_{int(sizes_known)}_{os.getpid()}"
+    fs.put(str(tmp_path), f"/{corpus}", recursive=True)
     local = cfg(tmp_path, num_shards=2)
-    remote = cfg(tmp_path, paths=(f"flaky://{base}/*/en_head.*",), num_shards=2)
+    remote = cfg(tmp_path, paths=(f"flaky:///{corpus}/*/en_head.*",), num_shards=2, strict=strict)
     a = take(data.make_host_iterator(local, 0, 1), 5)
     b = take(data.make_host_iterator(remote, 0, 1), 5)
     for i, (x, y) in enumerate(zip(a, b, strict=True)):
@@ -380,11 +385,19 @@ def test_a_transient_read_error_is_retried_then_a_bad_file(tmp_path, monkeypatch
     assert not state_counters(data.make_host_iterator(remote, 0, 1).get_state())["bad"]
     # failing for good: every try fails -> the file is a bad file, named, not a crash
     state["dead"] = "0001/en_head"
-    it = data.make_host_iterator(cfg(tmp_path, paths=remote.paths, num_shards=1), 0, 1)
+    one = cfg(tmp_path, paths=remote.paths, num_shards=1, strict=strict)
+    where = f"flaky:///{corpus}/0001/en_head.json.gz:1: unreadable_file ("
+    if strict:
+        with pytest.raises(data.BadDataError) as e:
+            take(data.make_host_iterator(one, 0, 1), 10)
+        msg = str(e.value)
+        assert "\n" not in msg and where in msg and "after 4 tries" in msg, msg
+        return
+    it = data.make_host_iterator(one, 0, 1)
     take(it, 10)
     bad = state_counters(it.get_state())
-    assert bad["bad"] and f"flaky://{base}/0001/en_head.json.gz" in str(bad["badex"]), bad
-    assert "after 4 tries" in str(bad["badex"]), bad
+    assert bad["bad"] == {"unreadable_file": 1}, bad
+    assert bad["badex"][0].startswith(where) and "after 4 tries" in bad["badex"][0], bad
 
 
 # ---------------------------------------------------------------- every format, through fsspec

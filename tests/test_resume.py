@@ -13,6 +13,7 @@ A run that changes the process count is checked per virtual shard: the rows each
 delivered, across the save and the restore, are exactly that shard's rows in the straight run:
 no row (hence no document or token) lost or repeated.
 """
+import json
 import signal
 from pathlib import Path
 
@@ -186,3 +187,94 @@ def test_fingerprint_mismatch_stops_with_the_differences(straight, tmp_path):
     summary = train_mod.train(make_cfg(tmp_path / "c", src, "data.seq_len=128", "checkpoint.allow_data_change=true",
                                        f"train.steps={N + 1}", "checkpoint.every=0", "data.num_workers=0"))
     assert (summary["start_step"], summary["steps"]) == (N, N + 1)
+
+
+# ---------------------------------------------------------------- every input format, and gs://
+def _format_mixture(root, bucket_url, fs):
+    """One source per input format other than the default .json.gz, 2 files each (fewer files than
+    shards: each file is split among shards), text under `story`: Parquet (row groups of 4, split
+    by group), JSON arrays (.json), a save_to_disk directory (Arrow), .jsonl.zstd (DCLM's ending)
+    and .json.gz lines on the GCS emulator. -> the data.sources override."""
+    import random
+
+    from tests.data_helpers import doc_text, write_corpus, write_docs, write_save_to_disk
+
+    kw = dict(n_files=2, docs_per_file=30)
+    write_docs(root / "parquet", "parquet", seed=1, **kw)
+    write_docs(root / "array", "array.json", seed=2, **kw)
+    write_docs(root / "zstd", "lines.jsonl.zstd", seed=3, **kw)
+    rng = random.Random(4)
+    write_save_to_disk(root / "arrow", [[doc_text(rng, f"{f}-{i}", rng.randint(3, 60)) for i in range(30)]
+                                        for f in range(2)])
+    write_corpus(root / "gs", seed=5, max_words=60, text_key="story", **kw)
+    fs.put(str(root / "gs"), bucket_url.removeprefix("gs://"), recursive=True)
+    paths = {"parquet": f"{root}/parquet/*/part.parquet", "array": f"{root}/array/*/part.json",
+             "arrow": f"{root}/arrow", "zstd": f"{root}/zstd/*/part.jsonl.zstd",
+             "gs": f"{bucket_url}/*/en_head.json.gz"}
+    return "data.sources=[" + ",".join(f"{{name:{n},paths:['{p}'],weight:1}}" for n, p in paths.items()) + "]"
+
+
+@pytest.mark.slow
+def test_kill_and_resume_on_another_host_count_for_every_format_and_gs(tmp_path, monkeypatch):
+    """A mixture with one source per input format (Parquet, JSON array, Arrow, .jsonl.zstd, a
+    gs:// object on the GCS emulator), SIGKILLed after its step-K checkpoint on 2 processes and
+    resumed on 1 (with an input worker): every step's rows are those of one straight run, and
+    the resumed steps' batches hash the same. The cut falls inside files of every source."""
+    pytest.importorskip("pyarrow")
+    pytest.importorskip("zstandard")
+    pytest.importorskip("gcp_storage_emulator.server")
+    from tests.gcs_emulator import BUCKET, Emulator
+    gcsfs = pytest.importorskip("gcsfs")
+
+    em = Emulator()
+    try:
+        for k, v in em.env().items():      # train.py and its input workers read gs:// from it
+            monkeypatch.setenv(k, v)
+        fs = gcsfs.GCSFileSystem(token="anon", project="test", endpoint_url=f"http://localhost:{em.port}",
+                                 skip_instance_cache=True)
+        mix = [_format_mixture(tmp_path / "corpus", f"gs://{BUCKET}/fmt", fs), "data.paths=[]",
+               "data.text_key=story", "data.eval.holdout_files=0",
+               "data.shuffle_window=2"]     # small windows: the checkpoint's window starts inside files
+        straight = tmp_path / "straight"
+        run(straight, *mix, "data.num_workers=0", "checkpoint.every=0")
+
+        run_dir = tmp_path / "run"
+        ckpt = run_dir / "checkpoints"
+        run_until(run_dir, lambda: (ckpt / str(K)).is_dir(), signal.SIGKILL, *mix, "data.num_workers=0",
+                  f"checkpoint.every={K}", processes=2)
+        assert complete_steps(ckpt) == [K], "the kill came too late"
+        killed = run_dir / "killed"          # the killed run's batch logs, apart from the resumed run's
+        killed.mkdir()
+        for f in run_dir.glob("debug_batches.p*.jsonl"):
+            f.rename(killed / f.name)
+        run(run_dir, *mix, "data.num_workers=1", f"checkpoint.every={K}")
+        assert resumed_at(run_dir) == K
+    finally:
+        em.stop()
+
+    # The checkpoint stands inside a file of every source, past its first record.
+    from data.host import find_shard_states
+    saved = [json.loads(p.read_text()) for p in sorted((ckpt / str(K) / "data").glob("process_*"))]
+    assert len(saved) == 2
+    inside = set()
+    for state in saved:
+        for shard in find_shard_states(state).values():
+            for name, src in shard["sources"].items():
+                if any(slot[3] > 0 for slot in src["start"]["reader"]["slots"]):
+                    inside.add(name)
+    assert inside == {"parquet", "array", "arrow", "zstd", "gs"}, inside
+
+    want = rows_by_step(straight)
+    before, after = rows_by_step(killed), rows_by_step(run_dir)
+    assert sorted(want) == list(range(1, N + 1))
+    for s in range(1, K + 1):
+        assert before[s] == want[s], f"step {s} (2 processes) differs from the straight run"
+    for s in range(K + 1, N + 1):
+        assert after[s] == want[s], f"step {s} after the resume on 1 process differs from the straight run"
+    hashes = {r["step"]: r["batch_hash"] for r in read_jsonl(run_dir / "debug_batches.p0.jsonl")}
+    straight_hashes = {r["step"]: r["batch_hash"] for r in read_jsonl(straight / "debug_batches.p0.jsonl")}
+    assert sorted(hashes) == list(range(K + 1, N + 1))
+    assert all(hashes[s] == straight_hashes[s] for s in hashes), (hashes, straight_hashes)
+    last = read_jsonl(run_dir / "metrics.jsonl")[-1]
+    for name in ("parquet", "array", "arrow", "zstd", "gs"):
+        assert last[f"data/source/{name}/rows"] > 0 and last[f"data/source/{name}/bad_records"] == 0, name
