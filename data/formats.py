@@ -274,6 +274,11 @@ def parse_json(raw: bytes, text_key: str):
         except UnicodeDecodeError:
             return None, "invalid_utf8"
         return None, "malformed_json"
+    return record_text(rec, text_key)
+
+
+def record_text(rec, text_key: str):
+    """A parsed JSON record -> (text, None) or (None, bad kind)."""
     if not isinstance(rec, dict) or text_key not in rec:
         return None, "missing_key"
     text = rec[text_key]
@@ -351,6 +356,9 @@ class ArrayRecords:
         self.eof = False
         self.opened = off > 0     # the `[` is behind the position
         self.closed = False       # the `]` was read
+        # (bytes, object) of the element the fast path parsed to find its end: parse() of those
+        # very bytes, called next, takes the object instead of parsing the element a second time
+        self._parsed = (None, None)
 
     def _fill(self) -> bool:
         """More bytes after buf[i:] (buf[:i] is dropped); False at the end of the file."""
@@ -406,8 +414,9 @@ class ArrayRecords:
         for k, m in enumerate(_OBJ_END.finditer(buf, i)):
             if k == _CANDIDATES:
                 return None
+            raw = buf[i:m.start() + 1]
             try:
-                orjson.loads(buf[i:m.start() + 1])
+                self._parsed = (raw, orjson.loads(raw))
             except orjson.JSONDecodeError:
                 continue
             return m.start() + 1
@@ -440,21 +449,28 @@ class ArrayRecords:
         if c == 0x2C:        # ',' where an element should be: an empty element
             self.i += 1
             return b"", self.base + self.i - p0
+        self._parsed = (None, None)
         while True:
             end = self._object_end() if c == 0x7B else None
+            fast = end is not None
             if end is None:
                 end = self._element_end()
             if end is not None:
                 break
             if not self._fill():
                 raise EOFError("the file ends inside an element of its JSON array")
-        raw = self.buf[self.i:end]
+        raw = self._parsed[0] if fast else None
+        if raw is None or len(raw) != end - self.i:
+            raw = self.buf[self.i:end]
         self.i = end
         if self._skip_ws() and self.buf[self.i] == 0x2C:
             self.i += 1      # the comma goes with the element: the next scan starts after it
         return raw, self.base + self.i - p0
 
     def parse(self, raw: bytes):
+        seen, rec = self._parsed
+        if raw is seen:
+            return record_text(rec, self.text_key)
         return parse_json(raw, self.text_key)
 
     def close(self) -> None:
