@@ -21,6 +21,9 @@ if str(ROOT) not in sys.path:
 
 
 def main() -> None:
+    from model.distributed import quiet_cpu_start
+
+    quiet_cpu_start()   # no libtpu warnings on a machine without a TPU (JAX_PLATFORMS, if set, wins)
     from lm_eval.__main__ import cli_evaluate
 
     import model.harness  # noqa: F401  (registers "jaxpt")

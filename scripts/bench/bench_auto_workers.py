@@ -58,6 +58,9 @@ def after(rows: list[dict], first_step: int) -> dict:
 
 
 def main() -> None:
+    from model.distributed import quiet_cpu_start
+
+    quiet_cpu_start()   # no libtpu warnings on a machine without a TPU (JAX_PLATFORMS, if set, wins)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--settings", default="auto,0,1,2", help="comma-separated: auto and worker counts")
     ap.add_argument("--steps", type=int, default=60)

@@ -37,6 +37,9 @@ from train import PROJECT_ROOT  # the repo root (the project is installed editab
 
 
 def main() -> None:
+    from model.distributed import quiet_cpu_start
+
+    quiet_cpu_start()   # no libtpu warnings on a machine without a TPU (JAX_PLATFORMS, if set, wins)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--d-model", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=24)

@@ -158,6 +158,9 @@ def measure(cfg, max_tokens: int, sim_steps: int) -> dict:
 
 
 def main():
+    from model.distributed import quiet_cpu_start
+
+    quiet_cpu_start()   # no libtpu warnings on a machine without a TPU (JAX_PLATFORMS, if set, wins)
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", required=True, help="directory of the generated corpora")

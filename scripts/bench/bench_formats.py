@@ -162,6 +162,9 @@ def peak_rss_mb(pattern: str, args) -> float:
 
 
 def main():
+    from model.distributed import quiet_cpu_start
+
+    quiet_cpu_start()   # no libtpu warnings on a machine without a TPU (JAX_PLATFORMS, if set, wins)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--src", required=True, help="glob of .json.gz JSON-lines files (raw_content)")
     ap.add_argument("--work", required=True)

@@ -101,6 +101,9 @@ def bench_gather(n: int) -> dict:
 
 
 def main() -> None:
+    from model.distributed import quiet_cpu_start
+
+    quiet_cpu_start()   # no libtpu warnings on a machine without a TPU (JAX_PLATFORMS, if set, wins)
     p = argparse.ArgumentParser()
     p.add_argument("--past-intervals", type=int, default=20000)
     p.add_argument("--intervals", type=int, default=2000)

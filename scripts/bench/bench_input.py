@@ -298,6 +298,9 @@ def simulate_training(cfg, steps, tok_s, frac=0.8, compile_s=2.0, calib_batches=
 
 
 def main():
+    from model.distributed import quiet_cpu_start
+
+    quiet_cpu_start()   # no libtpu warnings on a machine without a TPU (JAX_PLATFORMS, if set, wins)
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--paths", nargs="+", required=True, help="glob(s) of corpus files")

@@ -93,6 +93,9 @@ def shares(args, packing: str) -> dict:
 
 
 def main():
+    from model.distributed import quiet_cpu_start
+
+    quiet_cpu_start()   # no libtpu warnings on a machine without a TPU (JAX_PLATFORMS, if set, wins)
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--a", required=True, help="glob of source a's files")

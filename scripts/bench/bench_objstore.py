@@ -54,6 +54,9 @@ def stream_rate(cfg, files, batches: int) -> float:
 
 
 def main():
+    from model.distributed import quiet_cpu_start
+
+    quiet_cpu_start()   # no libtpu warnings on a machine without a TPU (JAX_PLATFORMS, if set, wins)
     ap = argparse.ArgumentParser()
     ap.add_argument("--src", required=True, help="a directory of NNNN/en_head.json.gz (make_corpus.py)")
     ap.add_argument("--tokenizer", required=True)

@@ -25,6 +25,9 @@ from model.llama import LlamaConfig
 
 
 def main(argv=None):
+    from model.distributed import quiet_cpu_start
+
+    quiet_cpu_start()   # no libtpu warnings on a machine without a TPU (JAX_PLATFORMS, if set, wins)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="tiny")
     p.add_argument("--mesh", default="default")

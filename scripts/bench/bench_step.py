@@ -51,6 +51,9 @@ def random_batch(rng, batch: int, seq: int, vocab: int, docs_per_row: int) -> di
 
 
 def main(argv=None):
+    from model.distributed import quiet_cpu_start
+
+    quiet_cpu_start()   # no libtpu warnings on a machine without a TPU (JAX_PLATFORMS, if set, wins)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="tiny", help="configs/model/<preset>.yaml")
     p.add_argument("--mesh", default="default", help="configs/mesh/<mesh>.yaml")

@@ -49,6 +49,9 @@ def timed(fn, n=3):
 
 
 def main() -> None:
+    from model.distributed import quiet_cpu_start
+
+    quiet_cpu_start()   # no libtpu warnings on a machine without a TPU (JAX_PLATFORMS, if set, wins)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeat", type=int, default=8)
     ap.add_argument("--every", default="100,1000")
