@@ -79,10 +79,18 @@ def list_paths(patterns, setting: str = "data.paths") -> Listing:
 
 def _list_url(pattern: str, setting: str) -> dict[str, int]:
     """The objects a URL pattern matches with their sizes, from one listing request
-    (data/objstore.py)."""
+    (data/objstore.py). A URL without a glob that names a "folder" (hf://datasets/ORG/NAME[@REV], a
+    bucket prefix) stands for its train files, chosen as for a local dataset folder (_hf_select)
+    from that same listing, plus one read of its README.md (the dataset card) when it has one."""
 
+    folder = not any(c in pattern for c in "*?[")
     try:
-        found, sizes = objstore.list_url(pattern)
+        if folder:
+            sizes, rels = objstore.list_folder(pattern)
+            found = sorted(sizes)
+        else:
+            found, sizes = objstore.list_url(pattern)
+            rels = {}
     except ValueError as e:
         raise ValueError(f"{setting}: {e}") from None
     except Exception as e:   # noqa: BLE001 - a backend's error: named in one line
@@ -96,7 +104,34 @@ def _list_url(pattern: str, setting: str) -> dict[str, int]:
         # converted corpora are read from local paths (data/records.py): said now, not later as
         # a mix of records and "text" files or a missing manifest
         raise ValueError(records.url_dir_message(part, setting))
+    if rels:
+        chosen = _url_folder(pattern.rstrip("/"), rels, setting)
+        sizes = {u: sizes[u] for u in chosen}
     return sizes
+
+
+def _url_folder(url: str, rels: dict[str, str], setting: str) -> list[str]:
+    """The train files (URLs) of a folder at a URL, given {url: relative path} of its objects."""
+    by_rel = {rel: u for u, rel in rels.items()
+              # as the local walk: nothing under a hidden folder (.git, .huggingface, .cache)
+              if not any(part.startswith(".") for part in rel.split("/")[:-1])}
+    if "state.json" in by_rel or "dataset_dict.json" in by_rel:
+        # a save_to_disk directory is read from its state.json locally; its JSON files are no data
+        raise ValueError(f"{setting}: {url!r} is a Hugging Face save_to_disk directory: at a URL give "
+                         f"its Arrow files as a glob ({url}/*.arrow, or {url}/SPLIT/*.arrow)")
+    card = None
+    if "README.md" in by_rel:
+        try:
+            with objstore.open_url(by_rel["README.md"]) as f:
+                card = f.read().decode("utf-8", errors="replace")
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{setting}: {url}/README.md: the dataset card cannot be read "
+                             f"({type(e).__name__})") from None
+    chosen = _hf_select(list(by_rel), card, url, setting)
+    if chosen is None:
+        raise ValueError(f"{setting}: {url!r} holds no file of a format read here: give globs of "
+                         "its files instead (e.g. URL/*.parquet, URL/**/*.json.gz)")
+    return [by_rel[rel] for rel in chosen]
 
 
 def _converted_dir(path: str, setting: str) -> list[str]:
@@ -133,14 +168,32 @@ def _path_split(rel: str) -> str | None:
 
 def _hf_repo_dir(path: str, setting: str) -> list[str] | None:
     """The training files of a Hugging Face dataset folder (a `huggingface-cli download
-    --repo-type dataset` snapshot or a clone of the hub repository), resolved as the hub does:
-    the dataset card's `configs:` (README.md's YAML header: the `default: true` config, else
-    "default", else the first; its `train` split, or its only one), else every file of a format
-    we read, those whose path names the train split when any path names a split. None: no such
-    file. Globs in `configs:` are relative to the folder."""
+    --repo-type dataset` snapshot or a clone of the hub repository): _hf_select over its files.
+    One walk, hidden folders (.git, .cache) skipped; None: no file of a format we read."""
+    rels = []
+    for root, dirs, names in os.walk(path):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        rels += [os.path.relpath(os.path.join(root, n), path) for n in sorted(names)]
+    try:
+        with open(os.path.join(path, "README.md"), encoding="utf-8") as f:
+            card = f.read()
+    except FileNotFoundError:
+        card = None
+    chosen = _hf_select(rels, card, path, setting)
+    return None if chosen is None else [os.path.join(path, rel) for rel in chosen]
+
+
+def _hf_select(rels: list[str], card: str | None, where: str, setting: str) -> list[str] | None:
+    """The train split of a dataset folder whose files are `rels` (paths relative to it, "/"
+    separated) and whose README.md reads `card` (None: none), resolved as the hub does: the
+    card's `configs:` (its YAML header: the `default: true` config, else "default", else the
+    first; its `train` split, or its only one), else every file of a format we read, those whose
+    path names the train split when any path names a split. None: no such file. Globs in
+    `configs:` are relative to the folder and matched as glob.glob(recursive=True) would
+    (_glob_rel). Shared by a local folder and one at a URL (`where` names it in messages)."""
     from data.formats import name_format
 
-    configs = _card_configs(os.path.join(path, "README.md"), setting)
+    configs = _card_configs(card, f"{where}/README.md", setting)
     if configs:
         chosen = next((c for c in configs if c.get("default")), None) or \
             next((c for c in configs if c.get("config_name") == "default"), configs[0])
@@ -151,46 +204,82 @@ def _hf_repo_dir(path: str, setting: str) -> list[str] | None:
         splits = {d.get("split", "train"): _as_list(d.get("path")) for d in _as_list(data_files)
                   if isinstance(d, dict)}
         if not splits:
-            raise ValueError(f"{setting}: {path}/README.md: config {name!r} lists no data_files")
+            raise ValueError(f"{setting}: {where}/README.md: config {name!r} lists no data_files")
         split = "train" if "train" in splits else (next(iter(splits)) if len(splits) == 1 else None)
         if split is None:
-            raise ValueError(f"{setting}: {path}/README.md: config {name!r} has no train split "
+            raise ValueError(f"{setting}: {where}/README.md: config {name!r} has no train split "
                              f"({', '.join(splits)}): give the files of one as a glob")
-        files = sorted({f for pattern in splits[split]
-                        for f in glob.glob(os.path.join(path, pattern), recursive=True) if os.path.isfile(f)})
+        matchers = [_glob_rel(pattern) for pattern in splits[split]]
+        files = sorted({rel for rel in rels if any(m(rel) for m in matchers)})
         if not files:
-            raise ValueError(f"{setting}: {path}/README.md: config {name!r} split {split!r} "
+            raise ValueError(f"{setting}: {where}/README.md: config {name!r} split {split!r} "
                              f"({', '.join(splits[split])}) matches no file in the folder")
         return files
-    found = []
-    for root, dirs, names in os.walk(path):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        found += [os.path.join(root, n) for n in sorted(names) if name_format(n) is not None]
+    found = [rel for rel in rels if name_format(rel.rsplit("/", 1)[-1]) is not None]
     if not found:
         return None
-    by_split = [(_path_split(os.path.relpath(f, path)), f) for f in found]
+    by_split = [(_path_split(rel), rel) for rel in found]
     if any(split for split, _ in by_split):
-        found = [f for split, f in by_split if split == "train"]
+        found = [rel for split, rel in by_split if split == "train"]
         if not found:
-            raise ValueError(f"{setting}: {path!r}: its data files name splits but none is train "
+            raise ValueError(f"{setting}: {where!r}: its data files name splits but none is train "
                              f"({', '.join(sorted({s for s, _ in by_split if s}))}): give one's files as a glob")
     return found
+
+
+def _glob_rel(pattern: str) -> Callable[[str], bool]:
+    """A matcher of relative paths for a glob, with glob.glob(recursive=True)'s rules (which a
+    local folder's `configs:` globs were matched with): `*`, `?`, `[...]` stay within a path
+    component, a `**` component spans any number of them (none included), and a name starting
+    with "." is matched only by a component that starts with "." too."""
+    out = []
+    parts = [c for c in pattern.split("/") if c and c != "."]
+    for i, comp in enumerate(parts):
+        last = i == len(parts) - 1
+        if comp == "**":
+            out.append(r"(?:[^/.][^/]*/)*[^/.][^/]*" if last else r"(?:[^/.][^/]*/)*")
+            continue
+        body = "" if comp.startswith(".") else r"(?!\.)"
+        j = 0
+        while j < len(comp):
+            c = comp[j]
+            if c == "*":
+                body += "[^/]*"
+            elif c == "?":
+                body += "[^/]"
+            elif c == "[" and _class_end(comp, j) > 0:
+                end = _class_end(comp, j)
+                inner = comp[j + 1:end].replace("\\", "\\\\").replace("[", "\\[")
+                body += "[" + ("^" + inner[1:] if inner.startswith("!") else
+                               "\\^" + inner[1:] if inner.startswith("^") else inner) + "]"
+                j = end
+            else:
+                body += re.escape(c)
+            j += 1
+        out.append(body + ("" if last else "/"))
+    rx = re.compile("".join(out), re.DOTALL)
+    return lambda rel: rx.fullmatch(rel) is not None
+
+
+def _class_end(comp: str, j: int) -> int:
+    """The index of the `]` closing the bracket class opened at comp[j] (-1: none, a literal `[`),
+    as fnmatch reads it: a `]` right after `[` or `[!` belongs to the class."""
+    k = j + 1
+    k += comp[k:k + 1] == "!"
+    k += comp[k:k + 1] == "]"
+    return comp.find("]", k)
 
 
 def _as_list(x) -> list:
     return [] if x is None else (x if isinstance(x, list) else [x])
 
 
-def _card_configs(readme: str, setting: str) -> list[dict]:
-    """The `configs:` of a dataset card's YAML header ([] without a card or without configs)."""
+def _card_configs(text: str | None, readme: str, setting: str) -> list[dict]:
+    """The `configs:` of a dataset card's YAML header ([] without a card or without configs);
+    `readme` names the card in messages."""
     import yaml
 
-    try:
-        with open(readme, encoding="utf-8") as f:
-            text = f.read()
-    except FileNotFoundError:
-        return []
-    if not text.startswith("---"):
+    if text is None or not text.startswith("---"):
         return []
     header = text[3:].split("\n---", 1)[0]
     try:

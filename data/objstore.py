@@ -80,10 +80,36 @@ def list_url(pattern: str) -> tuple[list[str], dict[str, int]]:
     else:
         # a plain object or a "directory": one listing of its prefix, sizes included
         found = fs.find(pattern, detail=True)
-    sizes = {_full(fs, pattern, p): int(info.get("size") or 0)
-             for p, info in found.items() if info.get("type", "file") == "file"}
+    sizes = _sizes(fs, pattern, found)
     remember_sizes(sizes)
     return sorted(sizes), sizes
+
+
+def list_folder(url: str) -> tuple[dict[str, int], dict[str, str]]:
+    """The objects under a URL without a glob, from one listing (as list_url): their sizes
+    ({url: size}) and {url: path relative to `url`}, the second empty when `url` names an object
+    itself rather than a "folder". data/listing.py picks a dataset folder's train files by those
+    relative paths, as it does for a local folder."""
+    fs = filesystem(url)
+    found = fs.find(url, detail=True)
+    sizes = _sizes(fs, url, found)
+    remember_sizes(sizes)
+    # The folder as the backend spells its paths: hf:// writes a revision given as
+    # `@refs/convert/parquet` quoted in the paths it returns (resolve_path reuses what find cached).
+    root = fs._strip_protocol(url).rstrip("/")
+    if hasattr(fs, "resolve_path"):
+        try:
+            root = fs.resolve_path(url).unresolve().rstrip("/")
+        except Exception:   # noqa: BLE001 - the plain stripped path is then the best guess
+            pass
+    rels = {_full(fs, url, p): p[len(root) + 1:] for p, info in found.items()
+            if info.get("type", "file") == "file" and p.startswith(root + "/")}
+    return sizes, rels
+
+
+def _sizes(fs, url: str, found: dict) -> dict[str, int]:
+    return {_full(fs, url, p): int(info.get("size") or 0)
+            for p, info in found.items() if info.get("type", "file") == "file"}
 
 
 def remember_sizes(sizes) -> None:
