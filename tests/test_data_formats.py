@@ -405,6 +405,89 @@ def test_hf_dataset_folder_reads_its_train_files_as_the_hub_does(tmp_path):
         data.list_files(cfg(tmp_path, paths=(str(tmp_path / "empty"),)))
 
 
+def test_hf_dataset_folder_at_a_url_selects_what_the_local_folder_does(tmp_path, monkeypatch):
+    """hf://datasets/ORG/NAME[@REV] (or any URL naming a folder) stands for the same train files
+    as the same folder on disk, chosen from one listing plus one read of its README.md; fsspec's
+    in-memory file system stands in for the hub (unreachable in tests). A glob still lists
+    every object it matches."""
+    import fsspec
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    from data.listing import list_paths
+    rng = random.Random(11)
+    hub = tmp_path / "hub"
+    (hub / "data").mkdir(parents=True)
+    names = [f"data/train-{i:05d}-of-00002.parquet" for i in range(2)] + ["data/test-00000-of-00001.parquet"]
+    for rel in names:
+        write_records(str(hub / rel), "parquet", [{"text": doc_text(rng, rel, 20)} for _ in range(6)])
+    (hub / ".gitattributes").write_text("*.parquet filter=lfs diff=lfs merge=lfs -text\n")
+    (hub / "README.md").write_text(
+        "---\nlicense: cc-by-4.0\nconfigs:\n- config_name: default\n  data_files:\n"
+        "  - split: train\n    path: data/train-*\n  - split: test\n    path: data/test-*\n---\n# A dataset\n")
+    fs = fsspec.filesystem("memory")
+    base = f"memory://hub_{os.getpid()}"
+    fs.put(str(hub), base, recursive=True)
+
+    def rel(f):
+        return f.split(f"hub_{os.getpid()}/", 1)[1]
+
+    # requests, counted at the file system: a listing (find, or an ls outside it), a metadata
+    # request (info), an object read (cat_file: a ranged read; _open: a file)
+    calls = {"list": 0, "info": 0, "read": []}
+    inside = [False]
+
+    def counted(name, kind):
+        orig = getattr(MemoryFileSystem, name)
+
+        def wrapper(self, path, *a, **kw):
+            if kind == "read":
+                calls["read"].append(rel(str(path)))
+            elif kind == "find":     # glob calls find, find calls ls: the outermost call counts
+                calls["list"] += not inside[0]
+                was, inside[0] = inside[0], True
+                try:
+                    return orig(self, path, *a, **kw)
+                finally:
+                    inside[0] = was
+            elif kind == "list" and not inside[0] or kind == "info" and not inside[0]:
+                calls[kind] += 1
+            return orig(self, path, *a, **kw)
+        monkeypatch.setattr(MemoryFileSystem, name, wrapper)
+
+    for name, kind in (("find", "find"), ("glob", "find"), ("ls", "list"), ("info", "info"),
+                       ("cat_file", "read"), ("_open", "read")):
+        counted(name, kind)
+    try:
+        local = list_paths(str(hub)).files
+        assert [os.path.relpath(f, hub) for f in local] == names[:2]
+        for url in (base, base + "/"):
+            calls.update(list=0, info=0, read=[])
+            listing = list_paths(url)
+            assert [rel(f) for f in listing.files] == names[:2], listing.files
+            assert calls == {"list": 1, "info": 0, "read": ["README.md"]}, calls
+            assert sorted(listing.sizes) == listing.files and listing.dirs_read == 1
+        # the same batches as the local folder, read through the URL
+        kw = dict(text_key="text", num_shards=2, global_batch_size=2, shuffle_window=0)
+        local_c, remote_c = cfg(tmp_path, paths=(str(hub),), **kw), cfg(tmp_path, paths=(base,), **kw)
+        files = data.list_files(remote_c)
+        a = take(data.make_host_iterator(local_c, 0, 1), 8)
+        b = take(data.make_host_iterator(remote_c, 0, 1, files=files), 8)
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_batches_equal(x, y, f"batch {i} of the folder at a URL")
+        # a glob keeps listing what it matches, the card unread
+        calls.update(list=0, info=0, read=[])
+        assert [rel(f) for f in list_paths(f"{base}/data/*.parquet").files] == sorted(names)
+        assert calls == {"list": 1, "info": 0, "read": []}, calls
+        # without a card: the hub's default layout (the files naming the train split), as locally
+        fs.rm(f"{base}/README.md")
+        (hub / "README.md").unlink()
+        assert [rel(f) for f in list_paths(base).files] == names[:2] == \
+            [os.path.relpath(f, hub) for f in list_paths(str(hub)).files]
+    finally:
+        monkeypatch.undo()
+        fs.rm(base, recursive=True)
+
+
 # ---------------------------------------------------------------- the converter
 def _converted_records(src_glob, out, text_key):
     from array_record.python.array_record_module import ArrayRecordReader
