@@ -13,8 +13,9 @@ the very same rows, at every step of each run:
            with checkpoint.resume_from (steps 5 and 6 replay from the first run's checkpoint),
            and forked once more onto changed data (checkpoint.allow_data_change: the new data
            from its start);
-  mixture  a text source (a copy of part of the sample) and the converted one, steps 1-3, then
-           resumed re-weighted (data.mixture_change=continue) to step 6.
+  mixture  a text source (part of the sample as Parquet and JSON-array files) and the converted
+           one, steps 1-3, then resumed re-weighted (data.mixture_change=continue) to step 6; the
+           text source's documents are checked against their Parquet rows / array elements.
 Mistakes fail in one line: no config, a step outside the run, a step before any known data
 position, files changed since the run.
 """
@@ -29,6 +30,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.data_helpers import write_records
 from tests.run_helpers import complete_steps, read_jsonl, rows_by_step, run
 
 # Module fixtures train real runs: the whole file belongs to the slow tier.
@@ -38,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "show_step.py"
 SAMPLE = ROOT / "data" / "sample"
 TOKENIZER = SAMPLE / "tokenizer.json"
+WEB_FORMATS = (".parquet", ".parquet", ".json", ".json.gz")   # the mixture's text source, file by file
 
 
 def _load(name, path):
@@ -100,8 +103,15 @@ def converted(tmp_path_factory):
     assert prepare.main(["--paths", str(SAMPLE / "000[0-6]" / "en_head.json.gz"),
                          "--tokenizer", str(TOKENIZER), "--out", str(out), "--no-progress"]) == 0
     web = tmp_path_factory.mktemp("web")
-    for i in range(4):
-        shutil.copytree(SAMPLE / f"{i:04d}", web / f"{i:04d}")
+    # the text source in the other formats show_step reads documents from (formats.open_records):
+    # Parquet (2 rows per row group: a document's row is found across group boundaries) and JSON
+    # arrays, plain and gzip'd, so that the replayed rows and texts cover them
+    for i, ext in enumerate(WEB_FORMATS):
+        with gzip.open(SAMPLE / f"{i:04d}" / "en_head.json.gz", "rt", encoding="utf-8") as f:
+            recs = [{"raw_content": json.loads(line)["raw_content"]} for line in f]
+        (web / f"{i:04d}").mkdir()
+        write_records(str(web / f"{i:04d}" / f"en_head{ext}"), "parquet" if ext == ".parquet" else "array",
+                      recs, row_group=2)
     return out, web
 
 
@@ -135,7 +145,7 @@ def mix_run(converted, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("mix")
 
     def sources(conv_weight):
-        return (f"data.sources=[{{name:web,paths:['{web}/*/en_head.json.gz'],weight:1}},"
+        return (f"data.sources=[{{name:web,paths:['{web}/*/en_head.*'],weight:1}},"
                 f"{{name:conv,paths:['{out}'],weight:{conv_weight}}}]")
 
     common = ["data.paths=[]", "data.eval.holdout_files=0", "data.num_workers=1", "checkpoint.every=3"]
@@ -177,6 +187,16 @@ def test_mixture_steps_before_and_after_a_reweighted_resume(mix_run):
     assert sources == {"web", "conv"}, sources
     for r in res["rows"]:
         assert all(d["source"] == r["source"] for d in r["documents"])
+    # the text source's documents are the Parquet / JSON-array records they name: show_step's
+    # text is that record's, and the row's tokens of it are a piece of it
+    web = [d for s in (2, 5) for r in show.show_step(mix_run, s, tokens=True)["rows"] for d in r["documents"]
+           if d["source"] == "web"]
+    assert {Path(d["file"]).name for d in web} >= {"en_head.parquet", "en_head.json", "en_head.json.gz"}
+    for d in web:
+        full = _record_text(d["file"], d["line"])
+        assert d["text"] == full[:60] and d["more"] == (len(full) > 60), (d["file"], d["line"])
+        piece = d["decoded"].replace("</s>", "").strip()
+        assert piece[:30] in full, (piece[:30], d["file"], d["line"])
 
 
 # ---------------------------------------------------------------- what a row says
@@ -186,6 +206,15 @@ def _line_text(path, line, key="raw_content"):
             if i == line:
                 return json.loads(raw)[key]
     raise AssertionError(f"{path} has no line {line}")
+
+
+def _record_text(path, row, key="raw_content"):
+    """Record `row` (from 1) of a Parquet or JSON-array file, read whole by pyarrow / json."""
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+        return pq.read_table(path, columns=[key]).column(key)[row - 1].as_py()
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8") as f:
+        return json.load(f)[row - 1][key]
 
 
 @pytest.mark.slow
