@@ -133,12 +133,21 @@ class Emulator:
                 "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
                 "TENSORSTORE_GCS_HTTP_URL": url, "GOOGLE_AUTH_TOKEN_FOR_TESTING": "emulator"}
 
-    def connect(self):
+    def connect(self, mp=None):
         """STORAGE_EMULATOR_HOST and fsspec's gcs defaults (anonymous) pointed here; returns a
-        gcsfs file system on the emulator."""
+        gcsfs file system on the emulator. `mp` (a pytest MonkeyPatch): set through it, so a test
+        undoes it, with the FSSPEC_GCS_* variables that input worker processes read when they
+        import fsspec."""
         import fsspec
         import gcsfs
-        os.environ["STORAGE_EMULATOR_HOST"] = f"http://localhost:{self.port}"
-        fsspec.config.conf["gcs"] = {"token": "anon", "project": "test"}
+        if mp is None:
+            os.environ["STORAGE_EMULATOR_HOST"] = f"http://localhost:{self.port}"
+            fsspec.config.conf["gcs"] = {"token": "anon", "project": "test"}
+        else:
+            mp.setenv("STORAGE_EMULATOR_HOST", f"http://localhost:{self.port}")
+            mp.setenv("FSSPEC_GCS_TOKEN", "anon")
+            mp.setenv("FSSPEC_GCS_PROJECT", "test")
+            fsspec.config.conf.setdefault("gcs", {})
+            mp.setitem(fsspec.config.conf, "gcs", {"token": "anon", "project": "test"})
         gcsfs.GCSFileSystem.clear_instance_cache()
         return gcsfs.GCSFileSystem(token="anon", project="test")

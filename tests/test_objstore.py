@@ -42,14 +42,7 @@ def gcs(tmp_path_factory):
     returns (emulator, local root, gs:// root)."""
     em = Emulator(generations=True)     # as real GCS: what TensorStore (checkpoints) needs
     mp = pytest.MonkeyPatch()
-    mp.setenv("STORAGE_EMULATOR_HOST", f"http://localhost:{em.port}")
-    # fsspec reads FSSPEC_<SCHEME>_<ARG> when it is imported: what input worker processes see
-    mp.setenv("FSSPEC_GCS_TOKEN", "anon")
-    mp.setenv("FSSPEC_GCS_PROJECT", "test")
-    import fsspec
-    fsspec.config.conf.setdefault("gcs", {})
-    mp.setitem(fsspec.config.conf, "gcs", {"token": "anon", "project": "test"})
-    gcsfs.GCSFileSystem.clear_instance_cache()
+    em.connect(mp)     # env and fsspec's gcs defaults, undone with mp
     root = tmp_path_factory.mktemp("objstore")
     write_corpus(root, n_files=4, docs_per_file=40)
     fs = gcsfs.GCSFileSystem(token="anon", project="test")

@@ -29,13 +29,7 @@ def gcs(tmp_path_factory):
     bucket, and its local conversion: (emulator, fs, local text root, gs:// text root, local out)."""
     em = Emulator()
     mp = pytest.MonkeyPatch()
-    mp.setenv("STORAGE_EMULATOR_HOST", f"http://localhost:{em.port}")
-    mp.setenv("FSSPEC_GCS_TOKEN", "anon")
-    mp.setenv("FSSPEC_GCS_PROJECT", "test")
-    import fsspec
-    fsspec.config.conf.setdefault("gcs", {})
-    mp.setitem(fsspec.config.conf, "gcs", {"token": "anon", "project": "test"})
-    gcsfs.GCSFileSystem.clear_instance_cache()
+    em.connect(mp)     # env and fsspec's gcs defaults, undone with mp
     root = tmp_path_factory.mktemp("text")
     write_corpus(root, n_files=N_FILES, docs_per_file=25, max_words=80)
     fs = gcsfs.GCSFileSystem(token="anon", project="test")
