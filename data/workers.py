@@ -3,6 +3,7 @@ slab -> model batch."""
 from __future__ import annotations
 
 import concurrent.futures
+import multiprocessing.queues
 import threading
 import time
 
@@ -220,30 +221,57 @@ class WorkerMergeIterator(grain.DatasetIterator):
 
 
 def _close_draining(worker) -> None:
-    """Closes one worker pipeline while emptying its queue. Grain's close drains the queue once,
-    then joins the process; a worker that had more elements waiting in its queue's feeder thread
-    (the pipe holds less than one slab) cannot exit until they are read, and Grain kills it only
-    after 25 s: every switch of the worker count and many run ends waited that long on 2 cores."""
-    buffer = getattr(worker, "_buffer", None)      # Grain's multiprocessing queue (0.2.18)
-    if buffer is None:
+    """Closes one worker pipeline while emptying its process's queue. Grain's close drains the
+    queue once, then joins the process; a worker that had more elements waiting in its queue's
+    feeder thread (the pipe holds less than one slab) cannot exit until they are read, and Grain
+    kills it only after 25 s: every switch of the worker count and every run end with workers
+    waited that long (a run's "shutdown" badput)."""
+    buffers = [it._buffer for it in worker_process_iterators(worker)]
+    if not buffers:
         worker.close()
         return
     done = threading.Event()
 
-    def drain():
+    def drain(buffer):
         while not done.is_set():
             try:
                 buffer.get(timeout=0.05)
             except Exception:  # noqa: BLE001 - queue.Empty, or closed under us: keep trying until done
                 pass
 
-    t = threading.Thread(target=drain, name="data-drain", daemon=True)
-    t.start()
+    threads = [threading.Thread(target=drain, args=(b,), name="data-drain", daemon=True) for b in buffers]
+    for t in threads:
+        t.start()
     try:
         worker.close()
     finally:
         done.set()
-        t.join()
+        for t in threads:
+            t.join()
+
+
+def worker_process_iterators(it, depth: int = 8) -> list:
+    """The iterators inside `it` that own a worker process and its multiprocessing queue
+    (Grain's process prefetch: `_prefetch_process`, `_buffer`). mp_prefetch nests that one inside
+    an interleave and a thread prefetch (Grain 0.2.18), so it is found by walking the tree rather
+    than by one attribute path that the next Grain release may move."""
+    found, seen, todo = [], set(), [(it, 0)]
+    while todo:
+        node, d = todo.pop()
+        if id(node) in seen or d > depth:
+            continue
+        seen.add(id(node))
+        if isinstance(node, (list, tuple)):
+            todo.extend((x, d + 1) for x in node)
+            continue
+        if not isinstance(node, grain.DatasetIterator):
+            continue
+        if isinstance(getattr(node, "_buffer", None), multiprocessing.queues.Queue) and \
+                hasattr(node, "_prefetch_process"):
+            found.append(node)
+            continue
+        todo.extend((v, d + 1) for v in vars(node).values() if isinstance(v, (list, tuple, grain.DatasetIterator)))
+    return found
 
 
 def slab_to_batch(slab: dict, keep_debug: bool = False) -> dict:

@@ -259,6 +259,31 @@ def test_input_workers_start_together(tmp_path):
         f"workers created {gap:.2f} s apart; their first rows after {workers_first_rows_s:.2f} s")
 
 
+def test_input_workers_exit_on_their_own_when_closed(tmp_path):
+    """A worker whose queue is full has slabs waiting in its queue's feeder thread (a pipe holds
+    less than one); it can exit only once they are read. Closed without reading them, Grain
+    SIGKILLs it after 25 s: the run's end (and every worker-count switch) waited that long.
+    Closing must read them: every worker process exits by itself (exit code 0)."""
+    import time
+
+    from data.workers import worker_process_iterators
+    write_corpus(tmp_path, n_files=4, docs_per_file=40, max_words=400)
+    c = cfg(tmp_path, num_shards=4, num_workers=2, seq_len=256, global_batch_size=8)
+    it = data.make_host_iterator(c, 0, 1)
+    next(it)
+    inner = worker_process_iterators(it)
+    assert len(inner) == 2, "the worker processes' iterators were not found"
+    for _ in range(600):        # until both queues are full: each worker is then blocked sending
+        if all(w._buffer.full() for w in inner):
+            break
+        time.sleep(0.05)
+    assert all(w._buffer.full() for w in inner), "the workers never filled their queues"
+    time.sleep(0.5)             # and the next slab sits in the feeder thread
+    procs = [w._prefetch_process for w in inner]
+    it.close()
+    assert [p.exitcode for p in procs] == [0, 0], "a worker was killed rather than let exit"
+
+
 def test_assemble_and_segments_match_a_per_token_reference():
     """The vectorized packing helpers against a plain loop, on random pieces: BOS only before a
     document's first piece, EOS only after its last, any input dtype (uint16 records), empty
