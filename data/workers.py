@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import multiprocessing.queues
+import sys
 import threading
 import time
 
@@ -226,8 +227,12 @@ def _close_draining(worker) -> None:
     feeder thread (the pipe holds less than one slab) cannot exit until they are read, and Grain
     kills it only after 25 s: every switch of the worker count and every run end with workers
     waited that long (a run's "shutdown" badput)."""
-    buffers = [it._buffer for it in worker_process_iterators(worker)]
-    if not buffers:
+    live = [it for it in worker_process_iterators(worker)
+            if it._prefetch_process is not None and it._prefetch_process.is_alive()]
+    buffers = [it._buffer for it in live]
+    # No thread can start while the interpreter finalizes (a close from __del__ at exit would
+    # wait for it forever); Grain's own close still ends the process then, by its kill if need be.
+    if not buffers or sys.is_finalizing():
         worker.close()
         return
     done = threading.Event()
