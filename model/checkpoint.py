@@ -261,9 +261,9 @@ class _SilenceDamagedReads(logging.Filter):
     cancels nor awaits them. What follows, from several TensorStore threads at once and in pieces
     that interleave: each read callback that lands on the closed loop ("Exception ignored in:
     None ... RuntimeError: Event loop is closed", through sys.unraisablehook), each suspended read
-    coroutine the interpreter collects ("Exception ignored in: <coroutine ...>"), and each task or
-    future whose error nobody retrieved ("Task/Future exception was never retrieved" on the
-    asyncio logger). Those reads belong to Orbax, so the reports are dropped here, whole, before
+    coroutine the interpreter collects ("Exception ignored in: <coroutine ...>"), and each task,
+    future or gather whose error nobody retrieved ("Task/Future/_GatheringFuture exception was never
+    retrieved" on the asyncio logger). Those reads belong to Orbax, so the reports are dropped here, whole, before
     they are written (a line filter after the fact cannot undo the interleaving):
       - a closed-loop report, while a guarded read is in flight (`reading`, set before the read
         starts: the first ones land within milliseconds of the failure, before anything is
@@ -276,7 +276,8 @@ class _SilenceDamagedReads(logging.Filter):
     Anything else (another path, another kind of report, no step read or damaged) passes as it
     is. The sets are replaced, never changed in place: the hook runs on TensorStore's threads."""
 
-    _LEFTOVER = ("Task exception was never retrieved", "Future exception was never retrieved")
+    # asyncio names the class: Task, Future, and _GatheringFuture (an asyncio.gather nobody awaited)
+    _LEFTOVER = re.compile(r"\w+ exception was never retrieved")
 
     def __init__(self):
         super().__init__()
@@ -295,7 +296,7 @@ class _SilenceDamagedReads(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = str(record.msg)
-        if not text.startswith(self._LEFTOVER):
+        if not self._LEFTOVER.match(text):
             return True
         if record.exc_info and record.exc_info[1] is not None:
             text += f"\n{record.exc_info[1]}"
