@@ -227,9 +227,8 @@ def _close_draining(worker) -> None:
     feeder thread (the pipe holds less than one slab) cannot exit until they are read, and Grain
     kills it only after 25 s: every switch of the worker count and every run end with workers
     waited that long (a run's "shutdown" badput)."""
-    live = [it for it in worker_process_iterators(worker)
-            if it._prefetch_process is not None and it._prefetch_process.is_alive()]
-    buffers = [it._buffer for it in live]
+    buffers = [it._buffer for it in worker_process_iterators(worker)
+               if it._prefetch_process is not None and it._prefetch_process.is_alive()]
     # No thread can start while the interpreter finalizes (a close from __del__ at exit would
     # wait for it forever); Grain's own close still ends the process then, by its kill if need be.
     if not buffers or sys.is_finalizing():
