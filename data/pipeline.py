@@ -309,10 +309,17 @@ class DevicePrefetcher:
     # In-process input (no worker processes) has no buffer of its own: the reader, tokenizer and
     # packer run on the producer's side of the `prefetch` device batches, so a burst of work (a
     # window rebuilt, a long document) longer than those batches' steps reaches the loop. A host
-    # thread running this many host batches ahead absorbs it (host RAM only: ~0.3 MB a batch at
-    # 16 x 1024): bench_corpora.py's simulated loop waited 0.017-0.032 of its time with 2 batches
-    # of buffer, 0.003-0.008 with 16 (BENCHMARKS.md, #26). Worker processes buffer on their own.
-    IN_PROCESS_HOST_PREFETCH = 16
+    # thread reading ahead absorbs it: bench_corpora.py's simulated loop waited 0.017-0.032 of its
+    # time with 2 batches of buffer, 0.003-0.008 with 16 (BENCHMARKS.md, #26). 16 still missed
+    # about one round in six on the long-document corpus: traced, the tokenizer's cost per token
+    # moves by ~25% over spans of seconds there (long documents, some in other scripts), which at
+    # 80% load is a deficit of seconds, not of one window; 16 batches hold ~150 ms of it. So the
+    # read-ahead is sized in bytes (host RAM only): HOST_PREFETCH_BYTES of host batches, at least
+    # 16 and at most 64 of them (64 x ~0.2 MB at 16 x 1024; 40 x 1.6 MB for a v4 host's 64 x 2048).
+    # Worker processes buffer on their own (several 256k-token slabs each).
+    IN_PROCESS_HOST_PREFETCH = 64
+    MIN_HOST_PREFETCH = 16
+    HOST_PREFETCH_BYTES = 64 << 20
 
     def __init__(self, host_iterator, sharding, prefetch: int = 2, *,
                  follows: "DevicePrefetcher | None" = None, host_prefetch: int | None = None):
@@ -375,8 +382,14 @@ class DevicePrefetcher:
 
     def _read_host(self) -> None:
         try:
+            sized = False
             while not self._stop.is_set():
                 batch = next(self._it)
+                if not sized:   # the first batch's bytes bound how many the read-ahead holds
+                    sized = True
+                    nbytes = sum(getattr(v, "nbytes", 0) for v in batch.values())
+                    fit = max(self.MIN_HOST_PREFETCH, self.HOST_PREFETCH_BYTES // max(1, nbytes))
+                    self._host_q._max = min(self._host_q._max, fit)
                 if not self._host_q.put((batch, self._it.get_state()), self._stop):
                     return
         except BaseException as e:  # noqa: BLE001 - handed on through the device thread

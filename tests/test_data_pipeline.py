@@ -1,5 +1,6 @@
 """Exactly-once per epoch, packing layout, determinism, configuration errors."""
 import os
+import time
 
 import numpy as np
 import pytest
@@ -408,3 +409,36 @@ def test_in_process_input_is_read_ahead_on_a_host_thread_with_the_same_batches_a
     for (a, _), (b, _) in zip(again, ahead[5:], strict=True):
         for k in a:
             np.testing.assert_array_equal(a[k], b[k])
+
+
+def test_in_process_read_ahead_holds_a_byte_budget_of_batches(tmp_path, monkeypatch):
+    """The in-process read-ahead is sized in bytes (DevicePrefetcher.HOST_PREFETCH_BYTES), between
+    MIN_HOST_PREFETCH and IN_PROCESS_HOST_PREFETCH batches: small batches get the deep buffer that
+    covers seconds of a slow tokenizer spell, large ones no more host RAM than the budget."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    write_corpus(tmp_path, n_files=6, docs_per_file=20)
+    c = cfg(tmp_path, num_workers=0)
+    sh = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("data",)), P("data"))
+
+    def filled(budget):
+        monkeypatch.setattr(data.DevicePrefetcher, "HOST_PREFETCH_BYTES", budget)
+        pf = data.DevicePrefetcher(data.make_host_iterator(c, 0, 1), sh, prefetch=2)
+        try:
+            batch_bytes = sum(np.asarray(v).nbytes for v in next(pf).values())
+            deadline = time.time() + 60     # nothing consumes: the host thread fills its buffer
+            while len(pf._host_q._items) < pf._host_q._max and time.time() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.2)
+            return len(pf._host_q._items), batch_bytes
+        finally:
+            pf.close()
+
+    held, batch_bytes = filled(data.DevicePrefetcher.HOST_PREFETCH_BYTES)
+    assert held == data.DevicePrefetcher.IN_PROCESS_HOST_PREFETCH == 64
+    held, _ = filled(20 * batch_bytes)
+    assert held == 20
+    held, _ = filled(1)
+    assert held == data.DevicePrefetcher.MIN_HOST_PREFETCH == 16
