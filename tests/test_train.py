@@ -188,12 +188,10 @@ def test_a_run_shorter_than_the_warmup_just_works(tmp_path, capsys):
 
 
 # ---------------------------------------------------------------- bad input fails in one line
-@pytest.mark.slow
-@pytest.mark.parametrize("overrides, needle", [
+BAD_CONFIGS = [
     (["data.paths=[/nonexistent/dir/*.json.gz]"], "data.paths"),
     (["tokenizer.path=/nonexistent/tokenizer.json"], "tokenizer.path"),
     (["data.global_batch_size=15"], "global_batch_size"),
-    (["data.nonsense_key=1"], "nonsense_key"),
     (["data.eval.holdout_files=0", "data.eval.paths=[${project_root:}/data/sample/0003/en_head.json.gz]"], "overlaps"),
     (["data.num_workers=8"], "data.num_shards"),
     (["data.num_workers=many"], "data.num_workers='many': must be an integer >= 0 or auto"),
@@ -203,14 +201,38 @@ def test_a_run_shorter_than_the_warmup_just_works(tmp_path, capsys):
     (["train.steps=5", "optimizer.decay_steps=20"], "optimizer.warmup_steps=30 must be below optimizer.decay_steps=20"),
     (["checkpoint.on_damaged=ignore"], "checkpoint.on_damaged=ignore must be fall_back or stop"),
     (["train.spikes.enabled=true", "train.spikes.min_steps=1"], "train.spikes: need window >= 2, 2 <= min_steps"),
+]
+
+
+def assert_nothing_started(run_dir):
+    # Nothing expensive started: no checkpoint, no metrics.
+    assert not (run_dir / "checkpoints").exists()
+    assert not (run_dir / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("overrides, needle", BAD_CONFIGS)
+def test_bad_config_fails_fast_with_one_line(tmp_path, capsys, overrides, needle):
+    # `main` as Hydra calls it with the composed config (a whole `python train.py` per mistake
+    # costs ~7 s of start-up; the CLI test below runs one end to end).
+    with pytest.raises(SystemExit) as exit_:
+        train_mod.main(make_cfg(tmp_path / "run", "logger.wandb.mode=disabled", *overrides))
+    assert exit_.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("config error:") and needle in lines[0], lines
+    assert_nothing_started(tmp_path / "run")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides, needle", [
+    BAD_CONFIGS[2],
+    # Hydra's own check, before main runs
+    (["data.nonsense_key=1"], "nonsense_key"),
 ])
-def test_bad_config_fails_fast_with_one_line(tmp_path, overrides, needle):
+def test_bad_config_on_the_command_line_fails_with_one_line(tmp_path, overrides, needle):
     result = run_cli(tmp_path, *overrides)
     assert result.returncode != 0
     assert needle in result.stderr, result.stderr
-    # Nothing expensive started: no checkpoint, no metrics.
-    assert not (tmp_path / "run" / "checkpoints").exists()
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert_nothing_started(tmp_path / "run")
 
 
 @pytest.mark.slow
