@@ -38,6 +38,19 @@ def run_cli(tmp_path, *overrides):
                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
 
 
+def main_in_process(capsys, run_dir, *overrides):
+    """`python train.py OVERRIDES` for a mistake that stops before anything runs: train.main as
+    Hydra calls it with the composed config, in this process (a whole train.py start-up costs
+    ~7 s of CPU a case; each file keeps one mistake on the real command line).
+    -> (exit code, the non-blank stderr lines)."""
+    import train
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        train.main(make_cfg(run_dir, "logger.wandb.mode=disabled", *overrides))
+    return exit_.value.code, [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+
+
 # ---------------------------------------------------------------- exact-resume runs (test_resume.py)
 # Every run is `python train.py` in a subprocess with `train.debug_batches=true`; see test_resume.py.
 

@@ -32,6 +32,7 @@ from tests.data_helpers import (
     take,
     write_sources,
 )
+from tests.run_helpers import main_in_process
 
 
 def row_sources(batch) -> np.ndarray:
@@ -323,7 +324,6 @@ def test_bad_records_are_counted_per_source(tmp_path):
 
 
 # ---------------------------------------------------------------- config mistakes
-@pytest.mark.slow
 @pytest.mark.parametrize("override, needle", [
     ("data.sources.1.weight=0", "data.sources[code].weight=0.0: must be a finite number > 0"),
     ("data.sources.1.weight=-1", "data.sources[code].weight=-1.0"),
@@ -335,12 +335,21 @@ def test_bad_records_are_counted_per_source(tmp_path):
     ("data.eval.paths=[${project_root:}/data/sample_code/0001/code.jsonl.gz]",
      "data.eval.paths overlaps the training files"),
 ])
-def test_config_mistakes_fail_in_one_line(tmp_path, override, needle):
+def test_config_mistakes_fail_in_one_line(tmp_path, capsys, override, needle):
+    # in-process (tests/run_helpers.py main_in_process); the first case also on the command line
+    code, lines = main_in_process(capsys, tmp_path / "run", "data=sample_mix", *override.split())
+    assert code == 2
+    assert len(lines) == 1 and needle in lines[0], lines
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_a_config_mistake_on_the_command_line_fails_in_one_line(tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    r = subprocess.run([sys.executable, str(Path(REPO) / "train.py"), "data=sample_mix", *override.split(),
+    r = subprocess.run([sys.executable, str(Path(REPO) / "train.py"), "data=sample_mix", "data.sources.1.weight=0",
                         f"hydra.run.dir={tmp_path}/run", "logger.wandb.mode=disabled"],
                        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
-    assert r.returncode != 0
+    assert r.returncode == 2
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and needle in lines[0], r.stderr
+    assert len(lines) == 1 and "data.sources[code].weight=0.0: must be a finite number > 0" in lines[0], r.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()

@@ -29,6 +29,7 @@ from tests.data_helpers import (
     write_corpus,
     write_lines,
 )
+from tests.run_helpers import main_in_process
 
 
 def rcfg(out, **kw):
@@ -261,27 +262,38 @@ def _fails_before_compile(tmp_path, result, needle):
     err = result.stderr.strip().splitlines()
     assert err and needle in err[-1], result.stderr
     assert "Traceback" not in result.stderr, result.stderr
+    _nothing_started(tmp_path)
+
+
+def _nothing_started(tmp_path):
     assert not (tmp_path / "run" / "checkpoints").exists()
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+def _fails_in_process(capsys, tmp_path, needle, *overrides):
+    """The same check, through train.main in this process (tests/run_helpers.py main_in_process)."""
+    code, lines = main_in_process(capsys, tmp_path / "run", *overrides)
+    assert code != 0 and len(lines) == 1 and needle in lines[0], lines
+    _nothing_started(tmp_path)
+
+
 @pytest.mark.slow
-def test_manifest_mismatch_fails_in_one_line(corpus, tmp_path):
+def test_manifest_mismatch_fails_in_one_line(corpus, tmp_path, capsys):
     import shutil
     _, out, _ = corpus
     bad = tmp_path / "tok"
     shutil.copytree(out, bad)
     part = bad / "part-000002.array_record"
     part.write_bytes(part.read_bytes()[:-10])
-    res = run_cli(tmp_path, f"data.paths=[{bad}]")
+    res = run_cli(tmp_path, f"data.paths=[{bad}]")    # one case on the real command line
     _fails_before_compile(tmp_path, res, "part-000002.array_record has")
     part.unlink()
-    res = run_cli(tmp_path, f"data.paths=[{bad}]", "data.eval.holdout_files=0")
-    _fails_before_compile(tmp_path, res, "part-000002.array_record is listed in")
+    _fails_in_process(capsys, tmp_path, "part-000002.array_record is listed in",
+                      f"data.paths=[{bad}]", "data.eval.holdout_files=0")
 
 
 @pytest.mark.slow
-def test_tokenizer_mismatch_fails_in_one_line(corpus, tmp_path):
+def test_tokenizer_mismatch_fails_in_one_line(corpus, tmp_path, capsys):
     import tokenizers
     _, out, _ = corpus
     tok = tokenizers.Tokenizer.from_file(TOKENIZER)
@@ -289,8 +301,8 @@ def test_tokenizer_mismatch_fails_in_one_line(corpus, tmp_path):
     other = tmp_path / "other_tokenizer.json"
     tok.save(str(other))
     # a model large enough for either tokenizer: only the conversion's tokenizer is wrong
-    res = run_cli(tmp_path, f"data.paths=[{out}]", f"tokenizer.path={other}", "model.vocab_size=4224")
-    _fails_before_compile(tmp_path, res, "converted with another tokenizer")
+    _fails_in_process(capsys, tmp_path, "converted with another tokenizer",
+                      f"data.paths=[{out}]", f"tokenizer.path={other}", "model.vocab_size=4224")
 
 
 # ---------------------------------------------------------------- a converted source in a mixture

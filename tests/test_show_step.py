@@ -77,6 +77,15 @@ def cli(*args):
                           env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=120)
 
 
+def in_process(capsys, *args):
+    """`show_step.py ARGS` through its main() in this process (a start-up of the script costs
+    ~3 s a call; test_mistakes_fail_in_one_line keeps one on the real command line)."""
+    capsys.readouterr()
+    code = show.main([str(a) for a in args])
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out.out, out.err)
+
+
 def assert_one_line_error(res, *needles):
     assert res.returncode == 2, (res.returncode, res.stdout, res.stderr)
     lines = res.stderr.strip().splitlines()
@@ -269,23 +278,23 @@ def test_cli_text_and_json(text_run, mix_run):
 
 # ---------------------------------------------------------------- mistakes, in one line
 @pytest.mark.slow
-def test_mistakes_fail_in_one_line(text_run, records_runs, tmp_path):
+def test_mistakes_fail_in_one_line(text_run, records_runs, tmp_path, capsys):
     assert_one_line_error(cli(tmp_path, "--step", 1), "no config.yaml")
-    assert_one_line_error(cli(text_run, "--step", 9), "step 9 is outside", "steps 1..8 exist")
-    assert_one_line_error(cli(text_run, "--step", 0), "step 0 is outside", "steps 1..8 exist")
-    assert_one_line_error(cli(text_run, "--step", 2, "--row", 16), "--row 16", "rows 0..15")
+    assert_one_line_error(in_process(capsys, text_run, "--step", 9), "step 9 is outside", "steps 1..8 exist")
+    assert_one_line_error(in_process(capsys, text_run, "--step", 0), "step 0 is outside", "steps 1..8 exist")
+    assert_one_line_error(in_process(capsys, text_run, "--step", 2, "--row", 16), "--row 16", "rows 0..15")
     _, fork = records_runs
-    assert_one_line_error(cli(fork, "--step", 4), "step 4 is before the first data position",
+    assert_one_line_error(in_process(capsys, fork, "--step", 4), "step 4 is before the first data position",
                           "steps 5..7 can be shown")
 
 
 @pytest.mark.slow
-def test_changed_files_fail_in_one_line(converted, mix_run):
+def test_changed_files_fail_in_one_line(converted, mix_run, capsys):
     out, web = converted
     extra = web / "0099"
     shutil.copytree(web / "0000", extra)
     try:
-        assert_one_line_error(cli(mix_run, "--step", 2), "changed since it was trained",
+        assert_one_line_error(in_process(capsys, mix_run, "--step", 2), "changed since it was trained",
                               "data.source.web.num_files: checkpoint=4 now=5")
     finally:
         shutil.rmtree(extra)
@@ -293,8 +302,8 @@ def test_changed_files_fail_in_one_line(converted, mix_run):
     saved = part.read_bytes()
     try:
         part.write_bytes(saved[:-10])
-        assert_one_line_error(cli(mix_run, "--step", 2), "part-000003.array_record has")
+        assert_one_line_error(in_process(capsys, mix_run, "--step", 2), "part-000003.array_record has")
     finally:
         part.write_bytes(saved)
-    assert cli(mix_run, "--step", 2).returncode == 0
+    assert in_process(capsys, mix_run, "--step", 2).returncode == 0
     assert read_jsonl(mix_run / "metrics.jsonl")[-1]["step"] == 6

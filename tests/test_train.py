@@ -8,7 +8,7 @@ import sys
 
 import pytest
 from omegaconf import OmegaConf
-from run_helpers import CONFIGS, ROOT, TINY_FAST, make_cfg, read_metrics, run_cli
+from run_helpers import CONFIGS, ROOT, TINY_FAST, main_in_process, make_cfg, read_metrics, run_cli
 
 import train as train_mod
 
@@ -212,12 +212,9 @@ def assert_nothing_started(run_dir):
 
 @pytest.mark.parametrize("overrides, needle", BAD_CONFIGS)
 def test_bad_config_fails_fast_with_one_line(tmp_path, capsys, overrides, needle):
-    # `main` as Hydra calls it with the composed config (a whole `python train.py` per mistake
-    # costs ~7 s of start-up; the CLI test below runs one end to end).
-    with pytest.raises(SystemExit) as exit_:
-        train_mod.main(make_cfg(tmp_path / "run", "logger.wandb.mode=disabled", *overrides))
-    assert exit_.value.code == 2
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    # in-process (run_helpers.main_in_process); the test below runs two on the command line
+    code, lines = main_in_process(capsys, tmp_path / "run", *overrides)
+    assert code == 2
     assert len(lines) == 1 and lines[0].startswith("config error:") and needle in lines[0], lines
     assert_nothing_started(tmp_path / "run")
 
