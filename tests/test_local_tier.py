@@ -219,19 +219,21 @@ def test_a_host_without_its_local_tier_makes_every_host_take_the_durable_step(st
     # local_keep=2 of the local steps 2, 4, 6 (the last step, 8, is a durable save).
     assert local_steps(local, 0) == local_steps(local, 1) == [4, 6]
     # The durable step 8 and local step 6 exist: remove durable 8, so local 6 is newer than durable 5.
+    # With every host's local tier there, they take it (and train steps 7 and 8 again).
     shutil.rmtree(run_dir / "checkpoints" / "8")
-    shutil.rmtree(tier(local, 1))                        # host 1's VM was recreated
+    run(run_dir, f"checkpoint.local_dir={local}", *LOCAL, processes=2)
+    assert resumed_at(run_dir) == 6
+    assert "Resuming from local checkpoint" in logs(run_dir)
+    assert_same_on_two_hosts(run_dir, straight)
+    # The run went on to N (durable N, local steps 6 and 8). Without durable N, every host's newest
+    # local step is newer than the durable 5 again, but host 1's VM was recreated: its tier is gone.
+    assert complete_steps(run_dir / "checkpoints") == [K, N]
+    assert local_steps(local, 0) == local_steps(local, 1) == [6, 8]
+    shutil.rmtree(run_dir / "checkpoints" / str(N))
+    shutil.rmtree(tier(local, 1))
     run(run_dir, f"checkpoint.local_dir={local}", *LOCAL, processes=2)
     assert resumed_at(run_dir) == K                      # the durable step, on both hosts
+    resumes = [line for line in logs(run_dir).splitlines() if line.startswith("Resuming from")]
+    assert len(resumes) == 2 and "latest checkpoint" in resumes[-1], resumes
     # Both processes resumed alike, and the run is the uninterrupted one.
-    p1 = [line for line in logs(run_dir).splitlines() if "Resuming from" in line]
-    assert p1 and all("latest checkpoint" in line for line in p1), p1
     assert_same_on_two_hosts(run_dir, straight)
-    # With every host's local tier there, they take it.
-    run_2 = tmp_path / "run2"
-    finish(start(run_2, f"checkpoint.local_dir={tmp_path / 'local2'}", *LOCAL, "train.steps=8", processes=2), run_2)
-    shutil.rmtree(run_2 / "checkpoints" / "8")
-    run(run_2, f"checkpoint.local_dir={tmp_path / 'local2'}", *LOCAL, processes=2)
-    assert resumed_at(run_2) == 6
-    assert "Resuming from local checkpoint" in logs(run_2)
-    assert_same_on_two_hosts(run_2, straight)

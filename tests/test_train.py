@@ -289,6 +289,15 @@ def test_compile_cache_keeps_the_programs_and_null_turns_it_off(tmp_path, monkey
     assert [r["loss"] for r in read_metrics(tmp_path / "a" / "run")] == \
         [r["loss"] for r in read_metrics(tmp_path / "b" / "run")]
     assert sorted(os.listdir(cache)) == kept, "the second start compiled its programs again"
-    off = run_cli(tmp_path / "c", *args[:-1], "paths.compile_cache=null")
+    # null: the run's setting (train.py hands it to use_compile_cache before its first compile)
+    # keeps nothing, in the default place either. A program compiled after it, in a fresh process
+    # (JAX opens its cache once); a whole third run would only compile the same programs again.
+    script = ("import sys; sys.path.insert(0, sys.argv[1]); from tests.run_helpers import make_cfg; "
+              "from model.distributed import use_compile_cache; import jax, jax.numpy as jnp; "
+              "cfg = make_cfg(sys.argv[2], 'paths.compile_cache=null'); "
+              "assert cfg.paths.compile_cache is None; use_compile_cache(cfg.paths.compile_cache); "
+              "print(jax.jit(lambda x: jnp.sin(x) * 2)(jnp.arange(3.0)))")
+    off = subprocess.run([sys.executable, "-c", script, str(ROOT), str(tmp_path / "c")], capture_output=True,
+                         text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=300)
     assert off.returncode == 0, off.stderr[-2000:]
     assert not (tmp_path / "home" / ".cache").exists(), "null still kept programs (in the default place)"
