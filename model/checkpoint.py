@@ -55,6 +55,24 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 ITEMS = ("state", "data", "meta")
+
+# Orbax saves an array replicated over several devices "replica-parallel": each replica writes a
+# slice of it. For a small array that split buys nothing and costs a device slice per replica
+# (and, at a process's first save, a compile per array shape and device: 64 of them for the tiny
+# default model on 8 devices, 0.7 s of a 6-s test run). Arrays whose slice would be under this
+# many bytes are written whole by one replica; large replicated arrays still split. The format
+# on disk is the same either way. (Orbax already turns replica-parallel off on GPUs.)
+MIN_REPLICA_SLICE_BYTES = 4 << 20
+
+
+def use_array_handler() -> None:
+    """Registers the jax.Array handler with MIN_REPLICA_SLICE_BYTES (once per process; every
+    Orbax save of the process uses it, the run's and the parameter exports alike)."""
+    handler = ocp.type_handlers.get_type_handler(jax.Array)
+    if getattr(handler, "_min_slice_bytes_for_replica_parallel", None) != MIN_REPLICA_SLICE_BYTES:
+        ocp.type_handlers.register_type_handler(
+            jax.Array, ocp.type_handlers.ArrayHandler(min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES),
+            override=True)
 ON_DAMAGED = ("fall_back", "stop")
 
 # Model settings that change how a step runs but not what the state holds: a run may resume
@@ -86,6 +104,7 @@ class Checkpointer:
             # Partial steps of a killed run (`*.orbax-checkpoint-tmp-*`) are deleted at start.
             cleanup_tmp_directories=True,
         )
+        use_array_handler()
         self.manager = ocp.CheckpointManager(self.directory, item_names=ITEMS, options=options)
 
     # ---------------------------------------------------------------- where to resume
@@ -593,6 +612,7 @@ def save_params(directory, params, meta: dict, step: int = 0) -> str:
     if os.path.isdir(directory) and os.listdir(directory):
         raise FileExistsError(f"{directory} is not empty; choose a new directory")
     options = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False)
+    use_array_handler()
     with ocp.CheckpointManager(directory, item_names=ITEMS, options=options) as manager:
         manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave({"params": params}),
                                                    meta=ocp.args.JsonSave(meta)))

@@ -358,3 +358,30 @@ def test_only_damage_moves_a_step():
     chunk.__cause__ = ValueError('OUT_OF_RANGE: Error reading "params.w/0.0" [source locations=...]')
     assert damage_reason(chunk) == 'OUT_OF_RANGE: Error reading "params.w/0.0"'
     assert damage_reason(json.JSONDecodeError("Expecting value", "{", 1)).startswith("unparsable JSON")
+
+
+def test_small_replicated_arrays_are_saved_whole_and_large_ones_split(tmp_path, caplog):
+    """MIN_REPLICA_SLICE_BYTES: an array replicated over the 8 devices is written by one replica
+    when its per-replica slice would be small (no device slice ops, no compile per shape and
+    device at a process's first save), and split across the replicas when large."""
+    import logging
+
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from model.checkpoint import MIN_REPLICA_SLICE_BYTES
+
+    replicated = NamedSharding(Mesh(np.array(jax.devices()), ("data",)), P())
+    rows = -(-MIN_REPLICA_SLICE_BYTES * jax.device_count() // (1032 * 4))       # a slice just over the floor
+    small = jax.device_put(np.ones((24, 40), np.float32), replicated)         # shapes no other test saves
+    big = jax.device_put(np.ones((rows, 1032), np.float32), replicated)
+    ckpt = Checkpointer(ccfg(tmp_path / "ckpt"))
+    caplog.set_level(logging.WARNING)
+    with jax.log_compiles(True):
+        ckpt.save(1, {"params": {"small": small, "big": big}}, DATA_STATE, META)
+        ckpt.wait()
+    ckpt.close()
+    slices = [r.getMessage() for r in caplog.records if "Compiling jit(slice)" in r.getMessage()]
+    assert not [m for m in slices if "float32[24,40]" in m], slices
+    assert [m for m in slices if f"float32[{rows},1032]" in m], "the large array was not split across its replicas"
+    assert (tmp_path / "ckpt" / "1").is_dir()
