@@ -382,16 +382,13 @@ class DevicePrefetcher:
 
     def _read_host(self) -> None:
         try:
-            sized = False
-            while not self._stop.is_set():
+            batch = next(self._it)
+            # the first batch's bytes bound how many the read-ahead holds
+            nbytes = sum(getattr(v, "nbytes", 0) for v in batch.values())
+            fit = max(self.MIN_HOST_PREFETCH, self.HOST_PREFETCH_BYTES // max(1, nbytes))
+            self._host_q._max = min(self._host_q._max, fit)
+            while self._host_q.put((batch, self._it.get_state()), self._stop) and not self._stop.is_set():
                 batch = next(self._it)
-                if not sized:   # the first batch's bytes bound how many the read-ahead holds
-                    sized = True
-                    nbytes = sum(getattr(v, "nbytes", 0) for v in batch.values())
-                    fit = max(self.MIN_HOST_PREFETCH, self.HOST_PREFETCH_BYTES // max(1, nbytes))
-                    self._host_q._max = min(self._host_q._max, fit)
-                if not self._host_q.put((batch, self._it.get_state()), self._stop):
-                    return
         except BaseException as e:  # noqa: BLE001 - handed on through the device thread
             self._host_q.put((_Stop(), e), self._stop)
 

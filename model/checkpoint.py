@@ -55,6 +55,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 ITEMS = ("state", "data", "meta")
+ON_DAMAGED = ("fall_back", "stop")
 
 # Orbax saves an array replicated over several devices "replica-parallel": each replica writes a
 # slice of it. For a small array that split buys nothing and costs a device slice per replica
@@ -73,7 +74,7 @@ def use_array_handler() -> None:
         ocp.type_handlers.register_type_handler(
             jax.Array, ocp.type_handlers.ArrayHandler(min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES),
             override=True)
-ON_DAMAGED = ("fall_back", "stop")
+
 
 # Model settings that change how a step runs but not what the state holds: a run may resume
 # with another attention kernel, remat policy, compute dtype or context limit.

@@ -32,7 +32,7 @@ from tests.data_helpers import (
     take,
     write_sources,
 )
-from tests.run_helpers import main_in_process
+from tests.run_helpers import main_in_process, run_cli
 
 
 def row_sources(batch) -> np.ndarray:
@@ -345,10 +345,7 @@ def test_config_mistakes_fail_in_one_line(tmp_path, capsys, override, needle):
 
 @pytest.mark.slow
 def test_a_config_mistake_on_the_command_line_fails_in_one_line(tmp_path):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    r = subprocess.run([sys.executable, str(Path(REPO) / "train.py"), "data=sample_mix", "data.sources.1.weight=0",
-                        f"hydra.run.dir={tmp_path}/run", "logger.wandb.mode=disabled"],
-                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    r = run_cli(tmp_path, "data=sample_mix", "data.sources.1.weight=0")
     assert r.returncode == 2
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "data.sources[code].weight=0.0: must be a finite number > 0" in lines[0], r.stderr
