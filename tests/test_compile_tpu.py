@@ -1,5 +1,8 @@
 """Every experiment that declares a TPU slice (tpu.topology) compiles for it and fits in 90% of its
 usable HBM, compiled by the real TPU compiler (libtpu) on this CPU machine: scripts/compile_tpu.py.
+The experiments compile with --quick (no compiler effort on speed: ~20 CPU-s each instead of 70-110,
+a quarter of the suite's CPU otherwise); its figures came out up to 3.7% below the full compile's
+(BENCHMARKS.md "Quick TPU compiles"), so they are held to 90% less that gap.
 
     pip install -e ".[tpu]"   # CI installs it; without libtpu the compile tests skip
     pytest tests/test_compile_tpu.py -q -s   # -s prints each plan's per-chip figures
@@ -20,6 +23,7 @@ SCRIPT = ROOT / "scripts" / "compile_tpu.py"
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 needs_libtpu = pytest.mark.skipif(not HAS_LIBTPU, reason='libtpu not installed: pip install -e ".[tpu]" (CI does)')
 MAX_HBM_FRACTION = 0.9   # XLA's figures are exact, but leave the run room (fragmentation, a bigger eval)
+QUICK_BELOW_FULL = 0.04  # the most a --quick figure fell below the full compile's (3.7%, v5e_16 eval step)
 
 
 def _load_script():
@@ -92,6 +96,7 @@ def test_cli_prints_and_writes_the_compiled_figures(tmp_path):
     result = run_script("--topology", "v5e-4", "--json", str(out))
     assert result.returncode == 0, result.stdout + result.stderr
     plan = json.loads(out.read_text())
+    assert plan["quick"] is False and "QUICK" not in result.stdout
     assert plan["chips"] == 4 and plan["device_kind"].startswith("TPU v5") and plan["mesh"]["data"] == 4
     for step in ("train_step", "eval_step"):
         r = plan[step]
@@ -106,12 +111,14 @@ def test_cli_prints_and_writes_the_compiled_figures(tmp_path):
 @pytest.mark.slow
 @needs_libtpu
 def test_a_plan_that_exceeds_hbm_does_not_fit(tmp_path):
-    # 65,536 rows of 256 on 4 chips: the fp32 logits alone are 64 GiB per chip.
+    # 65,536 rows of 256 on 4 chips: the fp32 logits alone are 64 GiB per chip. --quick says so too.
     out = tmp_path / "plan.json"
-    result = run_script("--topology", "v5e-4", "--json", str(out), "data.global_batch_size=65536")
+    result = run_script("--topology", "v5e-4", "--quick", "--json", str(out), "data.global_batch_size=65536")
     assert result.returncode == 1, result.stdout + result.stderr
     assert "train_step: does not fit" in result.stdout and "exceeds available HBM" in result.stdout
-    assert json.loads(out.read_text())["train_step"]["fits"] is False
+    assert "QUICK compile" in result.stdout
+    plan = json.loads(out.read_text())
+    assert plan["train_step"]["fits"] is False and plan["quick"] is True
 
 
 @pytest.mark.slow
@@ -134,11 +141,18 @@ def _compile_and_check(experiment):
         cfg = compose("train", overrides=[f"experiment={experiment}"])
     tpu = ct.parse_slice(cfg.tpu.topology)
     ct.libtpu_env(tpu)   # before libtpu's first use in this process
-    plan = ct.compile_plan(cfg, tpu)
+    import jax
+
+    effort = jax.config.jax_exec_time_optimization_effort
+    plan = ct.compile_plan(cfg, tpu, quick=True)
     print("\n" + ct.report(plan))
+    assert plan["quick"] and jax.config.jax_exec_time_optimization_effort == effort   # put back for later tests
+    limit = MAX_HBM_FRACTION * (1 - QUICK_BELOW_FULL)
     for step in ("train_step", "eval_step"):
         r = plan[step]
         assert r["fits"], f"{experiment}: {step} does not fit on {tpu.name}: {r}"
-        assert r["hbm_fraction"] <= MAX_HBM_FRACTION, (
-            f"{experiment}: {step} needs {r['total_gib']:.2f} GiB per chip, {r['hbm_fraction']:.0%} of the "
-            f"{tpu.generation.usable_gib} GiB usable on {tpu.name} (limit {MAX_HBM_FRACTION:.0%})")
+        assert r["hbm_fraction"] <= limit, (
+            f"{experiment}: {step} needs {r['total_gib']:.2f} GiB per chip (quick compile), {r['hbm_fraction']:.0%} "
+            f"of the {tpu.generation.usable_gib} GiB usable on {tpu.name} (limit {limit:.1%}: "
+            f"{MAX_HBM_FRACTION:.0%} less the quick compile's gap); check with the full compile: "
+            f"python scripts/compile_tpu.py experiment={experiment}")
