@@ -160,8 +160,10 @@ def test_train_checkpoints_and_resumes(tmp_path):
 
 @pytest.mark.slow
 def test_loss_falls_on_the_sample(tmp_path):
+    # seq 128 (the sample's 256 halved): the same fall in 30 steps (8.20 -> 6.21) at 60% of the CPU
     summary = train_mod.train(make_cfg(tmp_path, "train.steps=30", "train.log_every=5", "train.eval_every=25",
-                                       "checkpoint.every=0", "logger.wandb.mode=offline", "data.num_workers=1"))
+                                       "data.seq_len=128", "checkpoint.every=0", "logger.wandb.mode=offline",
+                                       "data.num_workers=1"))
     rows = read_metrics(tmp_path)
     first, final = rows[0]["loss"], rows[-1]["loss"]
     assert summary["final_loss"] == final
