@@ -239,8 +239,7 @@ def run(cfg: DictConfig) -> dict:
         tokens_per_step = data_cfg.global_batch_size * data_cfg.seq_len
         peak = flops_lib.peak_flops(jax.devices()[0].device_kind, cfg.train.peak_flops)
         meter = IntervalMeter(
-            # jitted: the logged lr is one program, not ~14 eager scalar ones compiled at the first row
-            schedule=jax.jit(schedule), tokens_per_step=tokens_per_step,
+            schedule=schedule, tokens_per_step=tokens_per_step,
             flops_per_step=flops_lib.flops_per_token(model_cfg, data_cfg.seq_len) * tokens_per_step,
             peak_total=peak * jax.device_count() if peak else None, device_count=jax.device_count(),
             stop_on_nan=cfg.train.stop_on_nan and on_divergence == "stop", over_hosts=distributed.gather_over_hosts)

@@ -45,8 +45,14 @@ def wait_for_exits(pod, launches, timeout=300):
     polling through `tpu.py logs` would add a python and two shells per poll to a busy machine."""
     deadline = time.time() + timeout
     while not all(worker_log(pod, w).count("train.py exited with code") >= launches for w in range(pod.workers)):
-        assert time.time() < deadline, [worker_log(pod, w)[-2000:] for w in range(pod.workers)]
+        assert time.time() < deadline, [worker_log(pod, w)[-2000:] for w in range(pod.workers)] + hang_stacks(pod)
         time.sleep(1)
+
+
+def hang_stacks(pod):
+    """What the hang watchdog wrote (model/watchdog.py): where each process stood, for a failure message."""
+    return [f"{path}:\n{path.read_text()[-4000:]}" for w in range(pod.workers)
+            for path in sorted((pod.home(w) / "jaxpt" / "runs").rglob("hang_stacks_p*.txt"))]
 
 
 def worker_log(pod, w):
@@ -113,10 +119,13 @@ def test_sync_run_logs_stop_resume_on_simulated_pod(pod, tmp_path):
     assert config["name"] == ODD_NAME_VALUE
     assert config["distributed"]["coordinator_address"] is None
 
-    ok(pod.tpu("run", "--", *TINY, f"train.steps={saved + 2}", f"checkpoint.dir={bucket}", ODD_NAME))
+    # A hang here (seen once in a loaded suite: both hosts stopped before the last step's row)
+    # ends in a minute with every process's stacks in the failure message, not at the 300-s wait.
+    ok(pod.tpu("run", "--", *TINY, f"train.steps={saved + 2}", f"checkpoint.dir={bucket}", "train.hang_timeout_s=60",
+               ODD_NAME))
     wait_for_exits(pod, launches=3)           # the preempted life, the stopped one, this run
     out = ok(pod.tpu("logs", "--worker", "all"))
-    assert out.count(EXIT_0) == 2, out[-4000:]      # the second launch, both workers
+    assert out.count(EXIT_0) == 2, [out[-4000:]] + hang_stacks(pod)      # the second launch, both workers
     logs = [worker_log(pod, w) for w in range(2)]
     second = logs[0].split("start ===")[-1]
     assert "Resuming from latest checkpoint" in second and f"at step {saved}" in second, second[-2000:]
