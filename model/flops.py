@@ -9,6 +9,8 @@ Convention (PaLM, Chowdhery et al. 2022, appendix B), the one most MFU figures u
 - Attention scores and the weighted sum are 2 matmuls of 2*t*(n*h) FLOPs per token forward,
   times 3 for backward, with *no* causal discount (as in PaLM; XLA's reference attention does
   compute the full square). Rematerialisation is not counted: MFU counts useful FLOPs only.
+  `causal=True` halves the attention term (only the lower triangle is useful work), the count
+  torchtitan and the GPU MFU figures of OLMo-core use; benchmarks report both.
 """
 from __future__ import annotations
 
@@ -36,10 +38,10 @@ def matmul_params(cfg: LlamaConfig) -> int:
     return layers + cfg.d_model * cfg.vocab_size
 
 
-def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
+def flops_per_token(cfg: LlamaConfig, seq_len: int, causal: bool = False) -> float:
     """Training (fwd + bwd) FLOPs per token; see the module docstring for the convention."""
     attn = 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
-    return float(6 * matmul_params(cfg) + attn)
+    return float(6 * matmul_params(cfg) + (attn / 2 if causal else attn))
 
 
 def recompute_factor(cfg: LlamaConfig, seq_len: int, loss_chunk: int = 0) -> float:

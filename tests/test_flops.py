@@ -14,6 +14,8 @@ def test_flops_per_token_llama2_7b():
     got = flops.flops_per_token(LLAMA2_7B, 1024)
     assert got == 6 * n_matmul + 12 * 32 * 4096 * 1024
     assert got == pytest.approx(6 * 6.61e9 + 1.61e9, rel=0.01)  # ~41.3 GFLOP/token
+    # causal: the useful attention is the lower triangle, half the square
+    assert flops.flops_per_token(LLAMA2_7B, 1024, causal=True) == 6 * n_matmul + 6 * 32 * 4096 * 1024
 
 
 def test_recompute_factor():
@@ -52,3 +54,50 @@ def test_peak_unknown_and_override():
     assert flops.peak_flops("cpu", override=1e12) == 1e12
     assert flops.mfu(1000.0, 1e9, 2, None) is None
     assert flops.mfu(1000.0, 1e9, 2, 1e12) == pytest.approx(0.5)
+
+
+# ---------------------------------------------------------------- the MFU sweep (scripts/bench/bench_mfu.py)
+def _bench_mfu():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench" / "bench_mfu.py"
+    spec = importlib.util.spec_from_file_location("bench_mfu", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_mfu_sweep_names_why_a_try_failed():
+    bench_mfu = _bench_mfu()
+    oom = "Traceback...\njaxlib.XlaRuntimeError: RESOURCE_EXHAUSTED: Out of memory while trying to allocate"
+    assert bench_mfu.error_line(oom) == "out of memory"
+    assert bench_mfu.error_line("warning: x\nValueError: batch 15 not divisible by microbatches=2\n") == \
+        "ValueError: batch 15 not divisible by microbatches=2"
+    assert bench_mfu.error_line("") == "no output"
+    names = [t["name"] for t in bench_mfu.gpu_plan()]
+    assert len(names) == len(set(names)) and names[0].startswith("1b_s2048")   # the issue's goal first
+
+
+@pytest.mark.slow
+def test_mfu_sweep_records_each_try_and_a_failed_one_as_a_row(tmp_path):
+    """Each try in its own process with its own XLA flags; the accumulation, chunked loss and MFU
+    counts reach the row; a try that fails is a row with its reason and the sweep goes on."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench" / "bench_mfu.py"
+    out = tmp_path / "mfu.jsonl"
+    proc = subprocess.run([sys.executable, str(script), "--plan", "cpu", "--only", "mb2", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ok, failed = [json.loads(line) for line in out.read_text().splitlines()]
+    assert ok["status"] == "ok" and (ok["microbatches"], ok["loss_chunk"]) == (2, 32)
+    assert ok["xla_flags"].endswith("--xla_cpu_enable_fast_math=false")
+    assert ok["recompute_factor"] > 1.0                      # the chunked loss re-runs the head
+    assert 0 < ok["mfu_causal"] < ok["mfu"]                  # half the attention square is not useful work
+    assert failed["status"] == "failed" and "15" in failed["error"]
+    assert [line.split()[0] for line in proc.stdout.splitlines()] == ["tiny_b16_mb2_chunk32", "tiny_b15_mb2_fails"]

@@ -50,6 +50,26 @@ def random_batch(rng, batch: int, seq: int, vocab: int, docs_per_row: int) -> di
             "positions": tile(pos), "loss_mask": np.ones((batch, seq), np.int32)}
 
 
+def matmul_rate(n: int, dtype: str, repeats: int = 10) -> float:
+    """FLOP/s one device reaches on an n x n x n matmul in `dtype` (median of `repeats`, after a
+    compile): the achievable ceiling to set MFU against, beside the datasheet peak."""
+    a = jnp.ones((n, n), dtype)
+    mm = jax.jit(lambda x, y: x @ y)
+    mm(a, a).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        mm(a, a).block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return 2 * n ** 3 / float(np.median(times))
+
+
+def peak_bytes_in_use() -> int | None:
+    """The most device memory the run held (GPU/TPU allocators report it; CPU: None)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
+
+
 def main(argv=None):
     from model.distributed import quiet_cpu_start
 
@@ -66,6 +86,11 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=2, help="untimed steps (compile + first runs)")
     p.add_argument("--docs-per-row", type=int, default=4)
     p.add_argument("--peak-flops", type=float, default=None, help="override the per-device peak")
+    p.add_argument("--microbatches", type=int, default=1, help="gradient accumulation slices (train.microbatches)")
+    p.add_argument("--loss-chunk", type=int, default=0, help="chunked cross-entropy positions (train.loss_chunk)")
+    p.add_argument("--matmul-probe", type=int, default=0, metavar="N",
+                   help="also time an N x N x N matmul in the model's dtype on every device (e.g. 8192 on a GPU): "
+                        "MFU against the rate this device reaches, beside the datasheet's")
     args = p.parse_args(argv)
 
     overrides = {k: v for k, v in dict(dtype=args.dtype, remat=args.remat, attention=args.attention).items() if v}
@@ -81,7 +106,8 @@ def main(argv=None):
     state, shardings = step.init_train_state(cfg, tx, mesh, rules, seed=0)
     jax.block_until_ready(state)
     init_s = time.perf_counter() - t0
-    train_step = step.make_train_step(cfg, tx, mesh, rules, shardings)
+    train_step = step.make_train_step(cfg, tx, mesh, rules, shardings, microbatches=args.microbatches,
+                                      loss_chunk=args.loss_chunk)
     b_sh = step.batch_sharding(mesh, rules)
     rng = np.random.default_rng(0)
     batch = {k: jax.device_put(jnp.asarray(v), b_sh)
@@ -102,7 +128,9 @@ def main(argv=None):
     step_s = float(np.median(times))
     tokens_per_s = args.batch * args.seq / step_s
     fpt = flops.flops_per_token(cfg, args.seq)
+    fpt_causal = flops.flops_per_token(cfg, args.seq, causal=True)
     peak = flops.peak_flops(jax.devices()[0].device_kind, args.peak_flops)
+    measured = matmul_rate(args.matmul_probe, cfg.dtype) if args.matmul_probe else None
     result = {
         "preset": args.preset, "params": cfg.num_params(), "mesh": dict(mesh.shape),
         "device_kind": jax.devices()[0].device_kind, "n_devices": mesh.size,
@@ -111,7 +139,15 @@ def main(argv=None):
         "step_s_median": round(step_s, 4), "step_s_min": round(min(times), 4),
         "tokens_per_s": round(tokens_per_s, 1), "flops_per_token": fpt,
         "model_tflops_per_s": round(tokens_per_s * fpt / 1e12, 4),
+        "microbatches": args.microbatches, "loss_chunk": args.loss_chunk,
+        "recompute_factor": round(flops.recompute_factor(cfg, args.seq, args.loss_chunk), 4),
         "mfu": None if peak is None else round(flops.mfu(tokens_per_s, fpt, mesh.size, peak), 4),
+        "mfu_causal": None if peak is None else round(flops.mfu(tokens_per_s, fpt_causal, mesh.size, peak), 4),
+        "matmul_probe_tflops_per_device": None if measured is None else round(measured / 1e12, 2),
+        "mfu_causal_vs_probe": None if measured is None else round(
+            flops.mfu(tokens_per_s, fpt_causal, mesh.size, measured), 4),
+        "peak_bytes_in_use": peak_bytes_in_use(),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "loss": round(float(metrics["loss"]), 4),
     }
     print(json.dumps(result))

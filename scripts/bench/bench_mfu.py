@@ -1,0 +1,145 @@
+"""A sweep of train-step settings for MFU (issue #25 Part 2), one `bench_step.py` process per try.
+
+    python scripts/bench/bench_mfu.py --plan gpu --out mfu.jsonl        # on a GPU host: ~10 min
+    python scripts/bench/bench_mfu.py --plan gpu --only 1b_s2048        # the tries whose name holds it
+    python scripts/bench/bench_mfu.py --plan cpu                        # the driver itself, tiny, on CPU
+
+Each try is a fresh process (XLA flags are read when the backend starts, and a try that runs out of
+memory must not take the others with it) with its own time limit. A try that fails is a row with its
+reason ("out of memory" for the allocator's RESOURCE_EXHAUSTED), not the end of the sweep. Prints a
+table as the tries finish and appends every try's bench_step JSON (plus "name", "status", "error")
+to --out, the figures BENCHMARKS.md records, kept and rejected alike.
+
+MFU columns: `mfu` counts attention as the full square (PaLM, model/flops.py), `mfu_causal` only
+its lower triangle (the count torchtitan quotes), `vs_probe` the causal count against the bf16
+matmul rate the same device reached in the same process (--matmul-probe), beside the datasheet's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BENCH_STEP = Path(__file__).resolve().parent / "bench_step.py"
+
+# XLA's GPU flags worth a try for a dense transformer step (XLA_FLAGS of the try's process).
+LHS = "--xla_gpu_enable_latency_hiding_scheduler=true"
+NO_TRITON_GEMM = "--xla_gpu_enable_triton_gemm=false"
+TRITON_GEMM_ANY = "--xla_gpu_triton_gemm_any=true"
+
+
+def _try(name, args, xla_flags=""):
+    return {"name": name, "args": args, "xla_flags": xla_flags}
+
+
+def gpu_plan() -> list[dict]:
+    """One GPU (H100 80 GB / H200 141 GB), in the order that answers the issue first: the 1b at seq
+    2048 (the goal: >= 50% MFU), the lightest remat that fits, cuDNN vs XLA attention, the flags,
+    the chunked loss, then 125m and seq 1024."""
+    common = ["--steps", "10", "--warmup", "2", "--matmul-probe", "8192"]
+    b = ["--preset", "1b", "--seq", "2048"]
+    return [
+        _try("1b_s2048_cudnn_dots_b16", [*b, "--batch", "16", "--attention", "cudnn", "--remat", "dots", *common]),
+        _try("1b_s2048_cudnn_none_b8", [*b, "--batch", "8", "--attention", "cudnn", "--remat", "none", *common]),
+        _try("1b_s2048_cudnn_full_b32", [*b, "--batch", "32", "--attention", "cudnn", "--remat", "full", *common]),
+        _try("1b_s2048_xla_dots_b16", [*b, "--batch", "16", "--attention", "xla", "--remat", "dots", *common]),
+        _try("1b_s2048_cudnn_dots_b16_lhs", [*b, "--batch", "16", "--attention", "cudnn", "--remat", "dots",
+                                             *common], LHS),
+        _try("1b_s2048_cudnn_dots_b16_notriton", [*b, "--batch", "16", "--attention", "cudnn", "--remat", "dots",
+                                                  *common], NO_TRITON_GEMM),
+        _try("1b_s2048_cudnn_dots_b16_tritonany", [*b, "--batch", "16", "--attention", "cudnn", "--remat", "dots",
+                                                   *common], TRITON_GEMM_ANY),
+        _try("1b_s2048_cudnn_dots_b32_chunk512", [*b, "--batch", "32", "--attention", "cudnn", "--remat", "dots",
+                                                  "--loss-chunk", "512", *common]),
+        _try("1b_s1024_cudnn_dots_b32", ["--preset", "1b", "--seq", "1024", "--batch", "32", "--attention", "cudnn",
+                                         "--remat", "dots", *common]),
+        _try("125m_s2048_cudnn_none_b32", ["--preset", "125m", "--seq", "2048", "--batch", "32", "--attention",
+                                           "cudnn", "--remat", "none", *common]),
+        _try("125m_s1024_cudnn_none_b64", ["--preset", "125m", "--seq", "1024", "--batch", "64", "--attention",
+                                           "cudnn", "--remat", "none", *common]),
+    ]
+
+
+def cpu_plan() -> list[dict]:
+    """The driver on CPU with the tiny model: a try that runs, one with a flag, one that fails."""
+    common = ["--preset", "tiny", "--seq", "64", "--steps", "2", "--warmup", "1", "--peak-flops", "1e11"]
+    return [
+        _try("tiny_b16", [*common, "--batch", "16", "--matmul-probe", "256"]),
+        _try("tiny_b16_mb2_chunk32", [*common, "--batch", "16", "--microbatches", "2", "--loss-chunk", "32"],
+             "--xla_cpu_enable_fast_math=false"),
+        _try("tiny_b15_mb2_fails", [*common, "--batch", "15", "--microbatches", "2"]),
+    ]
+
+
+PLANS = {"gpu": gpu_plan, "cpu": cpu_plan}
+
+
+def error_line(stderr: str) -> str:
+    """The reason a try failed, in one line: out of memory, else the last exception line."""
+    if "RESOURCE_EXHAUSTED" in stderr or "Out of memory" in stderr or "out of memory" in stderr:
+        return "out of memory"
+    lines = [line for line in stderr.strip().splitlines() if line.strip()]
+    errors = [line for line in lines if "Error" in line or "error" in line]
+    return (errors or lines or ["no output"])[-1].strip()[:300]
+
+
+def run_try(t: dict, timeout_s: float) -> dict:
+    # JAX preallocates 75% of a GPU by default; a plan that needs more would read as out of memory.
+    env = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9", **os.environ}
+    if t["xla_flags"]:
+        env["XLA_FLAGS"] = " ".join(f for f in (env.get("XLA_FLAGS", ""), t["xla_flags"]) if f)
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, str(BENCH_STEP), *t["args"]], capture_output=True, text=True,
+                              env=env, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"name": t["name"], "status": "timeout", "error": f"over {timeout_s:.0f} s", "args": t["args"]}
+    wall = round(time.perf_counter() - t0, 1)
+    last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    if proc.returncode == 0 and last.startswith("{"):
+        return {"name": t["name"], "status": "ok", "wall_s": wall, "args": t["args"], **json.loads(last)}
+    return {"name": t["name"], "status": "failed", "error": error_line(proc.stderr), "wall_s": wall,
+            "args": t["args"]}
+
+
+def table_row(r: dict) -> str:
+    if r["status"] != "ok":
+        return f"{r['name']:<36} {r['status']}: {r['error']}"
+
+    def pct(v):
+        return "-" if v is None else f"{v:.1%}"
+
+    peak = r.get("peak_bytes_in_use")
+    return (f"{r['name']:<36} step {r['step_s_median']:.4f} s  tok/s {r['tokens_per_s']:>12,.0f}  "
+            f"mfu {pct(r['mfu'])}  causal {pct(r['mfu_causal'])}  vs_probe {pct(r['mfu_causal_vs_probe'])}  "
+            f"peak {'-' if peak is None else f'{peak / 2**30:.1f} GiB'}  ({r['wall_s']:.0f} s)")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--plan", choices=sorted(PLANS), default="gpu")
+    p.add_argument("--only", default="", help="run only the tries whose name contains this")
+    p.add_argument("--out", type=Path, help="append each try's JSON here (one line a try)")
+    p.add_argument("--timeout-s", type=float, default=240.0, help="per try (compile included)")
+    args = p.parse_args(argv)
+
+    tries = [t for t in PLANS[args.plan]() if args.only in t["name"]]
+    if not tries:
+        raise SystemExit(f"bench_mfu: no try of plan {args.plan!r} matches --only {args.only!r}")
+    results = []
+    for t in tries:
+        r = run_try(t, args.timeout_s)
+        results.append(r)
+        print(table_row(r), flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(r) + "\n")
+    return 0 if any(r["status"] == "ok" for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
