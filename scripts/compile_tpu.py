@@ -186,7 +186,8 @@ def compile_plan(cfg, tpu: Slice, quick: bool = False) -> dict:
     # A process-wide setting, read when each program compiles: put back after, as a test process
     # (or anything else calling this) goes on compiling its own programs.
     effort = jax.config.jax_exec_time_optimization_effort
-    jax.config.update("jax_exec_time_optimization_effort", QUICK_EXEC_TIME_EFFORT if quick else effort)
+    if quick:
+        jax.config.update("jax_exec_time_optimization_effort", QUICK_EXEC_TIME_EFFORT)
     try:
         plan["train_step"] = _compile_one(program.train_step, (program.abstract_state, batch), capacity)
         plan["eval_step"] = _compile_one(program.eval_step, (program.abstract_state["params"], batch), capacity)

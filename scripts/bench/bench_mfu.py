@@ -40,27 +40,23 @@ def gpu_plan() -> list[dict]:
     """One GPU (H100 80 GB / H200 141 GB), in the order that answers the issue first: the 1b at seq
     2048 (the goal: >= 50% MFU), the lightest remat that fits, cuDNN vs XLA attention, the flags,
     the chunked loss, then 125m and seq 1024."""
-    common = ["--steps", "10", "--warmup", "2", "--matmul-probe", "8192"]
-    b = ["--preset", "1b", "--seq", "2048"]
+    def args(preset, seq, batch, attention, remat, *extra):
+        return ["--preset", preset, "--seq", str(seq), "--batch", str(batch), "--attention", attention,
+                "--remat", remat, "--steps", "10", "--warmup", "2", "--matmul-probe", "8192", *extra]
+
+    base = args("1b", 2048, 16, "cudnn", "dots")
     return [
-        _try("1b_s2048_cudnn_dots_b16", [*b, "--batch", "16", "--attention", "cudnn", "--remat", "dots", *common]),
-        _try("1b_s2048_cudnn_none_b8", [*b, "--batch", "8", "--attention", "cudnn", "--remat", "none", *common]),
-        _try("1b_s2048_cudnn_full_b32", [*b, "--batch", "32", "--attention", "cudnn", "--remat", "full", *common]),
-        _try("1b_s2048_xla_dots_b16", [*b, "--batch", "16", "--attention", "xla", "--remat", "dots", *common]),
-        _try("1b_s2048_cudnn_dots_b16_lhs", [*b, "--batch", "16", "--attention", "cudnn", "--remat", "dots",
-                                             *common], LHS),
-        _try("1b_s2048_cudnn_dots_b16_notriton", [*b, "--batch", "16", "--attention", "cudnn", "--remat", "dots",
-                                                  *common], NO_TRITON_GEMM),
-        _try("1b_s2048_cudnn_dots_b16_tritonany", [*b, "--batch", "16", "--attention", "cudnn", "--remat", "dots",
-                                                   *common], TRITON_GEMM_ANY),
-        _try("1b_s2048_cudnn_dots_b32_chunk512", [*b, "--batch", "32", "--attention", "cudnn", "--remat", "dots",
-                                                  "--loss-chunk", "512", *common]),
-        _try("1b_s1024_cudnn_dots_b32", ["--preset", "1b", "--seq", "1024", "--batch", "32", "--attention", "cudnn",
-                                         "--remat", "dots", *common]),
-        _try("125m_s2048_cudnn_none_b32", ["--preset", "125m", "--seq", "2048", "--batch", "32", "--attention",
-                                           "cudnn", "--remat", "none", *common]),
-        _try("125m_s1024_cudnn_none_b64", ["--preset", "125m", "--seq", "1024", "--batch", "64", "--attention",
-                                           "cudnn", "--remat", "none", *common]),
+        _try("1b_s2048_cudnn_dots_b16", base),
+        _try("1b_s2048_cudnn_none_b8", args("1b", 2048, 8, "cudnn", "none")),
+        _try("1b_s2048_cudnn_full_b32", args("1b", 2048, 32, "cudnn", "full")),
+        _try("1b_s2048_xla_dots_b16", args("1b", 2048, 16, "xla", "dots")),
+        _try("1b_s2048_cudnn_dots_b16_lhs", base, LHS),
+        _try("1b_s2048_cudnn_dots_b16_notriton", base, NO_TRITON_GEMM),
+        _try("1b_s2048_cudnn_dots_b16_tritonany", base, TRITON_GEMM_ANY),
+        _try("1b_s2048_cudnn_dots_b32_chunk512", args("1b", 2048, 32, "cudnn", "dots", "--loss-chunk", "512")),
+        _try("1b_s1024_cudnn_dots_b32", args("1b", 1024, 32, "cudnn", "dots")),
+        _try("125m_s2048_cudnn_none_b32", args("125m", 2048, 32, "cudnn", "none")),
+        _try("125m_s1024_cudnn_none_b64", args("125m", 1024, 64, "cudnn", "none")),
     ]
 
 
@@ -80,7 +76,7 @@ PLANS = {"gpu": gpu_plan, "cpu": cpu_plan}
 
 def error_line(stderr: str) -> str:
     """The reason a try failed, in one line: out of memory, else the last exception line."""
-    if "RESOURCE_EXHAUSTED" in stderr or "Out of memory" in stderr or "out of memory" in stderr:
+    if "RESOURCE_EXHAUSTED" in stderr or "out of memory" in stderr.lower():
         return "out of memory"
     lines = [line for line in stderr.strip().splitlines() if line.strip()]
     errors = [line for line in lines if "Error" in line or "error" in line]

@@ -89,7 +89,7 @@ def main(argv=None):
     p.add_argument("--microbatches", type=int, default=1, help="gradient accumulation slices (train.microbatches)")
     p.add_argument("--loss-chunk", type=int, default=0, help="chunked cross-entropy positions (train.loss_chunk)")
     p.add_argument("--matmul-probe", type=int, default=0, metavar="N",
-                   help="also time an N x N x N matmul in the model's dtype on every device (e.g. 8192 on a GPU): "
+                   help="also time an N x N x N matmul in the model's dtype on one device (e.g. 8192 on a GPU): "
                         "MFU against the rate this device reaches, beside the datasheet's")
     args = p.parse_args(argv)
 
