@@ -8,7 +8,7 @@ The run, top to bottom (each phase is a banner below):
 config mistakes into one error line. Defaults train the tiny model on the bundled sample on
 whatever devices JAX sees; `configs/` documents every setting. The helpers live beside what
 they serve: data decisions in data/ (listing, held-out split, resume plan, auto workers, the
-batch log), the hosts' runtime in model/distributed.py, the loop's meters in model/meters.py.
+batch log), the hosts' runtime in model/runtime/distributed.py, the loop's meters in model/runtime/meters.py.
 """
 from __future__ import annotations
 
@@ -34,9 +34,9 @@ def train(cfg: DictConfig) -> dict:
     """Runs (or resumes) the training run described by `cfg`; returns a summary dict.
 
     A checkpoint step that does not restore has been moved aside on every host when
-    DamagedCheckpoint arrives here (model/checkpoint.py): the run starts again, from the newest
+    DamagedCheckpoint arrives here (model/runtime/checkpoint.py): the run starts again, from the newest
     step that restores (each pass moves one step, so this ends)."""
-    from model.checkpoint import DamagedCheckpoint
+    from model.runtime.checkpoint import DamagedCheckpoint
 
     while True:
         try:
@@ -53,19 +53,19 @@ def run(cfg: DictConfig) -> dict:
     from etils import epath
 
     import data as data_lib
-    from model import distributed, goodput
     from model import flops as flops_lib
-    from model import resume as resume_lib
-    from model import rollback as rollback_lib
-    from model.checkpoint import Checkpointer
-    from model.evaluate import LoopEvals, TaskEvaluator, TasksConfig
-    from model.local_tier import LocalTier
-    from model.meters import IntervalMeter, MetricsLogger, Profiler, end_line
+    from model.evals.evaluate import LoopEvals, TaskEvaluator, TasksConfig
     from model.optimizer import resolve_warmup
-    from model.watchdog import REPORTS_DIR, Watchdog, announce_last_hang, heartbeat_over
+    from model.runtime import distributed, goodput
+    from model.runtime import resume as resume_lib
+    from model.runtime import rollback as rollback_lib
+    from model.runtime.checkpoint import Checkpointer
+    from model.runtime.local_tier import LocalTier
+    from model.runtime.meters import IntervalMeter, MetricsLogger, Profiler, end_line
+    from model.runtime.watchdog import REPORTS_DIR, Watchdog, announce_last_hang, heartbeat_over
 
     t_start = time.perf_counter()
-    # The run's event log (model/goodput.py): a command's life counts from its process's start.
+    # The run's event log (model/runtime/goodput.py): a command's life counts from its process's start.
     events = goodput.EventLog(from_process_start=__name__ == "__main__")
 
     # ------------------------------------------------------------------ config checks
@@ -127,7 +127,7 @@ def run(cfg: DictConfig) -> dict:
     # receive the list. The checkpoint is only read here: a config mistake must leave no
     # checkpoint directory behind.
     try:
-        # The local tier (model/local_tier.py) wins when every host holds a newer step there.
+        # The local tier (model/runtime/local_tier.py) wins when every host holds a newer step there.
         local_tier = LocalTier.from_config(cfg.checkpoint, process_index)
         start = resume_lib.find_start(cfg.checkpoint, program.abstract_state, local_tier,
                                       gather=distributed.gather_json)
@@ -166,7 +166,7 @@ def run(cfg: DictConfig) -> dict:
         cleanup.push(events.on_exit(lambda: step, preempted))
         ckpt = Checkpointer(cfg.checkpoint)
         cleanup.callback(ckpt.close)
-        # Hung hosts (model/watchdog.py): armed from the first completed step, paused around
+        # Hung hosts (model/runtime/watchdog.py): armed from the first completed step, paused around
         # work that is not a step; its reports go where every host writes (the checkpoint dir).
         hang_reports = epath.Path(ckpt.directory) / REPORTS_DIR    # checkpoint.dir may be gs://
         if is_main and (line := announce_last_hang(hang_reports, process_count)):
@@ -176,7 +176,7 @@ def run(cfg: DictConfig) -> dict:
         cleanup.callback(watchdog.close)
         saved_data_states = None
         if start.point is not None:
-            try:    # what the saved data position is worth on this data (model/resume.py, data/resume.py)
+            try:    # what the saved data position is worth on this data (model/runtime/resume.py, data/resume.py)
                 saved_data_states = resume_lib.accept_data(start, fingerprint, mixture_change=data_cfg.mixture_change,
                                                            allow_data_change=cfg.checkpoint.allow_data_change,
                                                            announce=is_main)
@@ -312,7 +312,7 @@ def run(cfg: DictConfig) -> dict:
             save_now = ckpt.should_save(step, cfg.train.steps)
             local_now = local_tier is not None and local_tier.should_save(step) and not save_now
             if (log_now or save_now or local_now) and (rollback is not None or meter.stop_on_nan):
-                # Divergence (model/rollback.py): looked for where a row is logged or a step saved.
+                # Divergence (model/runtime/rollback.py): looked for where a row is logged or a step saved.
                 div = meter.divergence(step, divergence_skips)
                 if div is not None and rollback is None:
                     raise rollback_lib.Diverged(f"{div.reason}; step {step} is not saved (train.on_divergence=stop; "
@@ -394,13 +394,13 @@ def build_program(cfg: DictConfig, model_cfg, tx, devices=None):
 # ====================================================================== CLI
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> None:
-    from model.distributed import preempted_exit_code, quiet_cpu_start
+    from model.runtime.distributed import preempted_exit_code, quiet_cpu_start
 
     quiet_cpu_start()           # before anything imports JAX
     from data import BadDataError
-    from model.checkpoint import DamagedCheckpoint
-    from model.rollback import Diverged
-    from model.watchdog import EXIT_HANG, PeerHung
+    from model.runtime.checkpoint import DamagedCheckpoint
+    from model.runtime.rollback import Diverged
+    from model.runtime.watchdog import EXIT_HANG, PeerHung
 
     try:
         summary = train(cfg)
@@ -420,11 +420,11 @@ def main(cfg: DictConfig) -> None:
         print(f"checkpoint error: {e}", file=sys.stderr)
         sys.exit(1)
     except (Diverged, FloatingPointError) as e:
-        # train.on_divergence: the steps and what diverged, in one line (model/rollback.py).
+        # train.on_divergence: the steps and what diverged, in one line (model/runtime/rollback.py).
         print(f"diverged: {' '.join(str(e).split())}", file=sys.stderr)
         sys.exit(1)
     except PeerHung as e:
-        # Another host hung and left: every host exits with the hang's code, and restarts (model/watchdog.py).
+        # Another host hung and left: every host exits with the hang's code, and restarts (model/runtime/watchdog.py).
         print(f"hang: {e}", file=sys.stderr)
         sys.exit(EXIT_HANG)
     if summary.get("preempted") and (code := preempted_exit_code()):

@@ -1,15 +1,19 @@
 """Input pipeline: sharded text -> tokens -> packed rows -> global jax.Arrays.
 
-One file per concept, imported in this order (no circle; tests/test_imports.py keeps it so):
-  timing, permutation, packing, objstore (URLs through fsspec), gzseek, sources (readers),
-  tokenizer, listing (what a run reads),
-  shard (one virtual shard's text stream and state), records (the same from a directory
-  converted by scripts/prepare_data.py), mixture (weighted mixtures, given built sources),
-  autoworkers (data.num_workers=auto), config (DataConfig and its checks), host (the fixed
-  batch layout, a host's iterator; builds the streams), workers (input worker processes), state
-  (fingerprint, merging host states), pipeline (the host iterator and the device prefetcher);
-  and the data decisions a run makes: heldout (the held-out split and batches), resume (resuming
-  on changed data), batch_log (the per-step batch hashes training and show_step share).
+Two bands, then the pipeline's assembly at the top (no circle, each band imports only the ones
+below it; tests/test_imports.py keeps it so):
+  readers/     files -> documents: object stores, gzip seek points, one reader per format
+  streams/     documents -> one virtual shard's packed rows and its state; mixtures of them
+  timing, tokenizer        leaves every band may use: stage clocks, the tokenizer and its pool
+  listing      what a run reads: paths, globs, URLs and folders -> one listing per run
+  config       DataConfig and its checks (loads neither Grain nor JAX)
+  autoworkers  data.num_workers=auto
+  host         the fixed batch layout and a host's iterator over its virtual shards
+  workers      input worker processes
+  state        fingerprint and merging host states
+  pipeline     the host iterator and the device prefetcher
+  heldout, resume, batch_log   the run's data decisions: the held-out split, resuming on changed
+               data, the per-step batch hashes training and show_step share
 
 The names below load their module on first use, so that `from data.config import DataConfig`
 (config checks) starts neither Grain nor JAX.
@@ -28,7 +32,7 @@ _EXPORTS = {
     "data.listing": ["Listing", "all_files", "list_paths", "run_listing"],
     "data.pipeline": ["DevicePrefetcher", "make_host_dataset", "make_host_iterator", "restore_host_iterator"],
     "data.resume": ["ResumePlan", "plan_resume"],
-    "data.sources": ["BadDataError", "NoValidDocumentError", "no_document_reason"],
+    "data.readers.sources": ["BadDataError", "NoValidDocumentError", "no_document_reason"],
     "data.state": ["carry_parked_sources", "fingerprint", "merge_host_states", "mixture_changes"],
     "data.tokenizer": ["load_tokenizer"],
 }

@@ -10,7 +10,7 @@ the step consumes, then chooses
 more workers share the cores), capped by the host's virtual shards (a worker owns at least
 one), its cores and the RAM budget (`data.ram_budget_gb`: the training process plus n workers'
 resident memory). A converted
-corpus (data/records.py, no tokenizer) may run in-process (0 workers) when one worker's rate
+corpus (data/streams/records.py, no tokenizer) may run in-process (0 workers) when one worker's rate
 covers the need: what a worker does there is cheap enough for the training process's feed
 thread. Text stays in workers: tokenizing in the training process competes with the step for
 its cores and the GIL, which the step time measured with the work elsewhere does not show.
@@ -239,11 +239,11 @@ class AutoWorkers:
     marks the end of the compile step; after `steps` more steps, `switch` measures what the step
     consumed (tokens over the seconds not spent waiting for data, evaluations or saves) and what
     one worker delivers, agrees on a count with the other hosts (`agree`: the largest any host
-    needs, model/distributed.py max_over_hosts) and, if it differs, moves the live pipeline to it
+    needs, model/runtime/distributed.py max_over_hosts) and, if it differs, moves the live pipeline to it
     from the consumed state (the batches do not change)."""
 
     def __init__(self, data_cfg, process_count: int, files, *, saved: int | None, agree=max):
-        from data import records
+        from data.streams import records
         from data.tokenizer import available_cores
 
         self.budget = ram_budget_bytes(data_cfg.ram_budget_gb)

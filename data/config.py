@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from data import formats
 from data.autoworkers import check_num_workers, check_ram_budget, is_auto
 from data.listing import list_paths
+from data.readers import formats
 from data.tokenizer import load_tokenizer, tokenizer_file, tokenizer_hash
 
 PACKINGS = ("concat", "first_fit")
@@ -47,7 +47,7 @@ class SourceConfig:
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     paths: tuple[str, ...]          # globs, plain paths, @file-lists (data/listing.py) of files in any
-                                    # format of data/formats.py, a Hugging Face save_to_disk directory,
+                                    # format of data/readers/formats.py, a Hugging Face save_to_disk directory,
                                     # or a directory written by scripts/prepare_data.py; () with sources
     tokenizer: str                  # tokenizer.json path, a directory holding it, or a hub id
     seq_len: int
@@ -69,7 +69,7 @@ class DataConfig:
     # host whose cores the workers keep busy, the training loop's thread is scheduled first
     # when it wakes for the next batch (data/host.py yield_cores). 0: the trainer's priority.
     worker_nice: int = 10
-    # A weighted mixture (data/mixture.py) instead of `paths`: SourceConfig each.
+    # A weighted mixture (data/streams/mixture.py) instead of `paths`: SourceConfig each.
     sources: tuple[SourceConfig, ...] = ()
     # On resume, "continue": the sources' shares and list may differ from the checkpoint's,
     # every source continuing from its own saved position (data/state.py mixture_changes);
@@ -143,7 +143,7 @@ def check_sources(cfg: DataConfig) -> None:
 def check_shards(cfg: DataConfig, process_count: int, n_files: int | None) -> None:
     """Virtual shards fill fixed rows of the global batch (k = global_batch_size / V each) and
     split over hosts in equal contiguous blocks: V divides the batch, P divides V. With fewer
-    files than shards, files are split across shards (data/shard.py file_split)."""
+    files than shards, files are split across shards (data/streams/shard.py file_split)."""
     V, B = cfg.num_shards, cfg.global_batch_size
     if V < 1 or B % V:
         raise ValueError(
@@ -211,7 +211,7 @@ def check_files(cfg: DataConfig, process_count: int, files, tokenizer=None) -> N
     """The checks that need the listing (list_files' result): every source has files, and a
     converted directory is what its manifest describes, written with the run's tokenizer (one
     stat per file and the tokenizer's hash, no read), with at least one document per shard."""
-    from data import records
+    from data.streams import records
 
     check_shards(cfg, process_count, None)
     named = ([(f"data.sources[{s.name}]", files[s.name]) for s in cfg.sources]

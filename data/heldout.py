@@ -64,7 +64,7 @@ def valid_eval_files(eval_cfg: DataConfig, files: list[str], *, announce: bool):
     truncated or corrupt held-out file is named in one line and left out, never fatal
     (data.strict=true: the first bad record raises with file:line). Reads each held-out file up to
     its first valid document, the same on every host, so all hosts agree."""
-    from data.sources import no_document_reason
+    from data.readers.sources import no_document_reason
 
     reasons = [no_document_reason(f, eval_cfg.text_key, eval_cfg.strict) for f in files]
     good = [f for f, why in zip(files, reasons, strict=True) if why is None]

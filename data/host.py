@@ -28,9 +28,9 @@ import time
 import grain
 import numpy as np
 
-from data.mixture import MixtureShardStream, initial_mixture_state, saved_sub_states
-from data.records import RecordShardStream, initial_record_state
-from data.shard import STATE_MARK, STATE_VERSION, ShardStream, StreamSpec, initial_shard_state, progress
+from data.streams.mixture import MixtureShardStream, initial_mixture_state, saved_sub_states
+from data.streams.records import RecordShardStream, initial_record_state
+from data.streams.shard import STATE_MARK, STATE_VERSION, ShardStream, StreamSpec, initial_shard_state, progress
 from data.timing import zero_times
 from data.tokenizer import BatchEncoder, available_cores, encode_threads, set_thread_env
 
@@ -77,7 +77,7 @@ def make_shard_stream(spec: StreamSpec, shard: int, encoder: BatchEncoder | None
     start; encoder None for "records", which needs no tokenizer). Every kind has
     next_row_into(b, out), get_state() (JSON, counters under "c"), _restore(state), close().
     `times`: the process's stage timers (data/timing.py), shared by its streams. A mixture
-    receives its sources' streams built here (data/mixture.py imports nothing of this file)."""
+    receives its sources' streams built here (data/streams/mixture.py imports nothing of this file)."""
     if spec.mixture:
         state = state or initial_stream_state(spec)
         initial = {name: initial_stream_state(sub) for name, _, sub in spec.mixture}

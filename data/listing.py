@@ -17,7 +17,7 @@ Entries of a pattern list:
                               comments skipped; relative paths are relative to the list
                               file's directory); entries are literal, never globs
   /data/tok_dir               a directory written by scripts/prepare_data.py, or a Hugging Face
-                              datasets `save_to_disk` directory (its Arrow files, data/formats.py)
+                              datasets `save_to_disk` directory (its Arrow files, data/readers/formats.py)
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ import stat
 import time
 from typing import Callable
 
-from data import objstore  # no fsspec until a URL is met (objstore imports it then)
+from data.readers import objstore  # no fsspec until a URL is met (objstore imports it then)
 
 
 @dataclasses.dataclass
@@ -39,7 +39,7 @@ class Listing:
     dirs_read: int = 0          # directory reads (os.scandir)
     stats: int = 0              # per-file metadata calls (os.stat)
     # {url: size} of the objects URL patterns matched, from their listing: opened without a
-    # metadata request (data/objstore.py), the converter's progress total; local files and @list
+    # metadata request (data/readers/objstore.py), the converter's progress total; local files and @list
     # entries are not in it
     sizes: dict[str, int] = dataclasses.field(default_factory=dict)
 
@@ -79,7 +79,7 @@ def list_paths(patterns, setting: str = "data.paths") -> Listing:
 
 def _list_url(pattern: str, setting: str) -> dict[str, int]:
     """The objects a URL pattern matches with their sizes, from one listing request
-    (data/objstore.py). A URL without a glob that names a "folder" (hf://datasets/ORG/NAME[@REV], a
+    (data/readers/objstore.py). A URL without a glob that names a "folder" (hf://datasets/ORG/NAME[@REV], a
     bucket prefix) stands for its train files, chosen as for a local dataset folder (_hf_select)
     from that same listing, plus one read of its README.md (the dataset card) when it has one."""
 
@@ -98,10 +98,10 @@ def _list_url(pattern: str, setting: str) -> dict[str, int]:
                          f"{str(e).splitlines()[0][:200] if str(e) else ''}") from None
     if not found:
         raise ValueError(f"{setting}: {pattern!r} matches no file")
-    from data import records  # only names; array_record is imported when a part is read
+    from data.streams import records  # only names; array_record is imported when a part is read
     part = next((f for f in found if f.endswith(records.PART_SUFFIX)), None)
     if part is not None:
-        # converted corpora are read from local paths (data/records.py): said now, not later as
+        # converted corpora are read from local paths (data/streams/records.py): said now, not later as
         # a mix of records and "text" files or a missing manifest
         raise ValueError(records.url_dir_message(part, setting))
     if rels:
@@ -138,7 +138,7 @@ def _converted_dir(path: str, setting: str) -> list[str]:
     """A directory stands for the files it describes, read from its own metadata (no walk, no
     stat): the ArrayRecord parts of a directory written by scripts/prepare_data.py (its
     manifest), or the Arrow files of a Hugging Face `save_to_disk` directory (its state.json)."""
-    from data import records  # array_record is imported only for converted corpora
+    from data.streams import records  # array_record is imported only for converted corpora
 
     if records.is_converted_dir(path):
         return records.part_files(path)
@@ -191,7 +191,7 @@ def _hf_select(rels: list[str], card: str | None, where: str, setting: str) -> l
     path names the train split when any path names a split. None: no such file. Globs in
     `configs:` are relative to the folder and matched as glob.glob(recursive=True) would
     (_glob_rel). Shared by a local folder and one at a URL (`where` names it in messages)."""
-    from data.formats import name_format
+    from data.readers.formats import name_format
 
     configs = _card_configs(card, f"{where}/README.md", setting)
     if configs:
@@ -435,7 +435,7 @@ def run_listing(patterns: list | dict, eval_paths: list, saved: dict | None, *,
     ("paths" and "train" keyed by source name for a mixture, given `patterns` as
     {source name: patterns}), and "sizes": {url: size} of the files listed from URL patterns
     (absent without any: a listing of local files is what it always was). Every host keeps the
-    sizes (data/objstore.py SIZES), so opening those objects asks the store nothing.
+    sizes (data/readers/objstore.py SIZES), so opening those objects asks the store nothing.
 
     A resumed run reuses the listing saved with its checkpoint (`saved`) when it was made from
     the same patterns, and trusts it: a file deleted since then is found when read (an
@@ -443,7 +443,7 @@ def run_listing(patterns: list | dict, eval_paths: list, saved: dict | None, *,
     trained on. New patterns (a moved mount, another glob) or checkpoint.allow_data_change=true
     (saved=None) list afresh, and the fingerprint compares the lists. `from_process_0(make)`
     runs `make` on one process and hands its JSON result (or its ValueError) to every host
-    (model/distributed.py), so a bucket is walked once per run.
+    (model/runtime/distributed.py), so a bucket is walked once per run.
 
     A mixture reuses the saved listing source by source: a changed mixture
     (data.mixture_change=continue) lists only its added sources (or those with new patterns),

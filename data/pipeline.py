@@ -10,12 +10,12 @@ import time
 import grain
 from absl import flags
 
-from data import records
 from data.config import DataConfig, check_files, list_files
 from data.host import HostIterDataset, find_shard_states
-from data.mixture import mixture_spec, source_counters
-from data.shard import COUNTER_KEYS, StreamSpec, url_sizes
 from data.state import normalize_shard_states, sum_counters
+from data.streams import records
+from data.streams.mixture import mixture_spec, source_counters
+from data.streams.shard import COUNTER_KEYS, StreamSpec, url_sizes
 from data.timing import STAGES, WAITS, sub_times
 from data.tokenizer import load_tokenizer, special_ids
 from data.workers import WorkerMergeIterDataset, slab_to_batch
@@ -172,7 +172,7 @@ def make_host_iterator(cfg: DataConfig, process_index: int, process_count: int,
 
     shard_states: per-virtual-shard states from merge_host_states (elastic resume).
     debug=True adds "doc_ids" (int64 [B, seq_len + 1], global document ids, -1 = padding; a
-    mixture's carry the source's index, data/mixture.py) and "row_shard" (int32 [B]) for tests.
+    mixture's carry the source's index, data/streams/mixture.py) and "row_shard" (int32 [B]) for tests.
     files / tokenizer: already listed / loaded by the caller (a glob over thousands of shards
     on a mounted bucket is slow: list once per run); for data.sources, {source name: files}
     as list_files returns.

@@ -1,7 +1,7 @@
 """Resuming on changed data: what a resumed run keeps of its saved data position.
 
 The checkpoint's data fingerprint (data/state.py fingerprint) says what the saved positions
-refer to. On resume the current fingerprint is compared with it (model/checkpoint.py
+refer to. On resume the current fingerprint is compared with it (model/runtime/checkpoint.py
 check_fingerprint names every differing key); this module decides beforehand which
 differences a run may accept and how:
   - checkpoint.allow_data_change=true: any data change; the pipeline starts afresh on the new

@@ -5,11 +5,12 @@ import hashlib
 import json
 import os
 
-from data import formats, records
 from data.config import DataConfig, list_files
 from data.host import find_shard_states
 from data.listing import all_files
-from data.shard import COUNTER_KEYS, file_split
+from data.readers import formats
+from data.streams import records
+from data.streams.shard import COUNTER_KEYS, file_split
 from data.tokenizer import load_tokenizer, tokenizer_hash
 
 
@@ -174,7 +175,7 @@ def mixture_changes(saved: dict, current: dict) -> tuple[set, list[str]]:
     was_mix, is_mix = "sources" in saved, "sources" in current
     if was_mix != is_mix:
         # A single stream shuffles with data.seed, a mixture's source with its own seed
-        # (data/mixture.py source_seed): the saved position means nothing to the other form.
+        # (data/streams/mixture.py source_seed): the saved position means nothing to the other form.
         was = "a mixture (data.sources)" if was_mix else "one source (data.paths)"
         raise ValueError(f"data.mixture_change=continue: the checkpoint read {was}, this run does "
                          "not; a position cannot carry over between the two forms (set "

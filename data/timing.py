@@ -3,7 +3,7 @@ the stage bounding it (what Grain's debug mode prints for its own stages, for ou
 
 Stages, and the thread each runs on (a stage can bound the pipeline only through its thread):
   fetch     waiting on an object store (gs://...:    the reader thread
-            requests + transfer, data/objstore.py)
+            requests + transfer, data/readers/objstore.py)
   read      reading + decompression (a record),      the reader thread of each input process
             fetch excluded
   parse     JSON parsing (a record's parse)          the reader thread

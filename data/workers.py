@@ -12,7 +12,7 @@ import grain
 import numpy as np
 
 from data.host import HostIterator, find_shard_states
-from data.shard import STATE_MARK, STATE_VERSION, StreamSpec
+from data.streams.shard import STATE_MARK, STATE_VERSION, StreamSpec
 from data.timing import add_times, zero_times
 
 

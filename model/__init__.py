@@ -1,8 +1,15 @@
-"""Llama model, sharding rules, train step and FLOP accounting (model/llama.py), and the run's
-runtime: distributed.py (hosts), meters.py (what the loop measures), checkpoint.py.
+"""The network and its compiled program, with the run's machinery and evaluation in rooms of their own:
+  llama       the Llama-style network (NNX): config, attention, scanned layers
+  sharding    logical axis names -> mesh axes
+  step        the mesh, shardings, abstract state and jitted train/eval steps (Program)
+  optimizer   AdamW and the lr schedule
+  flops       FLOPs per token and device peaks (MFU)
+  hf          Hugging Face Llama configs and weights, in and out
+  runtime/    the run's machinery: hosts, checkpoints, resume, rollback, watchdog, goodput, meters
+  evals/      downstream tasks, the in-loop evaluators and the lm-evaluation-harness model
 
-Names load their module on first use, so a command can set JAX's platform (model/distributed.py
-quiet_cpu_start) before anything imports JAX.
+Names load their module on first use, so a command can set JAX's platform
+(model/runtime/distributed.py quiet_cpu_start) before anything imports JAX.
 """
 from __future__ import annotations
 

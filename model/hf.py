@@ -11,7 +11,7 @@ out, and the layers stacked on a leading axis when `scan_layers` (see model/llam
     lm_head.weight [v, d]   <->  lm_head_dv [d, v]   (absent when the embeddings are tied)
 Both use the "rotate half" RoPE layout, so no q/k permutation is needed either way.
 
-Reading and writing parameter-only checkpoints is model/checkpoint.py's (load_params, save_params).
+Reading and writing parameter-only checkpoints is model/runtime/checkpoint.py's (load_params, save_params).
 """
 from __future__ import annotations
 

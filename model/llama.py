@@ -145,7 +145,7 @@ def rope(x_btnh, positions_bt, theta: float):
 def attention_mask(segment_ids_bt, branch_ids_bt=None):
     """[b, t, s] bool: causal and same document. Packed documents never see each other.
 
-    branch_ids_bt (scoring only, model/evaluate.py): a document is a shared prefix (branch 0)
+    branch_ids_bt (scoring only, model/evals/evaluate.py): a document is a shared prefix (branch 0)
     followed by branches 1, 2, ... that each see the prefix and themselves but not each other,
     so several continuations of one context are scored in one pass over the context."""
     t = segment_ids_bt.shape[1]

@@ -9,7 +9,7 @@ TrainState is a plain dict {"params": nested dict of arrays, "opt_state": optax 
 "step": int32 scalar}: Orbax StandardSave handles it without any Flax types. With loss-spike
 skipping on (train.spikes, SpikeConfig) it also holds "spikes", the trailing window of losses
 the step decides on, on the device: no host round trip per step. The checkpoint keeps that
-window in the step's meta, not among the arrays (model/checkpoint.py), so turning spike
+window in the step's meta, not among the arrays (model/runtime/checkpoint.py), so turning spike
 skipping on or off never changes what a checkpoint's arrays are.
 """
 from __future__ import annotations

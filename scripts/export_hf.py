@@ -50,8 +50,8 @@ def export_tokenizer(tok_path: str, out_dir: Path, *, add_bos: bool, max_len: in
 def export(path: str, out_dir: str) -> Path:
     from safetensors.numpy import save_file
 
-    from model.checkpoint import load_params
     from model.hf import to_hf_config, to_hf_state_dict
+    from model.runtime.checkpoint import load_params
 
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
@@ -79,7 +79,7 @@ def main(argv=None) -> None:
     ap.add_argument("path", help="run dir, checkpoint dir, or step dir")
     ap.add_argument("out_dir", help="new Hugging Face model directory")
     args = ap.parse_args(argv)
-    from model.distributed import quiet_cpu_start
+    from model.runtime.distributed import quiet_cpu_start
 
     quiet_cpu_start()       # before JAX starts: no libtpu warnings where no TPU can be
     logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's read-only notices

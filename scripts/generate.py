@@ -103,7 +103,7 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default=None, help="compute dtype (default: the checkpoint's model.dtype)")
     args = ap.parse_args(argv)
-    from model.distributed import quiet_cpu_start
+    from model.runtime.distributed import quiet_cpu_start
 
     quiet_cpu_start()       # before JAX starts: no libtpu warnings where no TPU can be
     logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's read-only notices
@@ -111,7 +111,7 @@ def main(argv=None) -> None:
         ap.error("need --temperature >= 0, 0 < --top-p <= 1, --max-new-tokens >= 1")
 
     from data.tokenizer import load_tokenizer, special_ids
-    from model.checkpoint import load_params
+    from model.runtime.checkpoint import load_params
 
     overrides = {"dtype": args.dtype} if args.dtype else {}
     cfg, params, meta = load_params(args.checkpoint, **overrides)

@@ -23,8 +23,8 @@ def import_hf(hf_dir: str, out_dir: str, **runtime) -> tuple:
     model config recorded in the meta and printed (LlamaConfig defaults otherwise)."""
     import dataclasses
 
-    from model.checkpoint import save_params
     from model.hf import from_hf_config, from_hf_state_dict, read_safetensors
+    from model.runtime.checkpoint import save_params
 
     hf = Path(hf_dir).resolve()
     config_file = hf / "config.json"
@@ -46,7 +46,7 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", default="bfloat16", help="compute dtype recorded in the model config")
     ap.add_argument("--remat", default="full", help="remat policy recorded in the model config")
     args = ap.parse_args(argv)
-    from model.distributed import quiet_cpu_start
+    from model.runtime.distributed import quiet_cpu_start
 
     quiet_cpu_start()       # before JAX starts: no libtpu warnings where no TPU can be
     logging.getLogger("absl").setLevel(logging.ERROR)

@@ -19,11 +19,11 @@ mesh through jax.distributed: the same code path a TPU pod takes, minus the TPUs
   seconds) and the launcher exits with the failing process's exit code.
 * Ctrl-C / SIGTERM: SIGTERM is forwarded to every process (so train.py can checkpoint); whatever
   is still alive after --grace-period seconds is killed. A second Ctrl-C kills at once.
-* --restarts N: when a process exits with code 75 (train.py's hang watchdog, model/watchdog.py),
+* --restarts N: when a process exits with code 75 (train.py's hang watchdog, model/runtime/watchdog.py),
   all processes are stopped and the job starts again (a new coordinator port, logs appended), up
   to N times in all; the run resumes from its newest checkpoint. The same when the processes were
   preempted (a SIGTERM that reached train.py, not the launcher): with N > 0 they run with
-  JAXPT_EXIT_PREEMPTED=1 and exit 76 (model/distributed.py EXIT_PREEMPTED) once they have saved,
+  JAXPT_EXIT_PREEMPTED=1 and exit 76 (model/runtime/distributed.py EXIT_PREEMPTED) once they have saved,
   the launcher waits up to --grace-period for all of them and starts the job again, which resumes
   from the step just saved. A SIGTERM or Ctrl-C to the launcher itself is a stop: no restart.
 * Overrides are passed as argv lists (never through a shell), so any value is safe.
@@ -41,8 +41,8 @@ import threading
 import time
 from pathlib import Path
 
-from model.distributed import EXIT_PREEMPTED, EXIT_PREEMPTED_ENV
-from model.watchdog import EXIT_HANG
+from model.runtime.distributed import EXIT_PREEMPTED, EXIT_PREEMPTED_ENV
+from model.runtime.watchdog import EXIT_HANG
 from train import PROJECT_ROOT as REPO_ROOT  # the repo root (the project is installed)
 
 DISTRIBUTED_KEYS = ("coordinator_address", "num_processes", "process_id", "local_device_count")

@@ -3,7 +3,7 @@
   python scripts/prepare_data.py --paths '/mnt/rp/*/en_head.json.gz' \
       --tokenizer data/sample/tokenizer.json --out /mnt/rp_tok
 
-Reads what the streaming path reads (JSON lines, JSON arrays, Parquet, Arrow: data/formats.py;
+Reads what the streaming path reads (JSON lines, JSON arrays, Parquet, Arrow: data/readers/formats.py;
 the text under --text-key) with its bad-record policy: a bad record is skipped, counted by kind and named
 (file:line) in the summary; with --strict the first one stops the run, naming file:line.
 Documents are tokenized on all cores (a thread per core, the tokenizer releases the GIL) and
@@ -19,7 +19,7 @@ A part is written under a temporary name and renamed when complete, so a convers
 at any moment (SIGKILL included) continues when started again with the same arguments and
 ends byte-identical to an uninterrupted one; the same inputs always give the same bytes.
 
---paths and --out may be URLs (gs://, s3://, hf://, any fsspec scheme; data/objstore.py): input
+--paths and --out may be URLs (gs://, s3://, hf://, any fsspec scheme; data/readers/objstore.py): input
 sizes come from the pattern's listing, and a URL --out gets each part written to a local
 temporary directory (--tmp) and uploaded when complete (an object appears whole or not at all),
 then its done/ marker, the manifest last; a restart lists --out once to find the finished parts.
@@ -40,10 +40,11 @@ import sys
 import tempfile
 import time
 
-from data import formats, objstore, records
 from data.listing import list_paths
-from data.sources import BAD_KINDS, MAX_BAD_EXAMPLES, BadRecords, split_pieces
+from data.readers import formats, objstore
+from data.readers.sources import BAD_KINDS, MAX_BAD_EXAMPLES, BadRecords, split_pieces
 from data.state import files_hash
+from data.streams import records
 from data.tokenizer import BatchEncoder, available_cores, load_tokenizer, set_thread_env, tokenizer_hash
 
 # Characters of text per tokenizer call (~64 web documents): large enough that a call's fixed
@@ -206,8 +207,8 @@ class BadRecordStop(SystemExit):
 
 def documents(path: str, text_key: str, bad: BadRecords, strict: bool, progress):
     """(text pieces) per valid document of one file, in file order; bad records counted (or,
-    strict, raised) by the streaming path's rules (data/sources.py), whatever the file's format
-    (data/formats.py)."""
+    strict, raised) by the streaming path's rules (data/readers/sources.py), whatever the file's format
+    (data/readers/formats.py)."""
     def report(line_no, kind, detail=""):
         if strict:
             raise BadRecordStop(f"prepare_data: bad record at {path}:{line_no}: {kind}"

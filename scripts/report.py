@@ -23,10 +23,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from data.objstore import is_url
+from data.readers.objstore import is_url
 from data.timing import STAGES
-from model import goodput
-from model.goodput import CAUSES
+from model.runtime import goodput
+from model.runtime.goodput import CAUSES
 
 COLORS = {"productive": "#2ca02c", "startup": "#7f7f7f", "restore": "#9467bd", "data_wait": "#d62728",
           "checkpoint": "#1f77b4", "eval": "#17becf", "stall": "#ff7f0e", "lost": "#8c564b",
@@ -35,13 +35,13 @@ COLORS = {"productive": "#2ca02c", "startup": "#7f7f7f", "restore": "#9467bd", "
 
 def load_run(run_dir: str) -> tuple[list[dict], list[dict]]:
     """(metrics rows, events) of a run directory, local or a URL (gs://, s3://: a run directory on
-    a bucket, read through fsspec as the training data is, data/objstore.py); a line cut short by
+    a bucket, read through fsspec as the training data is, data/readers/objstore.py); a line cut short by
     a run still writing is skipped."""
     if not is_url(run_dir):
         if not Path(run_dir).is_dir():
             raise SystemExit(f"report: {run_dir} is not a directory")
         return _read(Path(run_dir), run_dir)
-    from data.objstore import filesystem
+    from data.readers.objstore import filesystem
 
     try:
         fs = filesystem(run_dir)

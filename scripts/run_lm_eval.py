@@ -1,4 +1,4 @@
-"""The lm-evaluation-harness command with our checkpoints as model "jaxpt" (model/harness.py).
+"""The lm-evaluation-harness command with our checkpoints as model "jaxpt" (model/evals/harness.py).
 
     python scripts/run_lm_eval.py --model jaxpt --model_args run_dir=runs/tiny_sample,step=300 \
         --tasks lambada_openai,hellaswag --batch_size 1
@@ -21,12 +21,12 @@ if str(ROOT) not in sys.path:
 
 
 def main() -> None:
-    from model.distributed import quiet_cpu_start
+    from model.runtime.distributed import quiet_cpu_start
 
     quiet_cpu_start()   # no libtpu warnings on a machine without a TPU (JAX_PLATFORMS, if set, wins)
     from lm_eval.__main__ import cli_evaluate
 
-    import model.harness  # noqa: F401  (registers "jaxpt")
+    import model.evals.harness  # noqa: F401  (registers "jaxpt")
 
     cli_evaluate()
 

@@ -67,7 +67,7 @@ class Run:
 def load_run(run_dir) -> Run:
     import yaml
 
-    from model.checkpoint import complete_steps
+    from model.runtime.checkpoint import complete_steps
 
     run_dir = Path(run_dir)
     cfg_path = run_dir / "config.yaml"
@@ -98,14 +98,14 @@ class Basis:
 
 
 def _restore(directory: str, step: int):
-    from model.checkpoint import ResumePoint, restore_meta_and_data
+    from model.runtime.checkpoint import ResumePoint, restore_meta_and_data
 
     return restore_meta_and_data(ResumePoint(directory, step, "tool"))
 
 
 def _fork_point(run: Run, first_config: dict):
     """(directory, step) of checkpoint.resume_from when the run was forked, else None."""
-    from model.checkpoint import complete_steps, split_step_dir
+    from model.runtime.checkpoint import complete_steps, split_step_dir
 
     src = (first_config.get("checkpoint") or {}).get("resume_from")
     if not src:
@@ -134,13 +134,13 @@ def find_basis(run: Run, step: int) -> tuple[Basis, dict | None]:
     meta_after = _restore(run.ckpt_dir, later[0])[0] if later else None
     before = [c for c in run.steps if c < step]
     if before:
-        from model.rollback import data_override
+        from model.runtime.rollback import data_override
 
         meta, states = _restore(run.ckpt_dir, before[-1])
         where = f"{run.ckpt_dir}/{before[-1]}"
         if (override := data_override(run.ckpt_dir, before[-1])) is not None:
             # train.on_divergence=rollback: the steps after this checkpoint trained on the data
-            # from where the last rollback to it left off (model/rollback.py).
+            # from where the last rollback to it left off (model/runtime/rollback.py).
             record, states = override
             where += f", past the steps rolled back at step {record['seen_at_step']} ({record['dir']})"
         return Basis(before[-1], where, states, meta), meta_after
@@ -179,7 +179,7 @@ def data_setup(config: dict, saved_fingerprint: dict | None):
     """(DataConfig, training files, tokenizer) from a saved config, with the files listed again
     from its patterns and checked against the saved data fingerprint."""
     import data as data_lib
-    from model.checkpoint import fingerprint_diffs
+    from model.runtime.checkpoint import fingerprint_diffs
 
     data_map = dict(config["data"])
     eval_map = data_map.pop("eval", None) or {}
@@ -230,8 +230,8 @@ def replay_rows(spec, enc, shard_states: dict | None, shard: int, skip_rows: int
 # ---------------------------------------------------------------- documents
 def locate(spec, doc_id: int) -> dict:
     """A (debug) doc id -> where the document lives: source, epoch, and file + line (text) or
-    record index (converted records). Ids: data/sources.py, data/records.py, data/mixture.py."""
-    from data.mixture import SOURCE_ID_SHIFT
+    record index (converted records). Ids: data/readers/sources.py, data/streams/records.py, data/streams/mixture.py."""
+    from data.streams.mixture import SOURCE_ID_SHIFT
 
     name, sub = None, spec
     if spec.mixture:
@@ -253,7 +253,7 @@ def document_texts(docs: list[dict], tokenizer, chars: int) -> None:
     """Sets docs[i]["text"] to the first `chars` characters of each document: text documents
     are read from their file (one pass per file, up to the last line wanted), records are read
     by index and their first tokens decoded."""
-    from data import formats
+    from data.readers import formats
 
     by_file: dict = {}
     for d in docs:
@@ -310,9 +310,9 @@ def show_step(run_dir, step: int, row: int | None = None, *, tokens: bool = Fals
 
 def show_rollback(run_dir, which: str, checkpoint_dir: str | None = None, *, chars: int = 60) -> list[dict]:
     """The steps that rollback `which` ("STEP/N": the N-th rollback to checkpoint STEP, from 0)
-    rolled back (model/rollback.py), replayed from where they started: checkpoint STEP's own
+    rolled back (model/runtime/rollback.py), replayed from where they started: checkpoint STEP's own
     data position for the first, the one before's position for a later one."""
-    from model.rollback import read_states, rollbacks_of
+    from model.runtime.rollback import read_states, rollbacks_of
 
     run = load_run(run_dir)
     ckpt_dir = checkpoint_dir or run.ckpt_dir
@@ -337,9 +337,9 @@ def show_steps(run: Run, basis: Basis, meta_after: dict | None, steps: list[int]
     """show_step for consecutive `steps` replayed from one `basis` (each shard replayed once)."""
     from data.batch_log import row_hash
     from data.host import make_encoder
-    from data.mixture import source_of_row, source_thresholds
     from data.pipeline import stream_spec
     from data.state import merge_host_states
+    from data.streams.mixture import source_of_row, source_thresholds
 
     if basis.meta and meta_after and basis.meta["fingerprint"]["data"] != meta_after["fingerprint"]["data"]:
         # A session resumed at the basis checkpoint (the latest one then; a later one would carry
@@ -448,7 +448,7 @@ def main(argv=None) -> int:
                     help="one JSON object (rows with the debug_batches hashes)")
     ap.add_argument("--chars", type=int, default=60, help="characters of each document's text shown")
     args = ap.parse_args(argv)
-    from model.distributed import quiet_cpu_start
+    from model.runtime.distributed import quiet_cpu_start
 
     quiet_cpu_start()       # before JAX starts: no libtpu warnings where no TPU can be
     import absl.logging

@@ -42,8 +42,8 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-from model.distributed import EXIT_PREEMPTED, EXIT_PREEMPTED_ENV
-from model.watchdog import EXIT_HANG
+from model.runtime.distributed import EXIT_PREEMPTED, EXIT_PREEMPTED_ENV
+from model.runtime.watchdog import EXIT_HANG
 from train import PROJECT_ROOT as REPO_ROOT  # the repo root (the project is installed)
 
 PROGRAM = "train.py"
@@ -188,7 +188,7 @@ def train_wrapper(restarts: int) -> str:
     `logs` tells a clean stop (code 0) from a crash or a kill. train.py runs as a child (its pid
     goes to logs/train.pid, where `stop` sends SIGTERM); this wrapper stays to wait for it, and
     starts it again, up to `restarts` times in all, when it exits with EXIT_HANG (the hang
-    watchdog: model/watchdog.py) or with EXIT_PREEMPTED (saved on a preemption; with restarts,
+    watchdog: model/runtime/watchdog.py) or with EXIT_PREEMPTED (saved on a preemption; with restarts,
     $JAXPT_EXIT_PREEMPTED=1 asks train.py for that code instead of 0). Not after a deliberate
     stop: with STOP_MARKER there (written by `stop`, removed as the wrapper starts) the loop ends
     whatever the code. A preempted exit that is not restarted ends the wrapper with 0.

@@ -28,7 +28,7 @@ jax.config.update("jax_platforms", "cpu")
 jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2, process_id=process_id)
 
 import data as data_lib  # noqa: E402
-from model.distributed import from_process_0  # noqa: E402
+from model.runtime.distributed import from_process_0  # noqa: E402
 
 cfg = data_lib.DataConfig(paths=(f"{corpus}/*/en_head.json.gz",), tokenizer="unused", seq_len=8,
                           global_batch_size=4)

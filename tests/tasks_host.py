@@ -26,7 +26,7 @@ from flax import nnx  # noqa: E402
 
 from data.tokenizer import load_tokenizer  # noqa: E402
 from model import sharding as shd  # noqa: E402
-from model.evaluate import TaskEvaluator, TasksConfig  # noqa: E402
+from model.evals.evaluate import TaskEvaluator, TasksConfig  # noqa: E402
 from model.llama import Llama, LlamaConfig  # noqa: E402
 from model.step import param_shardings  # noqa: E402
 

@@ -18,7 +18,7 @@ import pytest
 import data as data_lib
 import train as train_mod
 from data import autoworkers as aw
-from model.checkpoint import find_resume, restore_meta_and_data
+from model.runtime.checkpoint import find_resume, restore_meta_and_data
 from tests.data_helpers import convert
 from tests.run_helpers import (
     COMMON,

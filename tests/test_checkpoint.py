@@ -1,4 +1,4 @@
-"""model/checkpoint.py in one process: save/restore round trips, resume order, fingerprint.
+"""model/runtime/checkpoint.py in one process: save/restore round trips, resume order, fingerprint.
 
     pytest tests/test_checkpoint.py -q      (~30 s on 2 cores; 8 fake CPU devices)
 
@@ -16,7 +16,9 @@ from omegaconf import OmegaConf
 
 from model import sharding as shd
 from model import step as step_lib
-from model.checkpoint import (
+from model.llama import LlamaConfig
+from model.optimizer import make_optimizer
+from model.runtime.checkpoint import (
     Checkpointer,
     DamagedCheckpoint,
     DataStateHandler,
@@ -26,8 +28,6 @@ from model.checkpoint import (
     fingerprint_diffs,
     split_step_dir,
 )
-from model.llama import LlamaConfig
-from model.optimizer import make_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = LlamaConfig.from_mapping(OmegaConf.load(ROOT / "configs/model/tiny.yaml"))
@@ -369,7 +369,7 @@ def test_small_replicated_arrays_are_saved_whole_and_large_ones_split(tmp_path, 
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from model.checkpoint import MIN_REPLICA_SLICE_BYTES
+    from model.runtime.checkpoint import MIN_REPLICA_SLICE_BYTES
 
     replicated = NamedSharding(Mesh(np.array(jax.devices()), ("data",)), P())
     rows = -(-MIN_REPLICA_SLICE_BYTES * jax.device_count() // (1032 * 4))       # a slice just over the floor

@@ -19,7 +19,7 @@ import pytest
 from run_helpers import COMMON, TRAIN, env_for, finish, logs, read_jsonl, start
 
 N = 10
-# What Orbax's leftover reads of a damaged step would print (model/checkpoint.py _SilenceDamagedReads).
+# What Orbax's leftover reads of a damaged step would print (model/runtime/checkpoint.py _SilenceDamagedReads).
 LEFTOVER_REPORTS = ("Event loop is closed", "was never retrieved", "Exception ignored in")
 
 
@@ -47,7 +47,7 @@ def damage(ckpt, processes):
 
     def largest(step):
         # the largest array chunk any process wrote (small replicated arrays are written whole by
-        # the first replica, model/checkpoint.py MIN_REPLICA_SLICE_BYTES: the last process may write none)
+        # the first replica, model/runtime/checkpoint.py MIN_REPLICA_SLICE_BYTES: the last process may write none)
         return max((ckpt / str(step) / "state").glob("ocdbt.process_*/d/*"), key=lambda p: p.stat().st_size)
 
     os.truncate(largest(10), 1000)                                    # a half-written array chunk
@@ -94,7 +94,7 @@ def test_each_damaged_step_is_moved_aside_and_the_run_resumes_exactly(processes,
         assert f"moved aside to {ckpt}/{step}.damaged-" in lines[0], lines[0]
     assert "Resuming from latest checkpoint" in main_log and main_log.rstrip().count("at step 2") >= 1, main_log
     # Nothing but the named lines: no error of ours, and on no host any of the reports a damaged
-    # step's leftover reads would leave (model/checkpoint.py drops them before they are written).
+    # step's leftover reads would leave (model/runtime/checkpoint.py drops them before they are written).
     for p in new_logs:
         text = p.read_text()
         leaked = [r for r in LEFTOVER_REPORTS if r in text]
@@ -120,7 +120,7 @@ def test_a_damaged_steps_leftover_reads_are_not_reported_but_other_errors_are(tm
     script = tmp_path / "leftovers.py"
     script.write_text(
         "import asyncio, gc, logging\n"
-        "from model.checkpoint import silence_leftover_reads\n"
+        "from model.runtime.checkpoint import silence_leftover_reads\n"
         "class Pending:\n"
         "    def __await__(self):\n"
         "        yield\n"
@@ -182,7 +182,7 @@ def test_leftover_reports_are_dropped_from_the_start_of_a_guarded_read_and_only_
     script = tmp_path / "guarded.py"
     script.write_text(
         "import asyncio, gc, logging, sys, threading\n"
-        "from model.checkpoint import DamagedCheckpoint, ResumePoint, guard_damage\n"
+        "from model.runtime.checkpoint import DamagedCheckpoint, ResumePoint, guard_damage\n"
         "logging.basicConfig()\n"
         "closed = asyncio.new_event_loop()\n"
         "closed.close()\n"

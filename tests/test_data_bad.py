@@ -121,7 +121,7 @@ def test_bad_counts_survive_restore_and_stats(tmp_path):
 
 def test_huge_document_is_pieced(tmp_path):
     """A multi-megabyte document is tokenized in bounded pieces and fully emitted."""
-    from data.sources import PIECE_CHARS
+    from data.readers.sources import PIECE_CHARS
     os.makedirs(tmp_path / "d")
     big = "lorem ipsum dolor sit amet " * (3_000_000 // 27)
     write_lines(str(tmp_path / "d" / "a.jsonl"), [json.dumps({"raw_content": big}).encode()])

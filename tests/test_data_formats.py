@@ -1,4 +1,4 @@
-"""Input formats other than JSON lines (data/formats.py): JSON arrays (.json, .json.gz), Parquet,
+"""Input formats other than JSON lines (data/readers/formats.py): JSON arrays (.json, .json.gz), Parquet,
 Arrow (Hugging Face save_to_disk), the .jsonl.zstd / .json.zst endings; each read exactly once per
 epoch on 1 and 2 hosts, restored exactly, converted like the same documents as .json.gz, its bad
 input named (lenient and strict), and a file of no format read here refused in one line.
@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import data
-from data import formats
 from data.pipeline import state_counters
+from data.readers import formats
 from tests.data_helpers import (
     FORMATS,
     assert_batches_equal,
@@ -492,7 +492,7 @@ def test_hf_dataset_folder_at_a_url_selects_what_the_local_folder_does(tmp_path,
 def _converted_records(src_glob, out, text_key):
     from array_record.python.array_record_module import ArrayRecordReader
 
-    from data import records
+    from data.streams import records
     assert convert(src_glob, out, "--text-key", text_key) == 0
     docs = []
     for part in records.part_files(str(out)):

@@ -4,7 +4,7 @@ the fingerprint, the single-source path unchanged, config mistakes in one line.
     pytest tests/test_data_mixture.py -q        (~2-3 min on 2 shared cores)
 
 Rows are traced to their source through the debug doc ids: a mixture tags them with the
-source's index (data/mixture.py SOURCE_ID_SHIFT); the rest is the source's own
+source's index (data/streams/mixture.py SOURCE_ID_SHIFT); the rest is the source's own
 (epoch, file, line) id.
 """
 import hashlib
@@ -19,7 +19,7 @@ import pytest
 
 import data
 from data.host import find_shard_states
-from data.mixture import SOURCE_ID_SHIFT, source_counters, source_of_doc_id
+from data.streams.mixture import SOURCE_ID_SHIFT, source_counters, source_of_doc_id
 from tests.data_helpers import (
     REPO,
     SOURCES,

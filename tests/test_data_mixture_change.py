@@ -5,11 +5,11 @@ and listing a source again, on the same or another host / worker count; the fing
                                                          tests ~5 s, the two train.py ones the rest)
 
 The reference for a source is that source read alone: a one-source mixture of the same name
-reads the very sub-stream (files, text key, seed: data/mixture.py mixture_spec) the source has
+reads the very sub-stream (files, text key, seed: data/streams/mixture.py mixture_spec) the source has
 inside any mixture, whatever the weights, so per virtual shard the rows a source delivered
 across every change must be the first rows of its alone-stream, in order: nothing lost, nothing
 repeated, the packer's carry-over included. Debug doc ids tag a row with the index of its source
-in the list of that phase (data/mixture.py SOURCE_ID_SHIFT), so rows are traced by name.
+in the list of that phase (data/streams/mixture.py SOURCE_ID_SHIFT), so rows are traced by name.
 """
 import os
 from collections import Counter
@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 import data
-from data.mixture import SOURCE_ID_SHIFT
 from data.state import mixture_changes
+from data.streams.mixture import SOURCE_ID_SHIFT
 from tests.data_helpers import SOURCES, close, jround, mix_cfg, take, write_sources
 
 SRC = {name: (name, w, n_files, docs, key) for name, w, n_files, docs, key in SOURCES}

@@ -129,7 +129,7 @@ def test_determinism_by_seed(tmp_path):
 
 
 def test_epochs_change_file_order(tmp_path):
-    from data.sources import epoch_file_order
+    from data.readers.sources import epoch_file_order
     orders = {tuple(epoch_file_order(20, 0, 1, e)) for e in range(5)}
     assert len(orders) > 1
 
@@ -289,7 +289,7 @@ def test_assemble_and_segments_match_a_per_token_reference():
     """The vectorized packing helpers against a plain loop, on random pieces: BOS only before a
     document's first piece, EOS only after its last, any input dtype (uint16 records), empty
     pieces, and rows with padding at the end."""
-    from data import packing
+    from data.streams import packing
     rng = np.random.default_rng(7)
     for trial in range(300):
         n = int(rng.integers(0, 12))

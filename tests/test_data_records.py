@@ -1,4 +1,4 @@
-"""Converted (pre-tokenized ArrayRecord) sources: scripts/prepare_data.py and data/records.py.
+"""Converted (pre-tokenized ArrayRecord) sources: scripts/prepare_data.py and data/streams/records.py.
 
     pytest tests/test_data_records.py -q
 
@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import data
-from data import records
-from data.permutation import FeistelPermutation
+from data.streams import records
+from data.streams.permutation import FeistelPermutation
 from tests.data_helpers import (
     REPO,
     SCRIPT,
@@ -309,7 +309,7 @@ def test_tokenizer_mismatch_fails_in_one_line(corpus, tmp_path, capsys):
 @pytest.mark.slow
 @pytest.mark.parametrize("workers", [0, 1])
 def test_converted_directory_mixes_with_text_and_resumes_exactly(corpus, tmp_path, workers):
-    from data.mixture import source_of_doc_id
+    from data.streams.mixture import source_of_doc_id
     root, out, _ = corpus
     mix = data.DataConfig(paths=(), tokenizer=TOKENIZER, seq_len=16, global_batch_size=8,
                           num_workers=workers, num_shards=4, seed=0, shuffle_window=4,

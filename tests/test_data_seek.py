@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import data
-from data import gzseek
+from data.readers import gzseek
 from tests.data_helpers import assert_batches_equal, cfg, decode_doc_id, jround, rows_of, take, write_corpus
 
 SMALL_SPACING = 64 << 10
@@ -251,7 +251,7 @@ def test_split_file_resume_exact_and_on_other_host_count(tmp_path, P1, N1, P2, N
 
 
 def test_mixture_sources_with_fewer_files_than_shards_are_split(tmp_path):
-    from data.mixture import SOURCE_ID_SHIFT, source_of_doc_id
+    from data.streams.mixture import SOURCE_ID_SHIFT, source_of_doc_id
     for i, name in enumerate(("a", "b")):
         write_corpus(tmp_path / name, n_files=1, docs_per_file=24, seed=i, max_words=30)
     sources = [{"name": n, "weight": 1.0, "paths": [str(tmp_path / n / "*" / "*")]}

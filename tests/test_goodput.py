@@ -1,4 +1,4 @@
-"""Goodput across restarts (model/goodput.py), the slowest host (model/meters.py) and the run
+"""Goodput across restarts (model/runtime/goodput.py), the slowest host (model/runtime/meters.py) and the run
 report (scripts/report.py).
 
     pytest tests/test_goodput.py -q                 # the ledger on hand-built events (fast)
@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 from run_helpers import read_metrics
 
-from model import goodput
-from model.meters import IntervalMeter
+from model.runtime import goodput
+from model.runtime.meters import IntervalMeter
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -17,9 +17,9 @@ from flax import nnx
 from hydra import compose, initialize_config_dir
 
 import train as train_mod
-from model import checkpoint as ckpt_lib
 from model import hf
 from model.llama import Llama, LlamaConfig
+from model.runtime import checkpoint as ckpt_lib
 from model.step import model_from_params
 
 # Module fixtures train real runs: the whole file belongs to the slow tier.

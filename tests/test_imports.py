@@ -1,6 +1,7 @@
-"""The package layout stays as data/__init__.py draws it: data/ imports no circle (lazy imports
-inside functions count too), never imports model/, no module imports another's private names,
-no test file imports another, and checking a data config loads neither Grain nor JAX.
+"""The package layout stays as data/__init__.py draws it: data/ and model/ import no circle (lazy
+imports inside functions count too, sub-packages included), data/'s bands import only downward,
+data/ never imports model/, no module imports another's private names, no test file imports
+another, and checking a data config loads neither Grain nor JAX.
 Run: pytest tests/test_imports.py"""
 import ast
 import subprocess
@@ -21,18 +22,28 @@ def _imports(path: Path, package: str):
             yield node.module, [a.name for a in node.names]
 
 
-def _data_graph() -> dict[str, set[str]]:
-    modules = {p.stem for p in (ROOT / "data").glob("*.py") if p.stem != "__init__"}
+def _graph(package: str) -> dict[str, set[str]]:
+    """{module: modules of `package` it imports}, dotted below the package ("readers.sources"),
+    over every file of the package and its sub-packages."""
+    files = {".".join(p.relative_to(ROOT / package).with_suffix("").parts): p
+             for p in (ROOT / package).rglob("*.py") if p.stem != "__init__"}
     graph = {}
-    for m in modules:
+    for m, path in files.items():
         deps = set()
-        for mod, names in _imports(ROOT / "data" / f"{m}.py", "data"):
-            if mod.startswith("data."):
-                deps.add(mod.split(".")[1])
-            elif mod == "data":
-                deps.update(n for n in names if n in modules)
+        for mod, names in _imports(path, package):
+            if mod != package and not mod.startswith(package + "."):
+                continue
+            below = mod.removeprefix(package).removeprefix(".")
+            if below in files:
+                deps.add(below)
+            # `from data.readers import sources` / `from data import timing`
+            deps.update(f"{below}.{n}" if below else n for n in names if (f"{below}.{n}" if below else n) in files)
         graph[m] = deps - {m}
     return graph
+
+
+def _data_graph() -> dict[str, set[str]]:
+    return _graph("data")
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -58,18 +69,41 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_data_imports_form_no_circle():
     graph = _data_graph()
-    assert graph["host"] >= {"mixture", "shard"}          # the graph is really read
+    assert graph["host"] >= {"streams.mixture", "streams.shard"}          # the graph is really read
     assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+
+
+def test_model_imports_form_no_circle():
+    graph = _graph("model")
+    assert graph["runtime.resume"] >= {"runtime.checkpoint", "runtime.rollback"}
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+
+
+# data/'s bands: each imports only itself and the bands and leaves below it.
+_BANDS = {"readers": {"readers", "timing"}, "streams": {"readers", "streams", "timing", "tokenizer"}}
+
+
+def _band_breaches(graph: dict[str, set[str]]) -> list[str]:
+    return [f"data/{m.replace('.', '/')}.py imports data.{d}" for m, deps in sorted(graph.items())
+            if m.split(".")[0] in _BANDS for d in sorted(deps) if d.split(".")[0] not in _BANDS[m.split(".")[0]]]
+
+
+def test_data_bands_import_only_downward():
+    graph = _data_graph()
+    assert graph["streams.shard"] >= {"readers.sources", "tokenizer"}
+    assert not _band_breaches(graph), _band_breaches(graph)
+    graph["readers.sources"] = graph["readers.sources"] | {"streams.shard"}   # a reader that packs
+    assert _band_breaches(graph) == ["data/readers/sources.py imports data.streams.shard"]
 
 
 def test_cycle_finder_finds_a_planted_circle():
     graph = _data_graph()
-    graph["mixture"] = graph["mixture"] | {"host"}          # what data/ had before issue #20
+    graph["streams.mixture"] = graph["streams.mixture"] | {"host"}          # what data/ had before issue #20
     assert _cycle(graph) is not None
 
 
 def test_data_never_imports_model_and_nobody_imports_private_names():
-    files = [*ROOT.glob("data/*.py"), *ROOT.glob("model/*.py"), *ROOT.glob("scripts/**/*.py"), ROOT / "train.py"]
+    files = [*ROOT.glob("data/**/*.py"), *ROOT.glob("model/**/*.py"), *ROOT.glob("scripts/**/*.py"), ROOT / "train.py"]
     bad = []
     for path in files:
         rel = path.relative_to(ROOT)

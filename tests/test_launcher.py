@@ -405,7 +405,7 @@ def test_wrapper_restarts_on_hang_and_preemption_never_after_stop(tmp_path):
 
 
 def test_preempted_exit_code_only_when_asked(monkeypatch):
-    from model.distributed import EXIT_PREEMPTED, EXIT_PREEMPTED_ENV, preempted_exit_code
+    from model.runtime.distributed import EXIT_PREEMPTED, EXIT_PREEMPTED_ENV, preempted_exit_code
 
     monkeypatch.delenv(EXIT_PREEMPTED_ENV, raising=False)
     assert preempted_exit_code() == 0             # a plain `python train.py`: SIGTERM, save, exit 0

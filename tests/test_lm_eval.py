@@ -1,5 +1,5 @@
-"""The lm-evaluation-harness against our checkpoints: model "jaxpt" (model/harness.py) and the
-in-loop scorer (model/evaluate.py) give the log-likelihoods of the Hugging Face Llama exported
+"""The lm-evaluation-harness against our checkpoints: model "jaxpt" (model/evals/harness.py) and the
+in-loop scorer (model/evals/evaluate.py) give the log-likelihoods of the Hugging Face Llama exported
 from the same weights (scripts/export_hf.py) through the harness's own HF backend (HFLM), within
 1e-4 per request in fp32, hence the same acc/acc_norm; `scripts/run_lm_eval.py` (the harness's CLI
 with "jaxpt" registered) gives the same accuracy. Local task YAMLs only (no hub).
@@ -28,13 +28,13 @@ import lm_eval  # noqa: E402
 from lm_eval.models.huggingface import HFLM  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
-import model.harness  # noqa: E402,F401  (registers "jaxpt")
-from data.tasks import RequestEncoder, TaskSpec, read_task  # noqa: E402
+import model.evals.harness  # noqa: E402,F401  (registers "jaxpt")
 from data.tokenizer import load_tokenizer  # noqa: E402
-from model import checkpoint as ckpt_lib  # noqa: E402
 from model import sharding as shd  # noqa: E402
-from model.evaluate import Scorer  # noqa: E402
+from model.evals.evaluate import Scorer  # noqa: E402
+from model.evals.tasks import RequestEncoder, TaskSpec, read_task  # noqa: E402
 from model.llama import Llama, LlamaConfig  # noqa: E402
+from model.runtime import checkpoint as ckpt_lib  # noqa: E402
 from model.step import param_shardings  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -184,7 +184,7 @@ def test_in_loop_scorer_matches_the_hf_backend(setup, both):
     ckpt, _, _, mc = setup
     hf, _ = both
     _, params, _ = ckpt_lib.load_params(ckpt)
-    mesh_cfg = model.harness._MESH
+    mesh_cfg = model.evals.harness._MESH
     mesh, rules = shd.make_mesh(mesh_cfg), shd.rules_from_cfg(mesh_cfg)
     shardings = param_shardings(CFG, mesh, rules)
     scorer = Scorer(CFG, mesh, rules, shardings, seq_len=SEQ, batch_rows=len(jax.devices()))
@@ -217,6 +217,6 @@ def test_cli_wrapper(setup, both, tmp_path):
 def test_bad_model_args_and_generation_are_one_line(setup):
     ckpt, _, _, _ = setup
     with pytest.raises(ValueError, match="unknown model_args.*'temperature'"):
-        model.harness.JaxptLM(run_dir=ckpt, temperature=1.0)
+        model.evals.harness.JaxptLM(run_dir=ckpt, temperature=1.0)
     with pytest.raises(FileNotFoundError, match="no checkpoint at step 7"):
-        model.harness.JaxptLM(run_dir=ckpt, step=7)
+        model.evals.harness.JaxptLM(run_dir=ckpt, step=7)

@@ -1,4 +1,4 @@
-"""The fast local checkpoint tier (model/local_tier.py, issue #22): a run killed after a local
+"""The fast local checkpoint tier (model/runtime/local_tier.py, issue #22): a run killed after a local
 save and before the next durable one resumes from the local step; when one host lost its local
 tier, every host resumes from the durable step together; both exactly (the batches and losses
 of an uninterrupted run); a damaged local step is moved aside and the previous one taken.
@@ -43,7 +43,7 @@ def local_steps(local, process=0):
 
 
 def test_settings_fail_in_one_line():
-    from model.local_tier import LocalTier
+    from model.runtime.local_tier import LocalTier
 
     with pytest.raises(ValueError, match="checkpoint.local_every=0 must be positive"):
         LocalTier.check_settings({"local_dir": "/dev/shm/x", "local_every": 0})
@@ -70,7 +70,7 @@ def small_state():
 
 
 def saved_tier(root, steps=(2, 4), process_index=0):
-    from model.local_tier import LocalTier
+    from model.runtime.local_tier import LocalTier
 
     state, abstract = small_state()
     t = LocalTier(str(root), every=2, keep=len(steps), process_index=process_index, run="r")

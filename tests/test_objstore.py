@@ -1,4 +1,4 @@
-"""Training text read from an object store (data/objstore.py) through fsspec: gs:// against a real
+"""Training text read from an object store (data/readers/objstore.py) through fsspec: gs:// against a real
 local GCS emulator (gcp-storage-emulator, started here in this process), checked against the same
 files on local disk: the same batches on 1 and 2 hosts, exact restore mid-file, every document once
 per epoch, a 2-host state restored on 1 host, requests counted at the emulator (one list request
@@ -324,7 +324,7 @@ def test_a_transient_read_error_is_retried_then_a_bad_file(tmp_path, monkeypatch
     import fsspec
     from fsspec.implementations.memory import MemoryFileSystem
 
-    from data import objstore
+    from data.readers import objstore
     monkeypatch.setattr(objstore, "BACKOFF_S", 0.01)
     if not sizes_known:
         monkeypatch.setattr(objstore, "SIZES", {})
@@ -427,14 +427,14 @@ def test_every_format_from_a_url_gives_the_local_batches(tmp_path, kind):
 
 # ---------------------------------------------------------------- gzip seek points through a URL
 def test_gzip_seek_points_and_restore_from_a_url_match_the_local_file(tmp_path):
-    """data/gzseek.py on a URL: indexed_gzip reads through the object-store file, and a restore
+    """data/readers/gzseek.py on a URL: indexed_gzip reads through the object-store file, and a restore
     inflates from the seek point (the same points and bytes as the local file)."""
     import gzip
     import random
 
     import fsspec
 
-    from data import gzseek
+    from data.readers import gzseek
     rng = random.Random(0)
     words = ["alpha", "beta", "gamma", "delta", "epsilon"]
     text = b"".join((" ".join(rng.choice(words) for _ in range(50)) + "\n").encode() for _ in range(20000))

@@ -20,7 +20,7 @@ import pytest
 import yaml
 from pod_sim import SimPod
 
-from model import distributed
+from model.runtime import distributed
 
 # A tiny model on the bundled sample, logged every step (a SIGTERM is agreed between hosts at log
 # steps) and no periodic checkpoint: the only checkpoint is the one `stop` causes.
@@ -50,7 +50,7 @@ def wait_for_exits(pod, launches, timeout=300):
 
 
 def hang_stacks(pod):
-    """What the hang watchdog wrote (model/watchdog.py): where each process stood, for a failure message."""
+    """What the hang watchdog wrote (model/runtime/watchdog.py): where each process stood, for a failure message."""
     return [f"{path}:\n{path.read_text()[-4000:]}" for w in range(pod.workers)
             for path in sorted((pod.home(w) / "jaxpt" / "runs").rglob("hang_stacks_p*.txt"))]
 
@@ -139,7 +139,7 @@ def test_sync_run_logs_stop_resume_on_simulated_pod(pod, tmp_path):
 
 
 def test_tpu_slice_from_the_vm_environment(monkeypatch):
-    """What the run reads to start jax.distributed on a pod (model/distributed.py), and its one-line errors."""
+    """What the run reads to start jax.distributed on a pod (model/runtime/distributed.py), and its one-line errors."""
     for name in ("MEGASCALE_COORDINATOR_ADDRESS", "JAX_COORDINATOR_PORT"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "10.0.0.2,10.0.0.3,10.0.0.4,10.0.0.5")

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import data
-from data import records
+from data.streams import records
 from tests.data_helpers import convert, write_corpus, write_docs
 
 pytest.importorskip("gcp_storage_emulator.server")

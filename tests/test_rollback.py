@@ -1,4 +1,4 @@
-"""train.on_divergence=rollback (model/rollback.py, issue #22): a planted divergence rolls every
+"""train.on_divergence=rollback (model/runtime/rollback.py, issue #22): a planted divergence rolls every
 host back to the newest checkpoint before it, the data goes on past the batches that led there,
 their documents are written, the same divergence twice stops the run in one line, and a later
 resume does not replay the skipped batches.
@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from model.rollback import DIVERGE_ENV, find_divergence, rollbacks_of
+from model.runtime.rollback import DIVERGE_ENV, find_divergence, rollbacks_of
 from tests.run_helpers import ROOT, run_cli
 
 COMMON = ["train.log_every=2", "checkpoint.every=4", "data.num_workers=0", "optimizer.warmup_steps=2",

@@ -11,9 +11,9 @@ from omegaconf import OmegaConf
 from run_helpers import CONFIGS
 
 from model import step as step_lib
-from model.checkpoint import Checkpointer
 from model.llama import LlamaConfig
 from model.optimizer import make_optimizer
+from model.runtime.checkpoint import Checkpointer
 
 MODEL = LlamaConfig.from_mapping(OmegaConf.load(CONFIGS / "model/tiny.yaml"))
 OPT = OmegaConf.load(CONFIGS / "optimizer/adamw.yaml")

@@ -14,10 +14,10 @@ import pytest
 import yaml
 from flax import nnx
 
-from data.tasks import Request, RequestEncoder, TaskSpec, pack_requests, read_task
 from data.tokenizer import load_tokenizer
 from model import sharding as shd
-from model.evaluate import TaskEvaluator, TasksConfig, task_metrics
+from model.evals.evaluate import TaskEvaluator, TasksConfig, task_metrics
+from model.evals.tasks import Request, RequestEncoder, TaskSpec, pack_requests, read_task
 from model.llama import Llama, LlamaConfig
 from model.step import param_shardings
 
@@ -147,7 +147,7 @@ def test_packed_scores_equal_requests_scored_alone():
 
     mesh_cfg = yaml.safe_load((ROOT / "configs" / "mesh" / "default.yaml").read_text())
     mesh, rules = shd.make_mesh(mesh_cfg), shd.rules_from_cfg(mesh_cfg)
-    from model.evaluate import Scorer
+    from model.evals.evaluate import Scorer
 
     seq_len = 32
     scorer = Scorer(CFG, mesh, rules, param_shardings(CFG, mesh, rules), seq_len=seq_len, batch_rows=8)
@@ -204,7 +204,7 @@ def test_choices_of_one_context_share_it_and_see_only_themselves():
 
 
 def test_metrics_follow_the_harness_definitions():
-    from data.tasks import Example
+    from model.evals.tasks import Example
 
     exs = [Example("t", 1, "c", (" a", " bbbb"), 1, (1.0, 4.0)), Example("t", 2, "c", (" a", " b"), 0, (1.0, 1.0))]
     ll = np.array([-2.0, -4.0, -1.0, -1.0])          # ex 1: a wins raw, bbbb per char; ex 2: a tie -> first

@@ -295,7 +295,7 @@ def test_compile_cache_keeps_the_programs_and_null_turns_it_off(tmp_path, monkey
     # keeps nothing, in the default place either. A program compiled after it, in a fresh process
     # (JAX opens its cache once); a whole third run would only compile the same programs again.
     script = ("import sys; sys.path.insert(0, sys.argv[1]); from tests.run_helpers import make_cfg; "
-              "from model.distributed import use_compile_cache; import jax, jax.numpy as jnp; "
+              "from model.runtime.distributed import use_compile_cache; import jax, jax.numpy as jnp; "
               "cfg = make_cfg(sys.argv[2], 'paths.compile_cache=null'); "
               "assert cfg.paths.compile_cache is None; use_compile_cache(cfg.paths.compile_cache); "
               "print(jax.jit(lambda x: jnp.sin(x) * 2)(jnp.arange(3.0)))")

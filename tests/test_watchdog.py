@@ -1,4 +1,4 @@
-"""The hang watchdog (model/watchdog.py, issue #22): a process whose steps stop writes its threads'
+"""The hang watchdog (model/runtime/watchdog.py, issue #22): a process whose steps stop writes its threads'
 stacks and a report, and exits with code 75; the launchers start the run again on that code; the
 next start names the host that stopped first and resumes exactly."""
 import json
@@ -10,15 +10,15 @@ import time
 
 import pytest
 
-from model import goodput
-from model.watchdog import EXIT_HANG, MIN_TIMEOUT_S, announce_last_hang, hang_timeout, heartbeat_over
+from model.runtime import goodput
+from model.runtime.watchdog import EXIT_HANG, MIN_TIMEOUT_S, announce_last_hang, hang_timeout, heartbeat_over
 from tests.run_helpers import ROOT, read_metrics, run_cli
 
 # A watchdog in a process of its own (it ends the process it fires in).
 SCRIPT = textwrap.dedent("""
     import subprocess, sys, time
     from pathlib import Path
-    from model.watchdog import Watchdog
+    from model.runtime.watchdog import Watchdog
 
     out = Path(sys.argv[1])
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])

@@ -5,7 +5,7 @@
     python scripts/bench/bench_checkpoint.py --d-model 512 --layers 4 --repeats 2   # a quick look
 
 Builds the real train state (params + AdamW moments + step) of a Llama config with
-model/step.py's sharded init, then saves it through model/checkpoint.py's Checkpointer, the
+model/step.py's sharded init, then saves it through model/runtime/checkpoint.py's Checkpointer, the
 exact code train.py runs:
   sync_s     Checkpointer(async=false).save() — the loop is stopped for the whole write.
   blocked_s  Checkpointer(async=true).save() returning — what the loop waits for (device to
@@ -16,7 +16,7 @@ Reported figure: blocked_s / sync_s (target <= 0.1). Medians over --repeats save
 fresh step. On a CPU "device" the device-to-host copy is a host memcpy; on TPU/GPU it is a
 DMA over PCIe, so the ratio there depends on the host link as well as the disk.
 
-With --local-dir (e.g. /dev/shm/bench) also the local tier (model/local_tier.py, the code
+With --local-dir (e.g. /dev/shm/bench) also the local tier (model/runtime/local_tier.py, the code
 train.py runs for checkpoint.local_dir): its blocked time (this host's shards copied off the
 devices) and total time per save, against the durable async save's, and the restore time of
 the same state from each tier (Checkpointer.restore_state against LocalTier.restore).
@@ -37,7 +37,7 @@ from train import PROJECT_ROOT  # the repo root (the project is installed editab
 
 
 def main() -> None:
-    from model.distributed import quiet_cpu_start
+    from model.runtime.distributed import quiet_cpu_start
 
     quiet_cpu_start()   # no libtpu warnings on a machine without a TPU (JAX_PLATFORMS, if set, wins)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -56,9 +56,9 @@ def main() -> None:
 
     from model import sharding as shd
     from model import step as step_lib
-    from model.checkpoint import Checkpointer
     from model.llama import LlamaConfig
     from model.optimizer import make_optimizer
+    from model.runtime.checkpoint import Checkpointer
 
     cfg = LlamaConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
                       n_kv_heads=args.kv_heads, d_ff=args.d_ff, tie_embeddings=False, dtype="float32",
@@ -106,8 +106,8 @@ def main() -> None:
     async_blocked, async_total = run(is_async=True)
     tiers = {}
     if args.local_dir:
-        from model.checkpoint import ResumePoint
-        from model.local_tier import LocalTier
+        from model.runtime.checkpoint import ResumePoint
+        from model.runtime.local_tier import LocalTier
 
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
         tier = LocalTier(args.local_dir, every=1, keep=1, process_index=0)

@@ -159,7 +159,7 @@ def measure(cfg, max_tokens: int, sim_steps: int, calib_batches: int) -> dict:
 
 
 def main():
-    from model.distributed import quiet_cpu_start
+    from model.runtime.distributed import quiet_cpu_start
 
     quiet_cpu_start()   # no libtpu warnings on a machine without a TPU (JAX_PLATFORMS, if set, wins)
     ap = argparse.ArgumentParser(description=__doc__,

@@ -46,7 +46,7 @@ def write_formats(src: list[str], work: str, row_group: int) -> dict:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from data.formats import open_records
+    from data.readers.formats import open_records
     out = {"json.gz lines": None}
     for i, path in enumerate(src):
         d = os.path.join(work, f"{i:04d}")
@@ -101,8 +101,8 @@ def states_at(files: list[str], record: int | None) -> dict:
     """A window-start state of every shard (shard v = file v) at `record` (None: 1000 before the
     end, beyond the first window's read-ahead), positions found by reading the file with its
     reader (preparation, not timed)."""
-    from data import formats, gzseek
-    from data.shard import initial_shard_state
+    from data.readers import formats, gzseek
+    from data.streams.shard import initial_shard_state
     out = {}
     for v, path in enumerate(files):
         rec = formats.open_records(path, "raw_content")
@@ -162,7 +162,7 @@ def peak_rss_mb(pattern: str, args) -> float:
 
 
 def main():
-    from model.distributed import quiet_cpu_start
+    from model.runtime.distributed import quiet_cpu_start
 
     quiet_cpu_start()   # no libtpu warnings on a machine without a TPU (JAX_PLATFORMS, if set, wins)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

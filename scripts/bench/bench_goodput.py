@@ -1,7 +1,7 @@
-"""What goodput accounting costs the training loop: the event log (model/goodput.py EventLog.row
+"""What goodput accounting costs the training loop: the event log (model/runtime/goodput.py EventLog.row
 and a save event, once per log interval, with the goodput/* of the whole run so far; the beat,
 every step) and the
-per-host gather of (data wait, step time) (model/distributed.py gather_over_hosts, once per
+per-host gather of (data wait, step time) (model/runtime/distributed.py gather_over_hosts, once per
 interval) against the all-gather it replaced (max_over_hosts), on 2 local jax.distributed
 processes. Prints one JSON line; per step = per interval / log_every.
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 
 def bench_event_log(past_intervals: int, n: int) -> dict:
-    from model import goodput
+    from model.runtime import goodput
 
     with tempfile.TemporaryDirectory() as d:
         # A run with history: 3 earlier lives of past_intervals / 3 rows each.
@@ -72,7 +72,7 @@ def gather_worker(port: int, pid: int, n: int) -> None:
     import jax
 
     jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2, process_id=pid)
-    from model.distributed import gather_over_hosts, max_over_hosts
+    from model.runtime.distributed import gather_over_hosts, max_over_hosts
 
     out = {}
     for name, fn, arg in (("max_over_hosts", max_over_hosts, 0.5), ("gather_over_hosts", gather_over_hosts,
@@ -101,7 +101,7 @@ def bench_gather(n: int) -> dict:
 
 
 def main() -> None:
-    from model.distributed import quiet_cpu_start
+    from model.runtime.distributed import quiet_cpu_start
 
     quiet_cpu_start()   # no libtpu warnings on a machine without a TPU (JAX_PLATFORMS, if set, wins)
     p = argparse.ArgumentParser()

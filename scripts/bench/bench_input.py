@@ -76,7 +76,7 @@ class RssSampler:
 
 def load_texts(files, text_key, max_chars):
     """The corpus documents in file order, up to max_chars characters."""
-    from data.formats import open_records
+    from data.readers.formats import open_records
     texts, n_chars = [], 0
     for f in files:
         rec = open_records(f, text_key)
@@ -298,7 +298,7 @@ def simulate_training(cfg, steps, tok_s, frac=0.8, compile_s=2.0, calib_batches=
 
 
 def main():
-    from model.distributed import quiet_cpu_start
+    from model.runtime.distributed import quiet_cpu_start
 
     quiet_cpu_start()   # no libtpu warnings on a machine without a TPU (JAX_PLATFORMS, if set, wins)
     ap = argparse.ArgumentParser(description=__doc__,
@@ -395,7 +395,7 @@ def main():
 
     # Where the input time goes: each worker count's last run, then the simulated loop (which
     # adds host -> device). Times are wall seconds summed over threads and processes.
-    from data.shard import CHUNK_CHARS, CHUNK_CHARS_PER_TOKEN
+    from data.streams.shard import CHUNK_CHARS, CHUNK_CHARS_PER_TOKEN
     from data.timing import format_table, summarize
     per_line, per_other = timer_cost_s()
     tables, overhead = {}, {}

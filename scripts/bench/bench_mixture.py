@@ -73,7 +73,7 @@ def shares(args, packing: str) -> dict:
 
     import data
     from data.host import find_shard_states
-    from data.mixture import source_counters
+    from data.streams.mixture import source_counters
     it = data.make_host_iterator(make_cfg(args, True, packing), 0, 1)
     cum = []   # per batch: [[tokens, rows] per source], cumulative
     for _ in range(args.share_batches):
@@ -93,7 +93,7 @@ def shares(args, packing: str) -> dict:
 
 
 def main():
-    from model.distributed import quiet_cpu_start
+    from model.runtime.distributed import quiet_cpu_start
 
     quiet_cpu_start()   # no libtpu warnings on a machine without a TPU (JAX_PLATFORMS, if set, wins)
     ap = argparse.ArgumentParser(description=__doc__,

@@ -54,7 +54,7 @@ def stream_rate(cfg, files, batches: int) -> float:
 
 
 def main():
-    from model.distributed import quiet_cpu_start
+    from model.runtime.distributed import quiet_cpu_start
 
     quiet_cpu_start()   # no libtpu warnings on a machine without a TPU (JAX_PLATFORMS, if set, wins)
     ap = argparse.ArgumentParser()
@@ -64,13 +64,13 @@ def main():
     ap.add_argument("--batches", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--block-mb", type=float, default=None,
-                    help="bytes per object-store request (default: data/objstore.py BLOCK, 8 MB); smaller "
+                    help="bytes per object-store request (default: data/readers/objstore.py BLOCK, 8 MB); smaller "
                          "blocks make the files span several requests")
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--rows-per-shard", type=int, default=4)
     args = ap.parse_args()
 
-    from data import objstore
+    from data.readers import objstore
     from tests.gcs_emulator import BUCKET, Emulator
     if args.block_mb:
         objstore.BLOCK = int(args.block_mb * (1 << 20))

@@ -44,7 +44,7 @@ def convert(paths, tokenizer, out):
     import re
     import resource
 
-    from data import records
+    from data.streams import records
     cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     res = subprocess.run([sys.executable, str(PROJECT_ROOT / "scripts" / "prepare_data.py"), "--paths",
                           *paths, "--tokenizer", tokenizer, "--out", out, "--no-progress"],
@@ -92,7 +92,7 @@ def rss_child(out, args) -> float:
 
 
 def main():
-    from model.distributed import quiet_cpu_start
+    from model.runtime.distributed import quiet_cpu_start
 
     quiet_cpu_start()   # no libtpu warnings on a machine without a TPU (JAX_PLATFORMS, if set, wins)
     ap = argparse.ArgumentParser(description=__doc__,
@@ -129,9 +129,9 @@ def main():
 
     import shutil
 
-    from data import records
     from data.listing import list_paths
-    from data.records import RecordStore
+    from data.streams import records
+    from data.streams.records import RecordStore
     from data.tokenizer import load_tokenizer, tokenizer_hash
     out = os.path.join(args.work, "small")
     shutil.rmtree(out, ignore_errors=True)

@@ -38,7 +38,7 @@ def rchar() -> int:
 
 def line_offset(path: str, line: int) -> int:
     """Byte offset of 0-based `line` (reads the file from its start: preparation only)."""
-    from data.formats import open_bytes
+    from data.readers.formats import open_bytes
     off = 0
     with open_bytes(path) as fh:
         for _ in range(line):
@@ -48,8 +48,8 @@ def line_offset(path: str, line: int) -> int:
 
 def shard_states_at(files: list[str], line: int, with_point: bool = True) -> dict:
     """A window-start state of every shard (shard v = file v) at `line`."""
-    from data import gzseek
-    from data.shard import initial_shard_state
+    from data.readers import gzseek
+    from data.streams.shard import initial_shard_state
     out = {}
     for v, path in enumerate(files):
         off = line_offset(path, line)
@@ -97,7 +97,7 @@ def tokenize_rate(path: str, tokenizer: str, chars: float = 8e6) -> float:
 def decompression(path: str, tokenizer: str) -> dict:
     from isal import igzip
 
-    from data import gzseek
+    from data.readers import gzseek
     tok_mb_s = tokenize_rate(path, tokenizer)
     t0 = time.perf_counter()
     n = 0
@@ -130,7 +130,7 @@ def decompression(path: str, tokenizer: str) -> dict:
 
 
 def main():
-    from model.distributed import quiet_cpu_start
+    from model.runtime.distributed import quiet_cpu_start
 
     quiet_cpu_start()   # no libtpu warnings on a machine without a TPU (JAX_PLATFORMS, if set, wins)
     ap = argparse.ArgumentParser(description=__doc__,

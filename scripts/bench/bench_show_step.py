@@ -42,7 +42,7 @@ def timed(run_dir: str, step: int, row: int | None) -> tuple[float, dict]:
 
 
 def main(argv=None) -> int:
-    from model.distributed import quiet_cpu_start
+    from model.runtime.distributed import quiet_cpu_start
 
     quiet_cpu_start()   # no libtpu warnings on a machine without a TPU (JAX_PLATFORMS, if set, wins)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Downstream-task scoring speed: the in-loop scorer (model/evaluate.py) vs the lm_eval adapter
-"jaxpt" (model/harness.py) vs the harness's HF backend on the exported model, same examples, same
+"""Downstream-task scoring speed: the in-loop scorer (model/evals/evaluate.py) vs the lm_eval adapter
+"jaxpt" (model/evals/harness.py) vs the harness's HF backend on the exported model, same examples, same
 weights (fp32), one process on this machine's devices; and the in-loop share of training time.
 
     python scripts/bench/bench_tasks.py                       # configs/model/tiny.yaml, 256 tokens
@@ -29,9 +29,9 @@ import yaml
 from train import PROJECT_ROOT as ROOT  # the project is installed editable (README)
 
 sys.path.insert(0, str(ROOT))
-from data.tasks import pack_requests  # noqa: E402
 from data.tokenizer import load_tokenizer  # noqa: E402
-from model.evaluate import TaskEvaluator, TasksConfig  # noqa: E402
+from model.evals.evaluate import TaskEvaluator, TasksConfig  # noqa: E402
+from model.evals.tasks import pack_requests  # noqa: E402
 from model.llama import LlamaConfig  # noqa: E402
 from model.step import build_program  # noqa: E402
 
@@ -49,7 +49,7 @@ def timed(fn, n=3):
 
 
 def main() -> None:
-    from model.distributed import quiet_cpu_start
+    from model.runtime.distributed import quiet_cpu_start
 
     quiet_cpu_start()   # no libtpu warnings on a machine without a TPU (JAX_PLATFORMS, if set, wins)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -111,13 +111,13 @@ def main() -> None:
         from lm_eval.models.huggingface import HFLM
         from lm_eval.tasks import TaskManager
 
-        import model.harness  # noqa: F401
+        import model.evals.harness  # noqa: F401
     except ImportError as e:
         print(f"harness figures skipped: {e}")
         return
     import importlib.util
 
-    from model import checkpoint as ckpt_lib
+    from model.runtime import checkpoint as ckpt_lib
 
     params = jax.device_get(holder["s"]["params"])   # state was donated to the train step
     meta = {"config": {"model": dataclasses.asdict(cfg), "tokenizer": {"path": TOKENIZER}, "data": {"add_bos": False}}}
@@ -132,7 +132,7 @@ def main() -> None:
         "test_split: test\noutput_type: multiple_choice\ndoc_to_text: \"{{context}}\"\n"
         "doc_to_choice: \"{{choices}}\"\ndoc_to_target: \"{{gold}}\"\nmetric_list:\n  - metric: acc\n")
     tm = TaskManager(include_path=str(tmp / "tasks"))
-    models = {"adapter (jaxpt)": lambda: model.harness.JaxptLM(run_dir=ckpt, batch_rows=16),
+    models = {"adapter (jaxpt)": lambda: model.evals.harness.JaxptLM(run_dir=ckpt, batch_rows=16),
               "HF backend (HFLM, torch CPU)": lambda: HFLM(pretrained=str(tmp / "hf"), device="cpu",
                                                            dtype="float32", batch_size=16)}
     for name, make in models.items():

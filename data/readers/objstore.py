@@ -24,10 +24,10 @@ import time
 # the request latency under a third of the transfer time.
 BLOCK = 8 << 20
 # Seconds this process spent in object-store reads (requests and transfer): the per-stage table's
-# "fetch" (data/timing.py), taken out of "read" by data/sources.py around each record it reads.
+# "fetch" (data/timing.py), taken out of "read" by data/readers/sources.py around each record it reads.
 FETCH_S = [0.0]
 # {url: size in bytes} of the objects listed in (or handed to) this process. Every reader of a URL
-# (data/formats.py, data/gzseek.py, held-out files) opens it by its URL alone; a per-process table
+# (data/readers/formats.py, data/readers/gzseek.py, held-out files) opens it by its URL alone; a per-process table
 # spares threading a size through each of them. Objects are taken as unchanged since the listing,
 # as the listing itself is.
 SIZES: dict[str, int] = {}

@@ -1,6 +1,6 @@
 """What an input file holds, and one record reader per format behind one small interface.
 
-Every reader is opened at a position and hands out records; it is all that data/sources.py's
+Every reader is opened at a position and hands out records; it is all that data/readers/sources.py's
 ShardReader (and scripts/prepare_data.py, scripts/show_step.py) know of a format:
 
   rec = open_records(path, text_key, off, point, fmt)   positioned at `off`
@@ -10,7 +10,7 @@ ShardReader (and scripts/prepare_data.py, scripts/show_step.py) know of a format
 
 Formats (a record's number, counted from 1, names it in bad-record messages as `file:N`):
   lines    JSON lines, plain or compressed (.gz, .zst, .zstd): a record is a line; the position
-           is the byte offset in the uncompressed text (.gz: plus a seek point, data/gzseek.py).
+           is the byte offset in the uncompressed text (.gz: plus a seek point, data/readers/gzseek.py).
   array    one JSON array of objects (TinyStories' .json files), plain or compressed: a record is
            an element, found by a scan that skips strings whole (memory: one document, not the
            file); the position is the byte offset where the scan resumes, so a restore seeks.
@@ -32,7 +32,7 @@ import re
 
 import orjson
 
-from data import gzseek
+from data.readers import gzseek
 
 # What is read, for the messages that name an unreadable file.
 READ_FORMATS = ("JSON lines (.jsonl, .json; gzip .gz or zstd .zst/.zstd), JSON arrays of objects "
@@ -46,7 +46,7 @@ ARRAY_READ = 1 << 20
 
 
 class FileProblem(Exception):
-    """A whole file is unreadable as what it claims to be: a bad record of `kind` (data/sources.py
+    """A whole file is unreadable as what it claims to be: a bad record of `kind` (data/readers/sources.py
     BAD_KINDS) named at the file, not at a line (a missing column, a broken Parquet footer, a JSON
     file that is neither lines nor an array)."""
 
@@ -146,9 +146,9 @@ class _ZstdFrames(io.RawIOBase):
 
 
 def open_raw(path: str):
-    """The file's stored bytes, buffered: a local file, or a URL through data/objstore.py."""
+    """The file's stored bytes, buffered: a local file, or a URL through data/readers/objstore.py."""
     if "://" in path:
-        from data import objstore
+        from data.readers import objstore
         return objstore.open_url(path)
     return open(path, "rb", buffering=1 << 20)
 

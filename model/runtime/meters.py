@@ -19,7 +19,7 @@ from typing import Callable
 class IntervalMeter:
     """One log row per interval from the steps' device metrics and the input's statistics
     (data/pipeline.py DevicePrefetcher.stats). `over_hosts(values)` returns every host's values
-    (model/distributed.py gather_over_hosts): the row's data wait is the slowest host's (the step
+    (model/runtime/distributed.py gather_over_hosts): the row's data wait is the slowest host's (the step
     runs at its pace), and on several hosts the row names the slowest one.
 
     Stalls: an interval whose step time (data wait and saves left out) is over STALL_FACTOR x the
@@ -68,11 +68,11 @@ class IntervalMeter:
             self.save_s += seconds
 
     def divergence(self, step: int, skips_in_a_row: int = 0):
-        """The first divergence among the steps since the last row (model/rollback.py), or None.
+        """The first divergence among the steps since the last row (model/runtime/rollback.py), or None.
         Fetches their scalars once; the row that follows uses them as they are."""
         import jax
 
-        from model.rollback import find_divergence
+        from model.runtime.rollback import find_divergence
 
         self.pending = jax.device_get(self.pending)
         return find_divergence(self.pending, step, skips_in_a_row)

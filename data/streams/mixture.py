@@ -41,12 +41,12 @@ import zlib
 
 import numpy as np
 
-from data import records
-from data.shard import COUNTER_KEYS, StreamSpec, url_sizes, zero_counters
+from data.streams import records
+from data.streams.shard import COUNTER_KEYS, StreamSpec, url_sizes, zero_counters
 
 _WEYL = 0x9E3779B97F4A7C15          # round(2^64 / golden ratio), odd
 _MASK = (1 << 64) - 1
-# Debug doc ids (data/sources.py: (epoch * n_files + file) << 24 | line) carry the source's
+# Debug doc ids (data/readers/sources.py: (epoch * n_files + file) << 24 | line) carry the source's
 # index in bits 56..62, so a test can tell sources apart; source 0's ids are unchanged.
 SOURCE_ID_SHIFT = 56
 

@@ -6,7 +6,7 @@ Multiple choice: acc = the gold choice has the highest log-likelihood; acc_norm 
 log-likelihood per character of the choice (the harness's `acc_norm`). Loglikelihood tasks
 (LAMBADA): acc = greedy, ppl = exp(-mean log-likelihood), as the harness reports them.
 
-How it runs (data/tasks.py builds the rows):
+How it runs (model/evals/tasks.py builds the rows):
 - Requests are packed first-fit into fixed [batch_rows, seq_len] rows, one segment each (the
   segment-aware attention of model/llama.py keeps them apart), so one compiled step serves
   every batch. A multiple-choice example's choices repeat its context in separate segments:
@@ -31,8 +31,17 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from data.tasks import ON_BAD_LINE, Example, PackedRows, Request, RequestEncoder, TaskSpec, pack_requests, read_task
 from model import sharding as shd
+from model.evals.tasks import (
+    ON_BAD_LINE,
+    Example,
+    PackedRows,
+    Request,
+    RequestEncoder,
+    TaskSpec,
+    pack_requests,
+    read_task,
+)
 from model.llama import LlamaConfig
 from model.step import abstract_model, as_cfg, batch_sharding, token_losses
 

@@ -179,7 +179,7 @@ def gather_json(obj) -> list:
 
 # "Preempted: saved at the current step, start me again": train.py's exit code after a preemption
 # when the environment asks for it (EXIT_PREEMPTED_ENV=1, set by the launchers' --restarts loops,
-# which start the run again on it and on the hang watchdog's 75, model/watchdog.py). Otherwise a
+# which start the run again on it and on the hang watchdog's 75, model/runtime/watchdog.py). Otherwise a
 # preempted run exits 0, as any clean stop.
 EXIT_PREEMPTED = 76
 EXIT_PREEMPTED_ENV = "JAXPT_EXIT_PREEMPTED"

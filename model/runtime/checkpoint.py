@@ -374,7 +374,7 @@ def guard_damage(resume: ResumePoint, read: Callable, *, item: str, on_damaged: 
     The hosts agree (one all-gather) before anyone acts, so none loads a step another found
     damaged; process 0 alone moves the step aside, and every host waits for the move before
     it looks for the next step."""
-    from model.distributed import max_over_hosts
+    from model.runtime.distributed import max_over_hosts
 
     where = f"{resume.directory}/{resume.step}"
     # Watched from before the read: when one read fails, its siblings report on other threads at

@@ -40,7 +40,7 @@ REPORTS_DIR = "hang_reports"
 class PeerHung(RuntimeError):
     """This process failed because another one hung and left (its collectives broke): the run
     exits with EXIT_HANG on every host alike, so the launchers restart all of them."""
-    exit_reason = "hang"       # the run's exit event (model/goodput.py EventLog.on_exit)
+    exit_reason = "hang"       # the run's exit event (model/runtime/goodput.py EventLog.on_exit)
 
 
 def hang_timeout(fixed_s: float | None, step_times: list[float]) -> float:

@@ -32,8 +32,9 @@ import time
 
 import numpy as np
 
-from data import objstore, packing
-from data.sources import BadRecords, ShardReader
+from data.readers import objstore
+from data.readers.sources import BadRecords, ShardReader
+from data.streams import packing
 from data.timing import zero_times
 from data.tokenizer import BatchEncoder
 
@@ -83,11 +84,11 @@ class StreamSpec:
     process_count: int = 1
     group: int = 1                  # host batches per element (per worker IPC message)
     worker_nice: int = 0            # a worker process lowers its CPU priority by this much
-    # A weighted mixture (data/mixture.py): ((name, weight, StreamSpec of that source), ...);
+    # A weighted mixture (data/streams/mixture.py): ((name, weight, StreamSpec of that source), ...);
     # then `files` is empty and each source's spec holds its own files and text_key.
     mixture: tuple = ()
     # "text": files are JSON lines; "records": files are the ArrayRecord parts of a converted
-    # directory (data/records.py), with their documents per file, total tokens and dtype
+    # directory (data/streams/records.py), with their documents per file, total tokens and dtype
     # from its manifest.
     kind: str = "text"
     eos_id: int = -1                # the tokenizer's EOS and BOS (-1: none) ids
@@ -96,7 +97,7 @@ class StreamSpec:
     records_tokens: int = 0
     records_dtype: str = ""
     # ((url, size), ...) of `files` listed from URL patterns: a worker process opens them without
-    # asking the store for their metadata (data/objstore.py SIZES); () for local files
+    # asking the store for their metadata (data/readers/objstore.py SIZES); () for local files
     sizes: tuple = ()
 
 
@@ -135,7 +136,7 @@ def shard_files(spec_files, num_shards: int, shard: int):
 
 class WindowRows:
     """A built window's rows handed out one by one and counted: the part of a virtual shard's
-    stream that the text (ShardStream) and records (data/records.py) kinds share. Needs: tok
+    stream that the text (ShardStream) and records (data/streams/records.py) kinds share. Needs: tok
     [rows, R], seg, pos, did, m_tok / m_docs / m_segs (per row), c (counters), emitted, shard,
     _take()."""
 

@@ -1,7 +1,7 @@
 """Downstream tasks in the lm-evaluation-harness's request model: local JSON-lines files ->
 examples -> (context, continuation) requests -> token ids -> fixed-shape packed rows.
 
-Scoring the rows is model/evaluate.py's; this module is pure Python/numpy.
+Scoring the rows is model/evals/evaluate.py's; this module is pure Python/numpy.
 
 Task files are read at construction (before training starts), never mid-run: a malformed line
 is a one-line ValueError naming file:line (`on_bad_line: error`, the default), or it is skipped

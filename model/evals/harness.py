@@ -3,14 +3,14 @@ catalogue, on whatever devices JAX sees, without exporting weights (extra: pip i
 
     python scripts/run_lm_eval.py --model jaxpt --model_args run_dir=runs/tiny_sample,step=300 \
         --tasks hellaswag --include_path my_tasks/        # lm_eval's own CLI, our model registered
-    import model.harness, lm_eval
+    import model.evals.harness, lm_eval
     lm_eval.simple_evaluate(model="jaxpt", model_args="run_dir=runs/tiny_sample", tasks=[...])
 
 The harness's `lm_eval` command has no plugin hook for models outside its package, so
 scripts/run_lm_eval.py imports this module (which registers "jaxpt") and then runs that command.
 
 Tokenization is the harness's own (TemplateLM: `_encode_pair`, the prefix token for an empty
-context); scoring is model/evaluate.py's Scorer, the in-loop evaluator's engine: requests packed
+context); scoring is model/evals/evaluate.py's Scorer, the in-loop evaluator's engine: requests packed
 into fixed-shape rows over a data-parallel mesh of all devices. The log-likelihoods equal those
 of the exported Hugging Face model through the harness's HF backend (tests/test_lm_eval.py).
 """
@@ -23,7 +23,7 @@ try:
     from lm_eval.api.model import TemplateLM
     from lm_eval.api.registry import register_model
 except ImportError as e:  # pragma: no cover - the message is the point
-    raise ImportError(f"model/harness.py needs lm-evaluation-harness: pip install -e \".[eval]\" ({e})") from None
+    raise ImportError(f"model/evals/harness.py needs lm-evaluation-harness: pip install -e \".[eval]\" ({e})") from None
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +49,8 @@ class JaxptLM(TemplateLM):
 
         from data.tokenizer import load_tokenizer, special_ids
         from model import sharding as shd
-        from model.checkpoint import load_params
-        from model.evaluate import Scorer
+        from model.evals.evaluate import Scorer
+        from model.runtime.checkpoint import load_params
         from model.step import param_shardings
 
         ignored = {k: v for k, v in harness_kwargs.items() if v is not None and k not in ("batch_size", "device",
@@ -100,7 +100,7 @@ class JaxptLM(TemplateLM):
         return self.tok.decode(list(tokens), skip_special_tokens=skip_special_tokens)
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
-        from data.tasks import Request
+        from model.evals.tasks import Request
 
         reqs = [Request(tuple(ctx), tuple(cont)) for _, ctx, cont in requests]
         if not reqs:
@@ -139,7 +139,7 @@ class JaxptLM(TemplateLM):
 
 
 def _step_dir(run_dir: str, step: int) -> str:
-    from model.checkpoint import resolve_checkpoint
+    from model.runtime.checkpoint import resolve_checkpoint
 
     directory, latest = resolve_checkpoint(run_dir)
     path = os.path.join(directory, str(step))

@@ -20,7 +20,7 @@ tier (a recreated VM) or a changed mesh makes every host take the durable tier t
 data states are exchanged once (every host's, as the durable data item holds them), so the
 input pipeline restores as from a durable step.
 
-Damaged local steps fall back like durable ones (model/checkpoint.py): a step whose
+Damaged local steps fall back like durable ones (model/runtime/checkpoint.py): a step whose
 manifest.json does not parse or whose arrays.bin is missing or shorter than the manifest's last
 shard end (a stat, no array is read) is found before the agreement; a meta.json or data.json that
 does not parse, after it, when each host reads the agreed step's (no other step's is read). Each
@@ -265,7 +265,7 @@ class LocalTier:
             raise RuntimeError(f"local checkpoint in {self.root} failed: {e}") from e
 
     def drop_after(self, step: int) -> None:
-        """Local steps after `step` belong to a timeline rolled back (model/rollback.py)."""
+        """Local steps after `step` belong to a timeline rolled back (model/runtime/rollback.py)."""
         self.wait()
         for s in self.steps():
             if s > step:

@@ -6,7 +6,7 @@ documents and tokens per file). All its documents form one index space [0, N), f
 manifest's order.
 
 A virtual shard's stream (RecordShardStream): epoch e's order is a seeded bijection of [0, N)
-computed on the fly (data/permutation.py); virtual shard v takes positions v, v+V, v+2V, ...
+computed on the fly (data/streams/permutation.py); virtual shard v takes positions v, v+V, v+2V, ...
 of it, so each epoch uses every document exactly once across all shards, whatever the file
 boundaries. Documents are read in blocks of consecutive positions (each block: one
 `read(list)` call per file it touches, on a shared I/O pool, several blocks read ahead), get
@@ -28,9 +28,9 @@ import time
 
 import numpy as np
 
-from data import packing
-from data.permutation import FeistelPermutation
-from data.shard import COUNTER_KEYS, WindowRows, zero_counters
+from data.streams import packing
+from data.streams.permutation import FeistelPermutation
+from data.streams.shard import COUNTER_KEYS, WindowRows, zero_counters
 
 MANIFEST = "manifest.json"
 FORMAT = "jaxpt-records-1"

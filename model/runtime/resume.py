@@ -1,9 +1,9 @@
 """Where one start of a run begins, and what its saved data position is worth.
 
 A start resumes, in this order: the newest local-tier step every host holds (when newer than
-the durable one, model/local_tier.py) -> the latest step in checkpoint.dir -> checkpoint.resume_from
+the durable one, model/runtime/local_tier.py) -> the latest step in checkpoint.dir -> checkpoint.resume_from
 -> checkpoint.init_from (parameters only) -> from scratch. A durable step that a rollback
-returned to (train.on_divergence=rollback, model/rollback.py) starts its data past the batches
+returned to (train.on_divergence=rollback, model/runtime/rollback.py) starts its data past the batches
 rolled back. train.py reads the small items (meta, data states) here before the model is built,
 so the input pipeline starts from the saved position while the arrays restore.
 """
@@ -15,9 +15,9 @@ from collections.abc import Callable, Mapping
 import jax
 
 import data as data_lib
-from model import rollback as rollback_lib
-from model.checkpoint import Checkpointer, ResumePoint, check_fingerprint, find_resume, restore_meta_and_data
-from model.local_tier import LocalTier
+from model.runtime import rollback as rollback_lib
+from model.runtime.checkpoint import Checkpointer, ResumePoint, check_fingerprint, find_resume, restore_meta_and_data
+from model.runtime.local_tier import LocalTier
 
 
 @dataclasses.dataclass
@@ -37,7 +37,7 @@ def find_start(ccfg: Mapping, abstract_state, local_tier: LocalTier | None, *,
                gather: Callable[[object], list]) -> Start:
     """The step this start resumes from and its small items. Read-only: a config mistake found
     later leaves no checkpoint directory behind. A damaged item raises DamagedCheckpoint on every
-    host (model/checkpoint.py), which train() answers by starting again."""
+    host (model/runtime/checkpoint.py), which train() answers by starting again."""
     point = find_resume(ccfg)
     local_pick = (local_tier.pick(abstract_state, newer_than=point.step if point is not None else None,
                                   gather=gather) if local_tier is not None else None)

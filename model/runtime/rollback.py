@@ -156,7 +156,7 @@ class Rollback:
     def roll_back(self, div: Divergence, consumed_state: dict) -> tuple[dict, int, dict]:
         """(state, step, record) after rolling back past `div`; the data goes on from
         `consumed_state` (this host's position now), which a resume from `step` takes too."""
-        from model.checkpoint import ResumePoint, complete_steps
+        from model.runtime.checkpoint import ResumePoint, complete_steps
 
         self.ckpt.wait()
         directory = self.ckpt.directory

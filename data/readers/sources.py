@@ -2,11 +2,11 @@
 
 A `ShardReader` reads the files (or parts of files) of one virtual shard: a seeded per-epoch
 order, a few open at once ("slots") interleaved document by document, documents longer than
-`PIECE_CHARS` cut into pieces. Files are read through data/formats.py's record readers (JSON
+`PIECE_CHARS` cut into pieces. Files are read through data/readers/formats.py's record readers (JSON
 lines, JSON arrays, Parquet, Arrow: one interface, so nothing here depends on the format).
 Its position is a small JSON dict (epoch, next part in the order, per slot: part, record,
 piece, the record's position in the file, for a .gz slot deep in its file a seek point (see
-data/gzseek.py), and the file's format). A restore reopens each slot's file at its position:
+data/readers/gzseek.py), and the file's format). A restore reopens each slot's file at its position:
 .jsonl / .json by a seek, .json.gz from the seek point (a bounded re-read, ~3 MB of text at
 most), .jsonl.zst by decompressing from the start (zstd frames are not indexed), Parquet by
 reading the one row group holding the row.
@@ -24,7 +24,7 @@ import zlib
 
 import numpy as np
 
-from data import formats, gzseek, objstore
+from data.readers import formats, gzseek, objstore
 from data.timing import zero_times
 
 # Documents longer than this (characters) are tokenized in pieces, cut at whitespace.
@@ -99,9 +99,9 @@ class _Slot:
         self.order_idx = order_idx   # index into the epoch's part order
         self.line = line             # 0-based index of the current (next unread) record
         self.piece = piece           # pieces of the current record's document already emitted
-        self.off = off               # the record's position (data/formats.py: a byte offset, a row)
+        self.off = off               # the record's position (data/readers/formats.py: a byte offset, a row)
         self.point = point           # .gz seek point at or before off (None: from the start)
-        self.fmt = fmt               # the file's format once opened (data/formats.py)
+        self.fmt = fmt               # the file's format once opened (data/readers/formats.py)
         self.rec = None              # open record reader positioned at record `line` (+1 if pieces)
         self.pieces = None           # the current document's pieces when piece > 0
         self.line_len = 0            # how far that document's record moves the position

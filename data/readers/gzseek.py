@@ -261,9 +261,9 @@ class _InflateFrom(io.RawIOBase):
 
 def _open_stored(path: str):
     """The .gz file's compressed bytes: a local file (unbuffered: the inflater reads big chunks)
-    or a URL through data/objstore.py."""
+    or a URL through data/readers/objstore.py."""
     if "://" in path:
-        from data import objstore
+        from data.readers import objstore
         return objstore.open_url(path)
     return open(path, "rb", buffering=0)
 

@@ -10,7 +10,7 @@ hosts line up), written by process 0 only, appended by every start:
   interval     one log row: step, interval_s, data_wait_s (slowest host), stall_s
   eval         step, seconds              save    step, blocked_s
   rollback     step (rolled back to), from_step, seconds (train.on_divergence=rollback)
-  stall        step, seconds (time over 3x the median step, see model/meters.py)
+  stall        step, seconds (time over 3x the median step, see model/runtime/meters.py)
   beat         step: the last step known completed, at most every BEAT_S seconds between
                log rows (a killed life's steps after its last row count as lost, not dead)
   exit         reason (clean | preempted | crash | hang), error (the exception's type),
@@ -354,7 +354,7 @@ class EventLog:
         return combine(self._lives, time.time())
 
     def row(self, row: dict) -> dict:
-        """A metrics row (model/meters.py): its interval, stall and evaluation as events; returns
+        """A metrics row (model/runtime/meters.py): its interval, stall and evaluation as events; returns
         the row with the run's goodput/* so far."""
         if not self.enabled:
             return row
