@@ -223,7 +223,7 @@ class Rollback:
 
     def _write_documents(self, directory: str, target: int, n: int) -> None:
         """scripts/show_step.py --rollback in the background: the rolled-back steps' documents."""
-        script = Path(__file__).resolve().parents[1] / "scripts" / "show_step.py"
+        script = Path(__file__).resolve().parents[2] / "scripts" / "show_step.py"
         out = self.run_dir / f"rollback-{target}-{n}.txt"
         with open(out, "w") as f:
             self.documents.append(subprocess.Popen(
