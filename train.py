@@ -1,14 +1,17 @@
 """Pre-train a Llama-style model: `python train.py [hydra overrides]`.
 
 The run, top to bottom (each phase is a banner below):
-  config checks -> hosts and mesh -> the run's files -> model, optimizer, shardings ->
-  init or restore -> jitted train step -> loop (batch, step, meter, eval, preemption, save).
+  config checks -> hosts and mesh -> model, optimizer, program -> the run's files ->
+  input started -> init or restore -> evaluators and meters -> loop.
+The loop: next batch, step, meter, watchdog beat; then each component is asked whether it is
+due (the auto worker count, divergence, the row and evaluations, saves, the preemption exit).
 
 `train(cfg)` is the whole run and is what tests call; `main` is a thin Hydra wrapper that turns
 config mistakes into one error line. Defaults train the tiny model on the bundled sample on
 whatever devices JAX sees; `configs/` documents every setting. The helpers live beside what
-they serve: data decisions in data/ (listing, held-out split, resume plan, auto workers, the
-batch log), the hosts' runtime in model/runtime/distributed.py, the loop's meters in model/runtime/meters.py.
+they serve: the input in data/ (data/feed.py starts it), the network and its program in model/,
+the run's machinery in model/runtime/ (hosts, checkpoints and saves, resume, rollback, watchdog,
+goodput, meters), evaluation in model/evals/.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import contextlib
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -47,21 +51,21 @@ def train(cfg: DictConfig) -> dict:
 
 
 def run(cfg: DictConfig) -> dict:
-    """One start of the run: config checks, hosts, files, restore, the loop (train() above)."""
+    """One start of the run, in the phases below (train() above starts it again after a damaged step)."""
     # Imports here keep `python train.py --help` and config errors fast.
     import jax
     from etils import epath
 
     import data as data_lib
     from model import flops as flops_lib
-    from model.evals.evaluate import LoopEvals, TaskEvaluator, TasksConfig
-    from model.optimizer import resolve_warmup
+    from model.evals.evaluate import LoopEvals, TaskEvaluator
     from model.runtime import distributed, goodput
     from model.runtime import resume as resume_lib
     from model.runtime import rollback as rollback_lib
     from model.runtime.checkpoint import Checkpointer
     from model.runtime.local_tier import LocalTier
-    from model.runtime.meters import IntervalMeter, MetricsLogger, Profiler, end_line
+    from model.runtime.meters import IntervalMeter, MetricsLogger, Profiler, Rows, end_line, skipped_line
+    from model.runtime.saves import Saves
     from model.runtime.watchdog import REPORTS_DIR, Watchdog, announce_last_hang, heartbeat_over
 
     t_start = time.perf_counter()
@@ -70,10 +74,243 @@ def run(cfg: DictConfig) -> dict:
 
     # ------------------------------------------------------------------ config checks
     # Everything here is cheap: a bad setting fails in one line before any compile or spawn.
-    run_dir = Path(cfg.paths.run_dir)
+    s = check_config(cfg)
+
+    # ------------------------------------------------------------------ hosts and mesh
+    with config_errors(ValueError):
+        distributed.init_distributed(cfg.distributed, heartbeat_timeout_s=heartbeat_over(s.hang_timeout_s))
+    distributed.use_compile_cache(cfg.paths.get("compile_cache"))
+    events.add("distributed")
+    process_index, process_count = jax.process_index(), jax.process_count()
+    is_main = process_index == 0
+    if s.warmup_notice and is_main:
+        print(s.warmup_notice, flush=True)
+
+    # ------------------------------------------------------------------ model, optimizer, program
+    # The mesh over the hosts' devices, the shardings, the abstract state and the jitted steps
+    # (model/step.py Program; jax.jit compiles at the first call). Built before the run's files:
+    # the local tier's pick checks its shards against the abstract state.
+    with config_errors(FileNotFoundError, ValueError):
+        data_lib.validate_settings(s.data, process_count)
+        tokenizer = data_lib.load_tokenizer(s.data.tokenizer)
+        program = build_program(cfg, s.model, s.tx)
+    if tokenizer.get_vocab_size() > s.model.vocab_size:
+        raise ConfigError(f"model.vocab_size={s.model.vocab_size} is smaller than the tokenizer's "
+                          f"{tokenizer.get_vocab_size()} pieces (tokenizer.path={s.data.tokenizer})")
+
+    # ------------------------------------------------------------------ the run's files
+    # One listing per run (data/listing.py run_listing), after every cheap check: a resumed run
+    # reads the list saved in its checkpoint; otherwise process 0 lists and the other hosts
+    # receive the list. The checkpoint is only read here: a config mistake must leave no
+    # checkpoint directory behind.
+    with config_errors(ValueError):
+        # The local tier (model/runtime/local_tier.py) wins when every host holds a newer step there.
+        local_tier = LocalTier.from_config(cfg.checkpoint, process_index)
+        start = resume_lib.find_start(cfg.checkpoint, program.abstract_state, local_tier,
+                                      gather=distributed.gather_json)
+        saved_listing = None if cfg.checkpoint.allow_data_change else start.meta.get("files")
+        listing = data_lib.run_listing(s.data.patterns(), s.eval_paths, saved_listing,
+                                       from_process_0=distributed.from_process_0)
+        data_cfg, eval_cfg, train_files, eval_files = data_lib.split_eval(s.data, listing, s.holdout)
+        data_lib.check_files(data_cfg, process_count, train_files)
+    events.add("listing")
+    if is_main:
+        s.run_dir.mkdir(parents=True, exist_ok=True)
+        # The resolved config documents the run; secrets never live in it (wandb reads its key
+        # from the environment).
+        (s.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    events.open(s.run_dir, enabled=is_main)
+    fingerprint = {"data": data_lib.fingerprint(data_cfg, tokenizer=tokenizer, files=train_files),
+                   "model": OmegaConf.to_container(cfg.model, resolve=True)}
+
+    # Everything started from here (checkpoint manager, data workers, wandb, the profiler, the
+    # SIGTERM handler) is closed on the way out, on success and on error alike.
+    with contextlib.ExitStack() as cleanup:
+        # From here a SIGTERM means "save at the next step and exit", also during restore/compile.
+        preempted = distributed.PreemptionFlag(agree_every=cfg.train.log_every)
+        cleanup.callback(preempted.restore)
+        # On the way out, last: the exit event (clean, preempted, crash from here on) and the goodput summary.
+        cleanup.push(events.on_exit(preempted))
+        ckpt = Checkpointer(cfg.checkpoint)
+        cleanup.callback(ckpt.close)
+        # Hung hosts (model/runtime/watchdog.py): armed from the first completed step, paused around
+        # work that is not a step; its reports go where every host writes (the checkpoint dir).
+        hang_reports = epath.Path(ckpt.directory) / REPORTS_DIR    # checkpoint.dir may be gs://
+        if is_main and (line := announce_last_hang(hang_reports, process_count)):
+            print(line, flush=True)
+        watchdog = Watchdog(s.hang_timeout_s, run_dir=s.run_dir, reports_dir=hang_reports,
+                            process_index=process_index, on_hang=lambda last_step: events.exit("hang", step=last_step))
+        cleanup.callback(watchdog.close)
+
+        # ------------------------------------------------------------------ input started
+        # The input starts now (worker processes spawn, the first batches get tokenized) so that
+        # its start-up overlaps with restoring or initialising the model. A training shard without
+        # any valid document fails its first window, so before the first step.
+        saved_data_states = None
+        if start.point is not None:
+            with config_errors(ValueError):   # what the saved data position is worth on this data
+                saved_data_states = resume_lib.accept_data(
+                    start, fingerprint, mixture_change=data_cfg.mixture_change,
+                    allow_data_change=cfg.checkpoint.allow_data_change, announce=is_main)
+        batches = data_lib.start_feed(
+            data_cfg, process_index, process_count, saved_data_states, files=train_files, tokenizer=tokenizer,
+            sharding=program.batch_sharding, debug=bool(cfg.train.get("debug_batches", False)),
+            saved_workers=start.meta.get("num_workers") if start.point is not None else None,
+            agree=distributed.max_over_hosts, announce=is_main)
+        cleanup.callback(batches.close)
+
+        # ------------------------------------------------------------------ init or restore
+        t_restore = time.time()
+        try:
+            state, start_step = resume_lib.restore_or_init(
+                start, ckpt=ckpt, local_tier=local_tier, program=program, seed=cfg.seed,
+                init_from=cfg.checkpoint.init_from, model_fingerprint=fingerprint["model"], run_dir=s.run_dir,
+                announce=is_main)
+        except ValueError as e:
+            if start.point is not None:
+                raise
+            raise ConfigError(str(e)) from e     # checkpoint.init_from holds another model
+        events.add("restore", step=start_step, tier=start.point.source if start.point is not None else "init",
+                   seconds=time.time() - t_restore)
+
+        # ------------------------------------------------------------------ evaluators and meters
+        held_out = None
+        if eval_cfg is not None and cfg.train.eval_every:
+            eval_cfg, eval_files = data_lib.valid_eval_files(eval_cfg, eval_files, announce=is_main)
+        if eval_cfg is not None and cfg.train.eval_every:
+            held_out = data_lib.HeldOutSet(eval_cfg, eval_files, cfg.train.eval_batches, program.batch_sharding,
+                                           program.eval_step, tokenizer)
+        with config_errors(OSError, ValueError):   # downstream tasks: read and packed now, a bad line stops here
+            tasks = TaskEvaluator.from_run_config(OmegaConf.to_container(cfg, resolve=True), program, tokenizer)
+        tokens_per_step = data_cfg.global_batch_size * data_cfg.seq_len
+        peak = flops_lib.peak_flops(jax.devices()[0].device_kind, cfg.train.peak_flops)
+        meter = IntervalMeter(
+            schedule=s.schedule, tokens_per_step=tokens_per_step,
+            flops_per_step=flops_lib.flops_per_token(s.model, data_cfg.seq_len) * tokens_per_step,
+            peak_total=peak * jax.device_count() if peak else None, device_count=jax.device_count(),
+            stop_on_nan=cfg.train.stop_on_nan and s.on_divergence == "stop", over_hosts=distributed.gather_over_hosts)
+        rollback = None
+        if s.on_divergence == "rollback":
+            rollback = rollback_lib.Rollback(
+                ckpt, program.abstract_state, run_dir=s.run_dir, process_index=process_index,
+                process_count=process_count, barrier=lambda: distributed.max_over_hosts(0),
+                resumed_from=start.step if start.rolled_past is not None else None)
+            cleanup.callback(rollback.close)
+            if local_tier is not None:
+                rollback.on_rollback = local_tier.drop_after
+        if local_tier is not None:
+            cleanup.callback(local_tier.wait)
+        divergence = rollback_lib.DivergenceCheck(meter, rollback, skips=s.divergence_skips, rollbacks=start.rollbacks)
+        saves = Saves(ckpt, local_tier, last_step=cfg.train.steps, meter=meter, events=events, watchdog=watchdog)
+        logger = MetricsLogger(cfg, s.run_dir, enabled=is_main, start_step=start_step,
+                               wandb_id=start.meta.get("wandb_id"))
+        cleanup.callback(logger.close)
+        rows = Rows(meter, LoopEvals(held_out, cfg.train.eval_every, tasks, cfg.train.steps), logger, events,
+                    watchdog, log_every=cfg.train.log_every, last_step=cfg.train.steps)
+        profile = Profiler(cfg.profile.steps, s.run_dir / "profile", enabled=is_main)
+        cleanup.callback(profile.maybe_stop, None)
+        train_step = with_test_hooks(program.train_step, cfg, s.run_dir, process_index, cleanup)
+
+        def save_meta() -> dict:
+            """What a checkpoint carries beside the arrays; "files" is the run's listing, reused by
+            a resumed run (~70 bytes per file: 350 KB for 5000)."""
+            return {"fingerprint": fingerprint, "config": OmegaConf.to_container(cfg, resolve=True),
+                    "wandb_id": logger.wandb_id, "process_count": process_count,
+                    "num_workers": batches.num_workers, "files": listing, "rollbacks": divergence.rollbacks}
+
+        # ------------------------------------------------------------------ loop
+        cleanup.push(watchdog.exit_hook)    # runs first: a failure caused by a peer's hang exits as one
+        step = start_step
+        events.at(step)
+        while step < cfg.train.steps:
+            profile.maybe_start(step + 1)
+            state, metrics = train_step(state, next(batches))
+            step += 1
+            meter.add(metrics)
+            if step == start_step + 1:          # compilation stays out of the throughput figures
+                jax.block_until_ready(metrics)
+                meter.compiled(batches.stats())
+                events.add("compile", step=step)
+                batches.compiled(step, meter.paused_s)
+            watchdog.beat(step)
+            events.beat(step, metrics["loss"])      # a killed life's last steps count as lost work
+            if batches.switch_due(step):            # data.num_workers=auto chooses
+                jax.block_until_ready(metrics)      # the measured steps have run, not just dispatched
+                with watchdog.paused():
+                    rows.carry(batches.switch(step, meter.paused_s))
+            profile.maybe_stop(step)
+            if (rows.log_due(step) or saves.due(step)) and (rolled := divergence.check(
+                    step, batches, events=events, paused=watchdog.paused, announce=is_main)):
+                state, step = rolled
+                continue
+            rows.write(step, state["params"], batches.stats)
+            stop = preempted.check(step)
+            for tier in saves.due(step, preempted=stop):
+                saves.save(tier, step, state, batches.consumed_state(), save_meta())
+            if stop:
+                break
+        watchdog.close()        # the last save's wait is not a step
+        saves.wait()
+        if preempted.fired and is_main:
+            print(f"Preempted: saved step {step} to {ckpt.directory}; exiting", flush=True)
+        input_stats = batches.stats()
+        skipped = skipped_line(distributed.gather_json(
+            {k: input_stats[k] for k in ("bad_records", "bad_examples")}))   # every host's
+
+    summary = {
+        "run_dir": str(s.run_dir),
+        "checkpoint_dir": str(ckpt.directory),
+        "start_step": start_step,
+        "steps": step,
+        "final_loss": rows.last.get("loss"),
+        "tokens": (step - start_step) * tokens_per_step,
+        "wall_s": time.perf_counter() - t_start,
+        "preempted": preempted.fired,
+    }
+    if is_main:
+        if skipped:         # beside the goodput lines (printed as the run closed)
+            print(skipped, flush=True)
+        print(end_line(summary, cfg.train.steps), flush=True)
+    return summary
+
+
+# ====================================================================== config checks
+class Settings(NamedTuple):
+    """The run's checked settings (check_config)."""
+    run_dir: Path
+    model: object                   # model/llama.py LlamaConfig
+    tx: object                      # the optax optimizer
+    schedule: object                # its learning-rate schedule
+    data: object                    # data/config.py DataConfig (data.eval taken out)
+    eval_paths: list
+    holdout: int
+    hang_timeout_s: float | None
+    on_divergence: str
+    divergence_skips: int
+    warmup_notice: str | None
+
+
+@contextlib.contextmanager
+def config_errors(*kinds):
+    """Mistakes of these kinds raised inside are config errors: one line from main()."""
+    try:
+        yield
+    except kinds as e:
+        raise ConfigError(str(e)) from e
+
+
+def check_config(cfg: DictConfig) -> Settings:
+    """Every setting checked that can be without hosts, files or devices; raises ConfigError."""
+    from data.config import DataConfig
+    from data.heldout import eval_settings
+    from model.evals.evaluate import TasksConfig
+    from model.optimizer import resolve_warmup
+    from model.runtime import rollback as rollback_lib
+    from model.runtime.local_tier import LocalTier
+
     data_map = OmegaConf.to_container(cfg.data, resolve=True)
     eval_map = data_map.pop("eval", None) or {}
-    try:
+    with config_errors(TypeError, ValueError):
         if cfg.train.steps <= 0:
             raise ValueError(f"train.steps={cfg.train.steps} must be positive")
         hang_timeout_s = cfg.train.get("hang_timeout_s")
@@ -87,287 +324,17 @@ def run(cfg: DictConfig) -> dict:
             raise ValueError(f"checkpoint.on_damaged={cfg.checkpoint.on_damaged} must be fall_back or stop")
         model_cfg, tx, schedule = model_and_optimizer(cfg)
         # data.paths may be one glob or a list: DataConfig takes either.
-        data_cfg = data_lib.DataConfig.from_mapping({**data_map, "tokenizer": cfg.tokenizer.path})
-        eval_paths, holdout = data_lib.eval_settings(eval_map)
+        data_cfg = DataConfig.from_mapping({**data_map, "tokenizer": cfg.tokenizer.path})
+        eval_paths, holdout = eval_settings(eval_map)
         if holdout and data_cfg.sources:
             raise ValueError("data.eval.holdout_files works with data.paths only: with data.sources, "
                              "hold out files through data.eval.paths (read with data.text_key)")
         _, _, warmup_notice = resolve_warmup(cfg.optimizer, cfg.train.steps)
         TasksConfig.from_mapping(OmegaConf.to_container(cfg.eval, resolve=True))   # eval.tasks, read later
-    except (TypeError, ValueError) as e:
-        raise ConfigError(str(e)) from e
     if data_cfg.seq_len > model_cfg.max_seq_len:
         raise ConfigError(f"data.seq_len={data_cfg.seq_len} exceeds model.max_seq_len={model_cfg.max_seq_len}")
-
-    # ------------------------------------------------------------------ hosts and mesh
-    try:
-        distributed.init_distributed(cfg.distributed, heartbeat_timeout_s=heartbeat_over(hang_timeout_s))
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
-    distributed.use_compile_cache(cfg.paths.get("compile_cache"))
-    events.add("distributed")
-    process_index, process_count = jax.process_index(), jax.process_count()
-    is_main = process_index == 0
-    if warmup_notice and is_main:
-        print(warmup_notice, flush=True)
-
-    try:
-        data_lib.validate_settings(data_cfg, process_count)
-        tokenizer = data_lib.load_tokenizer(data_cfg.tokenizer)
-        program = build_program(cfg, model_cfg, tx)
-    except (FileNotFoundError, ValueError) as e:
-        raise ConfigError(str(e)) from e
-    if tokenizer.get_vocab_size() > model_cfg.vocab_size:
-        raise ConfigError(f"model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's "
-                          f"{tokenizer.get_vocab_size()} pieces (tokenizer.path={data_cfg.tokenizer})")
-
-    # ------------------------------------------------------------------ the run's files
-    # One listing per run (data/listing.py run_listing), after every cheap check: a resumed run
-    # reads the list saved in its checkpoint; otherwise process 0 lists and the other hosts
-    # receive the list. The checkpoint is only read here: a config mistake must leave no
-    # checkpoint directory behind.
-    try:
-        # The local tier (model/runtime/local_tier.py) wins when every host holds a newer step there.
-        local_tier = LocalTier.from_config(cfg.checkpoint, process_index)
-        start = resume_lib.find_start(cfg.checkpoint, program.abstract_state, local_tier,
-                                      gather=distributed.gather_json)
-        meta = start.meta
-        saved_listing = None if cfg.checkpoint.allow_data_change else meta.get("files")
-        listing = data_lib.run_listing(data_cfg.patterns(), eval_paths, saved_listing,
-                                       from_process_0=distributed.from_process_0)
-        data_cfg, eval_cfg, train_files, eval_files = data_lib.split_eval(data_cfg, listing, holdout)
-        data_lib.check_files(data_cfg, process_count, train_files)
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
-    events.add("listing")
-
-    if is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        # The resolved config documents the run; secrets never live in it (wandb reads its key
-        # from the environment).
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    events.open(run_dir, enabled=is_main)
-
-    # ------------------------------------------------------------------ model, optimizer, shardings
-    abstract_state = program.abstract_state
-    batch_sharding = program.batch_sharding
-    fingerprint = {"data": data_lib.fingerprint(data_cfg, tokenizer=tokenizer, files=train_files),
-                   "model": OmegaConf.to_container(cfg.model, resolve=True)}
-
-    # ------------------------------------------------------------------ init or restore
-    # Everything started from here (checkpoint manager, data workers, wandb, the profiler, the
-    # SIGTERM handler) is closed on the way out, on success and on error alike.
-    with contextlib.ExitStack() as cleanup:
-        # From here a SIGTERM means "save at the next step and exit", also during restore/compile.
-        preempted = distributed.PreemptionFlag(agree_every=cfg.train.log_every)
-        cleanup.callback(preempted.restore)
-        # On the way out, last: the exit event (clean, preempted, crash from here on) and the goodput summary.
-        step = None
-        cleanup.push(events.on_exit(lambda: step, preempted))
-        ckpt = Checkpointer(cfg.checkpoint)
-        cleanup.callback(ckpt.close)
-        # Hung hosts (model/runtime/watchdog.py): armed from the first completed step, paused around
-        # work that is not a step; its reports go where every host writes (the checkpoint dir).
-        hang_reports = epath.Path(ckpt.directory) / REPORTS_DIR    # checkpoint.dir may be gs://
-        if is_main and (line := announce_last_hang(hang_reports, process_count)):
-            print(line, flush=True)
-        watchdog = Watchdog(hang_timeout_s, run_dir=run_dir, reports_dir=hang_reports, process_index=process_index,
-                            on_hang=lambda last_step: events.exit("hang", step=last_step))
-        cleanup.callback(watchdog.close)
-        saved_data_states = None
-        if start.point is not None:
-            try:    # what the saved data position is worth on this data (model/runtime/resume.py, data/resume.py)
-                saved_data_states = resume_lib.accept_data(start, fingerprint, mixture_change=data_cfg.mixture_change,
-                                                           allow_data_change=cfg.checkpoint.allow_data_change,
-                                                           announce=is_main)
-            except ValueError as e:
-                raise ConfigError(str(e)) from e
-
-        if eval_cfg is not None and cfg.train.eval_every:
-            eval_cfg, eval_files = data_lib.valid_eval_files(eval_cfg, eval_files, announce=is_main)
-        # The input pipeline starts now (worker processes spawn, the first batches get tokenized)
-        # so that its start-up overlaps with restoring or initialising the model. A training shard
-        # without any valid document fails its first window, so before the first step.
-        debug_batches = bool(cfg.train.get("debug_batches", False))
-        auto_workers = None
-        if data_lib.is_auto(data_cfg.num_workers):
-            # data.num_workers=auto: a provisional count now, the choice after the first steps.
-            auto_workers = data_lib.AutoWorkers(data_cfg, process_count, train_files,
-                                                saved=meta.get("num_workers") if start.point is not None else None,
-                                                agree=distributed.max_over_hosts)
-            data_cfg = auto_workers.cfg
-            if is_main:
-                print(auto_workers.announce(), flush=True)
-
-        def restart(cfg_, shard_states, follows):
-            """The same batches from the consumed `shard_states` with another worker count."""
-            host_iter = data_lib.make_host_iterator(cfg_, process_index, process_count, shard_states,
-                                                    debug=debug_batches, files=train_files, tokenizer=tokenizer)
-            return data_lib.DevicePrefetcher(host_iter, batch_sharding, prefetch=cfg_.prefetch, follows=follows)
-
-        batches = data_lib.DevicePrefetcher(
-            data_lib.restore_host_iterator(data_cfg, process_index, process_count, saved_data_states,
-                                           debug=debug_batches, files=train_files, tokenizer=tokenizer),
-            batch_sharding, prefetch=data_cfg.prefetch)
-        cleanup.callback(batches.close)
-
-        t_restore = time.time()
-        try:
-            state, start_step = resume_lib.restore_or_init(
-                start, ckpt=ckpt, local_tier=local_tier, program=program, seed=cfg.seed,
-                init_from=cfg.checkpoint.init_from, model_fingerprint=fingerprint["model"], run_dir=run_dir,
-                announce=is_main)
-        except ValueError as e:
-            if start.point is not None:
-                raise
-            raise ConfigError(str(e)) from e     # checkpoint.init_from holds another model
-        events.add("restore", step=start_step, tier=start.point.source if start.point is not None else "init",
-                   seconds=time.time() - t_restore)
-
-        # ------------------------------------------------------------------ jitted steps
-        # Built with the program (build_program): jax.jit compiles at the first call.
-        train_step = program.train_step
-        held_out = None
-        if eval_cfg is not None and cfg.train.eval_every:
-            held_out = data_lib.HeldOutSet(eval_cfg, eval_files, cfg.train.eval_batches, batch_sharding,
-                                           program.eval_step, tokenizer)
-        try:    # downstream tasks (eval.tasks): read and packed now, so a bad line stops before step 1
-            tasks = TaskEvaluator.from_run_config(OmegaConf.to_container(cfg, resolve=True), program, tokenizer)
-        except (OSError, ValueError) as e:
-            raise ConfigError(str(e)) from e
-        evals = LoopEvals(held_out, cfg.train.eval_every, tasks, cfg.train.steps)
-        tokens_per_step = data_cfg.global_batch_size * data_cfg.seq_len
-        peak = flops_lib.peak_flops(jax.devices()[0].device_kind, cfg.train.peak_flops)
-        meter = IntervalMeter(
-            schedule=schedule, tokens_per_step=tokens_per_step,
-            flops_per_step=flops_lib.flops_per_token(model_cfg, data_cfg.seq_len) * tokens_per_step,
-            peak_total=peak * jax.device_count() if peak else None, device_count=jax.device_count(),
-            stop_on_nan=cfg.train.stop_on_nan and on_divergence == "stop", over_hosts=distributed.gather_over_hosts)
-        rollback = None
-        if on_divergence == "rollback":
-            rollback = rollback_lib.Rollback(ckpt, abstract_state, run_dir=run_dir, process_index=process_index,
-                                             process_count=process_count, barrier=lambda: distributed.max_over_hosts(0),
-                                             resumed_from=start.step if start.rolled_past is not None else None)
-            cleanup.callback(rollback.close)
-            if local_tier is not None:
-                rollback.on_rollback = local_tier.drop_after
-        if local_tier is not None:
-            cleanup.callback(local_tier.wait)
-        plant = rollback_lib.planted_divergence()     # tests only: JAXPT_TEST_DIVERGE_AT
-
-        logger = MetricsLogger(cfg, run_dir, enabled=is_main, start_step=start_step, wandb_id=meta.get("wandb_id"))
-        cleanup.callback(logger.close)
-        # "files": the run's listing, reused by a resumed run (~70 bytes per file: 350 KB for 5000).
-        meta = {"fingerprint": fingerprint, "config": OmegaConf.to_container(cfg, resolve=True),
-                "wandb_id": logger.wandb_id, "process_count": process_count, "num_workers": data_cfg.num_workers,
-                "files": listing, "rollbacks": start.rollbacks}
-
-        # ------------------------------------------------------------------ loop
-        profile = Profiler(cfg.profile.steps, run_dir / "profile", enabled=is_main)
-        cleanup.callback(profile.maybe_stop, None)
-        # Tests of exact resume: every process records what each step consumed (a host sync per step).
-        batch_log = None
-        if debug_batches:
-            batch_log = data_lib.BatchLog(run_dir / f"debug_batches.p{process_index}.jsonl")
-            cleanup.callback(batch_log.close)
-        step = start_step
-        cleanup.push(watchdog.exit_hook)    # runs first: a failure caused by a peer's hang exits as one
-        auto_row = {}           # data.num_workers=auto's figures, logged with the next row
-        last = {}
-        drawn = 0               # batches drawn in this start (rolled-back ones included)
-        # An async save blocks the loop briefly, in Orbax's barriers with the other hosts: a peer
-        # frozen there is a hang like one in a step, so the watchdog stays armed. A synchronous
-        # save writes the whole state in the loop and is paused like an evaluation.
-        save_guard = contextlib.nullcontext if cfg.checkpoint["async"] else watchdog.paused
-        while step < cfg.train.steps:
-            profile.maybe_start(step + 1)
-            batch = next(batches)
-            drawn += 1
-            if batch_log is not None:
-                batch = batch_log.log(step + 1, batch)
-            state, metrics = train_step(state, batch)
-            if drawn in plant:
-                state, metrics = rollback_lib.plant(state, metrics)
-            step += 1
-            meter.add(metrics)
-            if step == start_step + 1:
-                # Keep compilation out of the throughput figures.
-                jax.block_until_ready(metrics)
-                meter.compiled(batches.stats())
-                events.add("compile", step=step)
-                if auto_workers is not None:
-                    auto_workers.start(step, batches.stats()["wait_s"], meter.paused_s)
-            watchdog.beat(step)
-            events.beat(step, metrics["loss"])      # a killed life's last steps count as lost work
-            if auto_workers is not None and auto_workers.due(step):
-                jax.block_until_ready(metrics)      # the measured steps have run, not just dispatched
-                with watchdog.paused():
-                    batches, auto_row = auto_workers.switch(batches, step, meter.paused_s, restart=restart,
-                                                            announce=is_main)
-                meta["num_workers"] = auto_workers.cfg.num_workers
-                cleanup.callback(batches.close)     # the one replaced is closing in the background
-            profile.maybe_stop(step)
-
-            log_now = step % cfg.train.log_every == 0 or step == cfg.train.steps
-            save_now = ckpt.should_save(step, cfg.train.steps)
-            local_now = local_tier is not None and local_tier.should_save(step) and not save_now
-            if (log_now or save_now or local_now) and (rollback is not None or meter.stop_on_nan):
-                # Divergence (model/runtime/rollback.py): looked for where a row is logged or a step saved.
-                div = meter.divergence(step, divergence_skips)
-                if div is not None and rollback is None:
-                    raise rollback_lib.Diverged(f"{div.reason}; step {step} is not saved (train.on_divergence=stop; "
-                                                "rollback reloads the newest checkpoint before it)")
-                if div is not None:
-                    state, step, record = rollback.recover(div, step, batches, meter=meter, events=events,
-                                                           paused=watchdog.paused, announce=is_main)
-                    meta["rollbacks"] = meta["rollbacks"] + [record]
-                    continue
-            evals_now = any(evals.due(step))
-            if log_now or evals_now:
-                row = {"step": step}
-                if log_now:
-                    row = last = meter.row(step, batches.stats())
-                    watchdog.step_time(row["step_time_s"])
-                if evals_now:
-                    with watchdog.paused():
-                        row.update(evals.run(step, state["params"], meter))
-                row, auto_row = {**row, **auto_row}, {}
-                logger.log(events.row(row))
-
-            if local_now:       # not collective, and the loop waits for the shards' hand-over only
-                t0 = time.perf_counter()
-                local_tier.save(step, state, batches.consumed_state(), meta)
-                meter.paused(time.perf_counter() - t0, kind="save")
-                events.add("save", step=step, tier="local", blocked_s=time.perf_counter() - t0)
-            stop = preempted.check(step)
-            if save_now or stop:
-                t0 = time.perf_counter()
-                with save_guard():
-                    ckpt.save(step, state, batches.consumed_state(), meta)
-                meter.paused(time.perf_counter() - t0, kind="save")
-                events.add("save", step=step, blocked_s=time.perf_counter() - t0)
-                if stop:
-                    watchdog.close()
-                    ckpt.wait()
-                    if is_main:
-                        print(f"Preempted: saved step {step} to {ckpt.directory}; exiting", flush=True)
-                    break
-        watchdog.close()        # the last save's wait is not a step
-        ckpt.wait()
-
-    summary = {
-        "run_dir": str(run_dir),
-        "checkpoint_dir": str(ckpt.directory),
-        "start_step": start_step,
-        "steps": step,
-        "final_loss": last.get("loss"),
-        "tokens": (step - start_step) * tokens_per_step,
-        "wall_s": time.perf_counter() - t_start,
-        "preempted": preempted.fired,
-    }
-    if is_main:
-        print(end_line(summary, cfg.train.steps), flush=True)
-    return summary
+    return Settings(Path(cfg.paths.run_dir), model_cfg, tx, schedule, data_cfg, eval_paths, holdout,
+                    hang_timeout_s, on_divergence, divergence_skips, warmup_notice)
 
 
 # ====================================================================== the program
@@ -389,6 +356,34 @@ def build_program(cfg: DictConfig, model_cfg, tx, devices=None):
                                   z_loss=float(cfg.train.z_loss), microbatches=int(cfg.train.microbatches),
                                   loss_chunk=int(cfg.train.loss_chunk), devices=devices,
                                   spikes=step_lib.SpikeConfig.from_mapping(cfg.train.get("spikes")))
+
+
+def with_test_hooks(train_step, cfg: DictConfig, run_dir: Path, process_index: int, cleanup: contextlib.ExitStack):
+    """The train step as the loop calls it, with the tests' hooks around it when they are asked
+    for: train.debug_batches logs what each step consumed (data/batch_log.py; a host sync per
+    step), JAXPT_TEST_DIVERGE_AT plants a divergence (model/runtime/rollback.py)."""
+    from data.batch_log import BatchLog
+    from model.runtime import rollback as rollback_lib
+
+    batch_log = None
+    if cfg.train.get("debug_batches", False):
+        batch_log = BatchLog(run_dir / f"debug_batches.p{process_index}.jsonl")
+        cleanup.callback(batch_log.close)
+    plant = rollback_lib.planted_divergence()
+    if batch_log is None and not plant:
+        return train_step
+    drawn = 0       # batches drawn in this start, rolled-back ones included
+
+    def hooked(state, batch):
+        nonlocal drawn
+        drawn += 1
+        if batch_log is not None:
+            # The step a batch feeds is the state's step + 1, after a rollback too.
+            batch = batch_log.log(int(state["step"]) + 1, batch)
+        state, metrics = train_step(state, batch)
+        return rollback_lib.plant(state, metrics) if drawn in plant else (state, metrics)
+
+    return hooked
 
 
 # ====================================================================== CLI

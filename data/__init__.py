@@ -12,6 +12,7 @@ below it; tests/test_imports.py keeps it so):
   workers      input worker processes
   state        fingerprint and merging host states
   pipeline     the host iterator and the device prefetcher
+  feed         the run's input started in one call (train.py), with auto's worker switch
   heldout, resume, batch_log   the run's data decisions: the held-out split, resuming on changed
                data, the per-step batch hashes training and show_step share
 
@@ -27,6 +28,7 @@ _EXPORTS = {
     "data.batch_log": ["BatchLog"],
     "data.config": ["DataConfig", "SourceConfig", "check_files", "check_shards", "list_files", "validate",
                     "validate_settings"],
+    "data.feed": ["Feed", "start_feed"],
     "data.heldout": ["HeldOutSet", "eval_settings", "split_eval", "valid_eval_files"],
     "data.host": ["find_shard_states"],
     "data.listing": ["Listing", "all_files", "list_paths", "run_listing"],

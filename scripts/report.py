@@ -76,32 +76,54 @@ def series(rows: list[dict], key: str) -> tuple[list, list]:
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
+def starts(rows: list[dict]) -> list[list[dict]]:
+    """The rows cut where a new start of the run begins (its goodput/restarts count changes) or the
+    step goes back (a restart that resumed behind its last row, a rollback): one line is drawn per
+    part, so a killed life's end and the next start's first rows are never joined."""
+    parts: list[list[dict]] = []
+    prev = None
+    for r in rows:
+        if "step" not in r:
+            continue
+        if prev is None or r["step"] <= prev["step"] or r.get("goodput/restarts") != prev.get("goodput/restarts"):
+            parts.append([])
+        parts[-1].append(r)
+        prev = r
+    return parts
+
+
+def plot_lines(ax, rows: list[dict], key: str, *, label: str, scale: float = 1.0, **style) -> None:
+    """`key` over the steps, one line per start (same style, labelled once)."""
+    for part in starts(rows):
+        x, y = series(part, key)
+        if x:
+            ax.plot(x, [v * scale for v in y], label=label, **style)
+            label = None
+
+
 # ---------------------------------------------------------------------- plots (one per axes)
 def plot_loss(ax, rows, breakdown):
-    ax.plot(*series(rows, "loss"), label="train loss", lw=1.2)
-    x, y = series(rows, "eval_loss")
-    if x:
-        ax.plot(x, y, "o-", label="eval loss", ms=4)
+    plot_lines(ax, rows, "loss", label="train loss", lw=1.2, color="#1f77b4")
+    plot_lines(ax, rows, "eval_loss", label="eval loss", marker="o", ms=4, color="#ff7f0e")
     ax.set(title="Loss", xlabel="step")
     ax.legend()
 
 
 def plot_throughput(ax, rows, breakdown):
-    ax.plot(*series(rows, "tokens_per_s"), color="#1f77b4", label="tokens/s")
+    plot_lines(ax, rows, "tokens_per_s", label="tokens/s", color="#1f77b4")
     ax.set(title="Throughput", xlabel="step", ylabel="tokens/s")
-    x, y = series(rows, "mfu")
-    if x:
+    if series(rows, "mfu")[0]:
         ax2 = ax.twinx()
-        ax2.plot(x, [v * 100 for v in y], color="#ff7f0e", label="MFU %")
+        plot_lines(ax2, rows, "mfu", label="MFU %", scale=100, color="#ff7f0e")
         ax2.set_ylabel("MFU %")
         ax2.legend(loc="lower right")
     ax.legend(loc="upper left")
 
 
 def plot_data_wait(ax, rows, breakdown):
-    x, y = series(rows, "data_wait_frac")
-    ax.plot(x, y, color="#d62728", label="data wait (slowest host)")
-    ax.set(title="Data-wait fraction of step time", xlabel="step", ylim=(0, max([1e-3, *y]) * 1.1))
+    plot_lines(ax, rows, "data_wait_frac", label="data wait (slowest host)", color="#d62728")
+    ax.set(title="Data-wait fraction of step time", xlabel="step",
+           ylim=(0, max([1e-3, *series(rows, "data_wait_frac")[1]]) * 1.1))
     ax.legend()
 
 

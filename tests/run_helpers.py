@@ -212,3 +212,13 @@ def assert_every_shard_continues_exactly(run_dirs_and_steps, straight_dir):
     for shard in want:
         assert len(set(got[shard])) == len(got[shard]), f"shard {shard}: a row repeated"
         assert got[shard] == want[shard], f"shard {shard}: rows lost, repeated or reordered"
+
+
+def load_script(name: str):
+    """scripts/<name>.py (or scripts/bench/<name>.py as "bench/<name>") as a module, to call its functions."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"scripts_{name.replace('/', '_')}", ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -385,3 +385,23 @@ def test_small_replicated_arrays_are_saved_whole_and_large_ones_split(tmp_path, 
     assert not [m for m in slices if "float32[24,40]" in m], slices
     assert [m for m in slices if f"float32[{rows},1032]" in m], "the large array was not split across its replicas"
     assert (tmp_path / "ckpt" / "1").is_dir()
+
+
+def test_our_array_handler_registers_without_orbax_warning_line():
+    """A start registers our jax.Array handler over Orbax's: that intended override says nothing
+    (Orbax would log 'Type handler registry type ... overriding' at every start), while another
+    absl warning in the same process still shows."""
+    import subprocess
+    import sys
+    code = ("import logging\nfrom absl import logging as absl_logging\n"
+            "from model.runtime.checkpoint import use_array_handler, MIN_REPLICA_SLICE_BYTES\n"
+            "import orbax.checkpoint as ocp, jax\n"
+            "use_array_handler()\n"
+            "h = ocp.type_handlers.get_type_handler(jax.Array)\n"
+            "assert h._min_slice_bytes_for_replica_parallel == MIN_REPLICA_SLICE_BYTES\n"
+            "absl_logging.warning('a warning of someone else')\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert r.returncode == 0, r.stderr
+    assert "overriding" not in r.stderr, r.stderr
+    assert "a warning of someone else" in r.stderr, r.stderr

@@ -253,6 +253,10 @@ def _user_corpus(tmp_path):
 def test_cli_lenient_run_survives_bad_training_and_held_out_files(tmp_path):
     from run_helpers import read_metrics, run_cli
     root = _user_corpus(tmp_path)
+    for name in ("0001", "0003"):      # bad records near the head of two files (after a first good line)
+        path = root / name / "en_head.json.gz"
+        first, rest = gzip.decompress(path.read_bytes()).split(b"\n", 1)
+        path.write_bytes(gzip.compress(b"\n".join([first, CASES["malformed_json"], CASES["missing_key"], rest])))
     r = run_cli(tmp_path, *CLI, f"data.paths=[{root}/*/en_head.json.gz]", "train.eval_every=2",
                 "data.num_workers=1")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -261,6 +265,16 @@ def test_cli_lenient_run_survives_bad_training_and_held_out_files(tmp_path):
                       f"({root}/0008/en_head.json.gz:0: empty_file): training without evaluation"]
     rows = read_metrics(tmp_path / "run")
     assert [row["step"] for row in rows] == [2] and "eval_loss" not in rows[0]
+    # The console's end says what metrics.jsonl counted: how many, of which kinds, the first file:lines.
+    counted = {k.removeprefix("data/bad_"): v for k, v in rows[-1].items()
+               if k.startswith("data/bad_") and k != "data/bad_examples"}
+    assert counted.get("malformed_json", 0) >= 1 and counted.get("missing_key", 0) >= 1, counted
+    [line] = [ln for ln in r.stdout.splitlines() if ln.startswith("Skipped ")]
+    by_kind = ", ".join(f"{k} {n}" for k, n in sorted(counted.items(), key=lambda kv: (-kv[1], kv[0])))
+    assert line.startswith(f"Skipped {sum(counted.values())} bad record(s) in this start ({by_kind}; "), line
+    assert rows[-1]["data/bad_examples"].split("; ")[0] in line and f"{root}/000" in line, line
+    lines = r.stdout.splitlines()
+    assert lines.index(line) == len(lines) - 2 and lines[-1].startswith("Done:")      # after the goodput lines
 
 
 @pytest.mark.slow

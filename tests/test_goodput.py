@@ -273,6 +273,37 @@ def test_sigkill_restart_eval_and_slow_stage_add_up_and_report_renders(tmp_path)
     check_report_in_chromium(run_dir, tmp_path)
 
 
+def test_report_draws_each_start_as_its_own_line():
+    """A killed life's last rows and the next start's first rows (it resumed behind them) are two
+    lines in the report's plots, as is a rollback inside one start; one uninterrupted start is one."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from run_helpers import load_script
+
+    report = load_script("report")
+    life = lambda r, steps, loss0: [{"step": s, "loss": loss0 - s / 100, "tokens_per_s": 1000.0 + s,    # noqa: E731
+                                     "data_wait_frac": 0.01, "goodput/restarts": r} for s in steps]
+    killed_then_resumed = life(0, [10, 20, 30], 8.0) + life(1, [22, 24, 30, 40], 7.0)
+    rolled_back = life(0, [10, 20, 30], 8.0) + life(0, [24, 30], 6.0)        # a rollback to 20 inside one start
+    eval_only = {"step": 25, "eval_loss": 7.5, "goodput/restarts": 0}     # eval due where no row is
+    assert [[r["step"] for r in p] for p in report.starts(killed_then_resumed)] == [[10, 20, 30], [22, 24, 30, 40]]
+    assert [[r["step"] for r in p] for p in report.starts(rolled_back)] == [[10, 20, 30], [24, 30]]
+    # An evaluation-only row between two meter rows stays in its start.
+    assert len(report.starts(life(0, [10, 20], 8.0) + [eval_only] + life(0, [30], 8.0))) == 1
+    for rows, lines in ((killed_then_resumed, 2), (rolled_back, 2), (life(0, [10, 20, 30], 8.0), 1)):
+        fig, axes = plt.subplots(1, 3)
+        report.plot_loss(axes[0], rows, None)
+        report.plot_throughput(axes[1], rows, None)
+        report.plot_data_wait(axes[2], rows, None)
+        for ax in axes:
+            assert len(ax.get_lines()) == lines, (ax.get_title(), len(ax.get_lines()))
+            xs = [list(line.get_xdata()) for line in ax.get_lines()]
+            assert all(x == sorted(x) for x in xs), xs           # no line runs backwards
+        assert [t.get_text() for t in axes[0].get_legend().get_texts()] == ["train loss"]
+        plt.close(fig)
+
+
 def goodput_env():
     from data.pipeline import SLOW_STAGE_ENV
 

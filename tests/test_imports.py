@@ -4,9 +4,12 @@ data/ never imports model/, no module imports another's private names, no test f
 another, and checking a data config loads neither Grain nor JAX.
 Run: pytest tests/test_imports.py"""
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -155,3 +158,29 @@ def test_checking_a_data_config_loads_neither_grain_nor_jax():
         "print(sorted(m for m in ('grain', 'jax', 'jaxlib', 'flax', 'orbax') if m in sys.modules))\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+@pytest.mark.slow
+def test_a_non_editable_install_holds_every_room(tmp_path):
+    """`pip install .` (not -e) ships model/ and data/ with their sub-packages and the bundled
+    sample: built from a copy of the tree, installed into a folder, imported from elsewhere."""
+    import shutil
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md", "train.py", "model", "data"):
+        copy = shutil.copytree if (ROOT / name).is_dir() else shutil.copy
+        copy(ROOT / name, src / name, **({"ignore": shutil.ignore_patterns("__pycache__")} if copy is shutil.copytree
+                                         else {}))
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(src)],
+                   check=True, capture_output=True, text=True)
+    rooms = sorted({".".join(p.relative_to(ROOT).parts[:-1]) for p in ROOT.glob("*/**/__init__.py")
+                    if p.parts[len(ROOT.parts)] in ("model", "data")})
+    assert {"data.readers", "data.streams", "model.runtime", "model.evals"} <= set(rooms), rooms
+    code = (f"import importlib\nfor m in {rooms!r}:\n    print(importlib.import_module(m).__file__)\n"
+            "import data.feed, model.runtime.saves, model.evals.tasks\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(site)},
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert len(out) == len(rooms) and all(f.startswith(str(site)) for f in out), out
+    assert (site / "data" / "sample" / "tokenizer.json").is_file()

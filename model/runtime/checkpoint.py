@@ -71,9 +71,20 @@ def use_array_handler() -> None:
     Orbax save of the process uses it, the run's and the parameter exports alike)."""
     handler = ocp.type_handlers.get_type_handler(jax.Array)
     if getattr(handler, "_min_slice_bytes_for_replica_parallel", None) != MIN_REPLICA_SLICE_BYTES:
-        ocp.type_handlers.register_type_handler(
-            jax.Array, ocp.type_handlers.ArrayHandler(min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES),
-            override=True)
+        # Orbax warns of every override ("Type handler registry type ... overriding jax.Array"),
+        # a line that means nothing to a user at every start: this override is the intended one.
+        absl_log = logging.getLogger("absl")
+        absl_log.addFilter(_drop_own_override)
+        try:
+            ocp.type_handlers.register_type_handler(
+                jax.Array, ocp.type_handlers.ArrayHandler(min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES),
+                override=True)
+        finally:
+            absl_log.removeFilter(_drop_own_override)
+
+
+def _drop_own_override(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Type handler registry type")
 
 
 # Model settings that change how a step runs but not what the state holds: a run may resume

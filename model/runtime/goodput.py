@@ -303,6 +303,7 @@ class EventLog:
         self.enabled = True
         self._beat_candidate = None     # (step, an output of it) from the last beat() call
         self._beat_t = 0.0
+        self.step = None                # the loop's step (at(), beat(), a rollback): the exit event names it
         t0 = process_start_time() if from_process_start else time.time()
         self.add("start", t=t0, pid=os.getpid())
 
@@ -326,6 +327,8 @@ class EventLog:
         self._file.write(json.dumps(e) + "\n")
 
     def add(self, event: str, *, t: float | None = None, **fields) -> None:
+        if event == "rollback":
+            self.step = fields["step"]
         if not self.enabled:
             return
         e = {"event": event, "t": time.time() if t is None else t, **fields}
@@ -334,11 +337,16 @@ class EventLog:
         else:
             self._write(e)
 
+    def at(self, step: int) -> None:
+        """The loop starts at `step`: an exit from here on names it (None before)."""
+        self.step = step
+
     def beat(self, step: int, done) -> None:
         """Called every step with its step number and one of its outputs (a jax.Array): at most
         every BEAT_S seconds, a beat naming the newest step seen completed. A step's output is only
         asked whether it is ready (no wait, no transfer); the step before the last that was asked
         counts when it is."""
+        self.step = step
         if self._file is None:
             return
         now = time.monotonic()
@@ -370,16 +378,16 @@ class EventLog:
             self.add("eval", t=now, step=row["step"], seconds=eval_s)
         return {**row, **metrics(self.breakdown())}
 
-    def on_exit(self, last_step, preempted):
+    def on_exit(self, preempted):
         """An ExitStack.push callback: the exit event (clean, preempted or crash with the
-        exception's type) and the three-line summary. last_step(): the last completed step;
+        exception's type) at the loop's step (`self.step`) and the three-line summary;
         `preempted.fired` tells a preemption. (The metrics rows carry goodput/* up to the last
         row; the exit's own figures are in the summary and the event log, so metrics.jsonl keeps
         one row per logged step.)"""
         def hook(exc_type, exc, tb):
             reason = (getattr(exc_type, "exit_reason", "crash") if exc_type
                       else ("preempted" if preempted.fired else "clean"))
-            self.exit(reason, step=last_step(), error=exc_type.__name__ if exc_type else None)
+            self.exit(reason, step=self.step, error=exc_type.__name__ if exc_type else None)
             return False
         return hook
 

@@ -228,6 +228,41 @@ class MetricsLogger:
             self._wandb.finish()
 
 
+class Rows:
+    """The loop's metrics rows: the meter's row every `log_every` steps and at the last step, the
+    evaluations when due (with the watchdog paused), and figures carried to the next row (e.g.
+    data.num_workers=auto's choice); each row goes through the event log to the logger. `last`
+    is the newest meter row (the run's final loss)."""
+
+    def __init__(self, meter: IntervalMeter, evals, logger: MetricsLogger, events, watchdog, *,
+                 log_every: int, last_step: int):
+        self.meter, self.evals, self.logger, self.events, self.watchdog = meter, evals, logger, events, watchdog
+        self.log_every, self.last_step = log_every, last_step
+        self.last: dict = {}
+        self._carried: dict = {}
+
+    def log_due(self, step: int) -> bool:
+        return step % self.log_every == 0 or step == self.last_step
+
+    def carry(self, fields: dict) -> None:
+        self._carried.update(fields)
+
+    def write(self, step: int, params, input_stats: Callable[[], dict]) -> None:
+        """The row of `step`, if a row or an evaluation is due there."""
+        log_now, evals_now = self.log_due(step), any(self.evals.due(step))
+        if not (log_now or evals_now):
+            return
+        row = {"step": step}
+        if log_now:
+            row = self.last = self.meter.row(step, input_stats())
+            self.watchdog.step_time(row["step_time_s"])
+        if evals_now:
+            with self.watchdog.paused():
+                row.update(self.evals.run(step, params, self.meter))
+        row, self._carried = {**row, **self._carried}, {}
+        self.logger.log(self.events.row(row))
+
+
 class Profiler:
     """`profile.steps=[a,b]`: a JAX profiler trace of steps a..b in <run_dir>/profile (TensorBoard/Perfetto)."""
 
@@ -248,6 +283,24 @@ class Profiler:
             jax.effects_barrier()
             jax.profiler.stop_trace()
             self.active = False
+
+
+def skipped_line(hosts: list[dict], shown: int = 3) -> str | None:
+    """The end of a lenient run that skipped bad records: how many in this start, of which kinds,
+    and the first few `file:line: kind` (every host's `bad_records` and `bad_examples`, from the
+    input's stats). None when nothing was skipped."""
+    kinds: dict[str, int] = {}
+    for h in hosts:
+        for kind, n in h["bad_records"].items():
+            kinds[kind] = kinds.get(kind, 0) + n
+    total = sum(kinds.values())
+    if not total:
+        return None
+    examples = [e for h in hosts for e in h["bad_examples"]]
+    more = f"; {len(examples) - shown} more named in metrics.jsonl (data/bad_examples)" if len(examples) > shown else ""
+    by_kind = ", ".join(f"{k} {n}" for k, n in sorted(kinds.items(), key=lambda kv: (-kv[1], kv[0])))
+    return (f"Skipped {total} bad record(s) in this start ({by_kind}; data.strict=false): "
+            + "; ".join(examples[:shown]) + more)
 
 
 def end_line(summary: dict, train_steps: int) -> str:

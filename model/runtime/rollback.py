@@ -240,3 +240,27 @@ class Rollback:
                 p.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+class DivergenceCheck:
+    """train.on_divergence in the loop: where a row is logged or a step saved, the steps since the
+    last row are looked at (IntervalMeter.divergence). `stop` raises Diverged; `rollback` returns
+    the state and step to go on from (Rollback.recover) and adds its record to `rollbacks`, which
+    the meta of every later save carries."""
+
+    def __init__(self, meter, rollback: Rollback | None, *, skips: int, rollbacks: list):
+        self.meter, self.rollback, self.skips = meter, rollback, skips
+        self.rollbacks = rollbacks
+        self.enabled = rollback is not None or meter.stop_on_nan
+
+    def check(self, step: int, batches, *, events, paused, announce: bool) -> tuple[dict, int] | None:
+        if not self.enabled or (div := self.meter.divergence(step, self.skips)) is None:
+            return None
+        if self.rollback is None:
+            raise Diverged(f"{div.reason}; step {step} is not saved (train.on_divergence=stop; "
+                           "rollback reloads the newest checkpoint before it)")
+        state, step, record = self.rollback.recover(div, step, batches, meter=self.meter, events=events,
+                                                    paused=paused, announce=announce)
+        # A new list: a save in flight may still hold the old one in its meta.
+        self.rollbacks = [*self.rollbacks, record]
+        return state, step
