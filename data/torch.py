@@ -171,7 +171,9 @@ class Batches(torch.utils.data.IterableDataset):
         self.rank, self.world = world_of(rank, world)
         cfg = overrides if hasattr(overrides, "data") else compose(overrides)
         self._input = input_from_config(cfg, self.world, list_once=from_dist)
-        self.cfg = self._input.cfg
+        self.cfg = self._input.cfg          # the training DataConfig (worker count resolved)
+        self.files = self._input.files      # its files (held-out ones removed)
+        self.vocab_size = self._input.tokenizer.get_vocab_size()
         self.debug = debug
         self.pin_memory = pin_memory and _can_pin()
         self._fingerprint = None
@@ -216,31 +218,31 @@ class Batches(torch.utils.data.IterableDataset):
     def load_state_dict(self, state) -> None:
         """Continue from a saved position: this rank's own state_dict() (the same world), or
         the list of every old rank's state_dict() when the world changed (the rows of any
-        rank then continue as an uninterrupted run's would). The next batch is built from it."""
-        if isinstance(state, dict):
-            states = [state]
-        elif isinstance(state, (list, tuple)) and state:
-            states = list(state)
+        rank then continue as an uninterrupted run's would). A DataLoader's state_dict()
+        holding one (torchdata's StatefulDataLoader) does as well. The next batch is built
+        from it."""
+        if isinstance(state, (list, tuple)) and state:
+            states = [_find_state(s) for s in state]
+        elif isinstance(state, dict):
+            states = [_find_state(state)]
         else:
             raise ValueError("Batches.load_state_dict: expected a state_dict() or a list of every rank's "
                              f"state_dict(), got {type(state).__name__}")
         for s in states:
             self._check_state(s)
         if isinstance(state, dict):
-            restore = ("shards", self._own_shards(state))
+            restore = ("shards", self._own_shards(states[0]))
         else:
             worlds = sorted({int(s["world"]) for s in states})
-            if len(worlds) != 1 or len(states) != worlds[0]:
-                raise ValueError(f"Batches.load_state_dict: {len(states)} states of world(s) {worlds}; a world "
+            ranks = sorted(int(s["rank"]) for s in states)
+            if len(worlds) != 1 or ranks != list(range(worlds[0])):
+                raise ValueError(f"Batches.load_state_dict: states of ranks {ranks} of world(s) {worlds}; a world "
                                  "change needs the state of every old rank, one each")
             restore = ("hosts", [s["data"] for s in sorted(states, key=lambda s: int(s["rank"]))])
         self.close()
         self._restore = restore
 
     def _check_state(self, state) -> None:
-        if not isinstance(state, dict) or state.get("kind") != STATE_KIND:
-            raise ValueError("Batches.load_state_dict: not a Batches.state_dict() (its 'kind' is not "
-                             f"{STATE_KIND!r})")
         from data.resume import plan_resume
 
         now = self._data_fingerprint()
@@ -310,6 +312,24 @@ _OPEN: weakref.WeakSet = weakref.WeakSet()
 def _close_open() -> None:
     for batches in list(_OPEN):
         batches.close()
+
+
+def _find_state(state) -> dict:
+    """The Batches state in `state` (itself, or nested in a DataLoader's state_dict())."""
+    def walk(x):
+        if isinstance(x, dict):
+            if x.get("kind") == STATE_KIND:
+                return x
+            x = list(x.values())
+        if isinstance(x, (list, tuple)):
+            for v in x:
+                if (found := walk(v)) is not None:
+                    return found
+        return None
+    found = walk(state)
+    if found is None:
+        raise ValueError(f"Batches.load_state_dict: no Batches.state_dict() (kind {STATE_KIND!r}) in the given state")
+    return found
 
 
 def _shards_of(host_state: dict) -> dict:
