@@ -338,14 +338,8 @@ def _shards_of(host_state: dict) -> dict:
     return find_shard_states(host_state)
 
 
-_WARNED = []
-
-
 def _can_pin() -> bool:
     if torch.accelerator.is_available():
         return True
-    if not _WARNED:
-        _WARNED.append(True)
-        warnings.warn("Batches(pin_memory=True): no accelerator is available, so memory is not pinned",
-                      stacklevel=3)
+    warnings.warn("Batches(pin_memory=True): no accelerator is available, so memory is not pinned", stacklevel=3)
     return False

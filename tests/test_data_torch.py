@@ -5,6 +5,7 @@ import collections
 import gzip
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -171,6 +172,12 @@ def test_dataloader_and_stateful_dataloader(corpus):
         assert_same(as_numpy(b), direct[3 + i], f"StatefulDataLoader batch {3 + i}")
         if i == 2:
             break
+    if not torch.accelerator.is_available():     # as torch's DataLoader: a warning, and unpinned tensors
+        with pytest.warns(UserWarning, match="no accelerator is available"):
+            pinned = Batches(ov, rank=1, world=2, pin_memory=True)
+        assert not next(pinned)["input_ids"].is_pinned()
+    else:
+        assert all(v.is_pinned() for v in next(Batches(ov, rank=1, world=2, pin_memory=True)).values())
     # DataLoader workers would each read the same rows: refused, naming the fix
     with pytest.raises(RuntimeError, match="num_workers=0"):
         next(iter(DataLoader(Batches(ov), batch_size=None, num_workers=1)))
@@ -234,3 +241,21 @@ def test_two_gloo_ranks_with_stateful_dataloader_then_world_one(corpus, tmp_path
         assert_same(as_numpy(next(one)), concat([got[0][i], got[1][i]]), f"world 1 resumed batch {i}")
     whole.close()
     one.close()
+
+
+@pytest.mark.slow
+def test_example_loop_learns_and_resumes_at_another_world(tmp_path):
+    """scripts/torch_example.py, README "From PyTorch": a tiny GPT's loss falls on the bundled sample
+    over 2 gloo ranks; run again on 1 rank it continues from the saved model and data positions."""
+    def run(ranks, steps):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+               os.path.join(REPO, "scripts", "torch_example.py"), "--steps", str(steps), "--out", str(tmp_path)]
+        out = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": REPO}, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        return {int(m[0]): float(m[1]) for m in re.findall(r"step (\d+) loss ([\d.]+)", out.stdout)}
+
+    losses = run(2, 20)
+    assert sorted(losses) == [1, 10, 20] and losses[20] < losses[1] - 1.0, losses
+    assert [json.loads(p.read_text())["world"] for p in tmp_path.glob("data_rank*.json")] == [2, 2]
+    assert sorted(run(1, 22)) == [21, 22]          # resumed at step 21, world 1 (the 2 ranks' states merged)
+    assert [json.loads(p.read_text())["world"] for p in tmp_path.glob("data_rank*.json")] == [1]
