@@ -19,9 +19,10 @@ Figures (one rank, world 1; every batch counted as rows x seq_len tokens, none o
                  pipeline start); the host iterator from make_host_iterator (config and listing
                  already made); the notebook way from load_dataset.
   restore_s      the position after `--restore-after` batches -> the next batch: Batches
-                 (a new Batches + load_state_dict, exact), the host iterator (restore_host_iterator,
-                 as train.py resumes), the notebook way (torchdata's StatefulDataLoader over it: the
-                 packing generator has no state, so it fast-forwards through the batches again).
+                 (load_state_dict on a new Batches, exact; with its constructor as well), the
+                 host iterator (restore_host_iterator, as train.py resumes), the notebook way
+                 (torchdata's StatefulDataLoader over it: the packing generator has no state, so
+                 it fast-forwards through the batches again).
 
 Same cores: the pipeline's `data.num_workers` reader processes and the DataLoader's `num_workers`
 processes are the same count (--workers), at the same priority (--worker-nice 0).
@@ -158,9 +159,10 @@ def restores(args, inp, files) -> dict:
     b.close()
     t0 = time.perf_counter()
     again = Batches(overrides(args))
+    t1 = time.perf_counter()
     again.load_state_dict(state)
     next(again)
-    out = {"batches": time.perf_counter() - t0}
+    out = {"batches": time.perf_counter() - t1, "batches_with_constructor": time.perf_counter() - t0}
     again.close()
     t0 = time.perf_counter()
     it = data.restore_host_iterator(inp.cfg, 0, 1, [state["data"]], files=inp.files, tokenizer=inp.tokenizer)
