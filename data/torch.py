@@ -204,7 +204,8 @@ class Batches(torch.utils.data.IterableDataset):
                 self._it = restore_host_iterator(inp.cfg, self.rank, self.world, saved, **kw)
             else:
                 self._it = make_host_iterator(inp.cfg, self.rank, self.world, saved, **kw)
-            self._base_state = self._it.get_state()
+            if self._base_state is None:
+                self._base_state = self._it.get_state()
             _OPEN.add(self)
         return self._it
 
@@ -241,6 +242,7 @@ class Batches(torch.utils.data.IterableDataset):
             restore = ("hosts", [s["data"] for s in sorted(states, key=lambda s: int(s["rank"]))])
         self.close()
         self._restore = restore
+        self._base_state = None
 
     def _check_state(self, state) -> None:
         from data.resume import plan_resume
@@ -288,7 +290,7 @@ class Batches(torch.utils.data.IterableDataset):
 
     def close(self) -> None:
         """Stops the pipeline's worker processes (a later batch starts them again, from the
-        position reached)."""
+        position reached; stats() go on counting)."""
         if self._it is not None:
             self._restore = ("shards", _shards_of(self._it.get_state()))
             close = getattr(self._it, "close", None)
