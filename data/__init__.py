@@ -15,6 +15,8 @@ below it; tests/test_imports.py keeps it so):
   feed         the run's input started in one call (train.py), with auto's worker switch
   heldout, resume, batch_log   the run's data decisions: the held-out split, resuming on changed
                data, the per-step batch hashes training and show_step share
+  torch        Batches: the host iterator for a PyTorch loop (a rank in the role of a process);
+               not exported below, as it imports torch
 
 The names below load their module on first use, so that `from data.config import DataConfig`
 (config checks) starts neither Grain nor JAX.

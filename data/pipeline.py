@@ -205,6 +205,54 @@ def state_counters(state) -> dict:
     return sum_counters(find_shard_states(state))
 
 
+def consumed_figures(state, base_state) -> dict:
+    """What a host iterator delivered between two of its states (`base_state`: where counting
+    starts): documents, tokens, rows, padding, truncated and dropped tokens, bad records by kind
+    with the first examples, and a mixture's per-source figures. The training log's data figures
+    (DevicePrefetcher.stats) and data/torch.py's Batches.stats."""
+    c, base = state_counters(state), state_counters(base_state)
+    d = {k: c[k] - base[k] for k in COUNTER_KEYS}
+    bad = {k: v - base["bad"].get(k, 0) for k, v in c["bad"].items()}
+    rows, tokens, pad = d["rows"], d["tokens"], d["pad"]
+    return {
+        "documents": d["docs"], "tokens": tokens, "rows": rows,
+        "padding_tokens": pad,
+        "padding_frac": pad / max(1, tokens + pad),
+        "docs_per_row": d["segs"] / max(1, rows),
+        "truncated_tokens": d["trunc"], "dropped_tokens": d["drop"],
+        "bad_records": {k: v for k, v in bad.items() if v},
+        "bad_examples": c["badex"][:10],
+        **_source_figures(state, base_state),
+    }
+
+
+def _source_figures(state, base_state) -> dict:
+    """A mixture's per-source figures since this iterator started ("source/NAME/KEY"; the
+    training log prefixes "data/"): rows, tokens, documents, padding, bad records, the epoch
+    the source is reading, and its share of the tokens and of the rows."""
+    now = source_counters(find_shard_states(state))
+    if not now:
+        return {}
+    # parked=True: a source listed again on resume counts from its parked position
+    base = source_counters(find_shard_states(base_state), parked=True)
+    delta = {name: {key: c[key] - base.get(name, {}).get(key, 0) for key in COUNTER_KEYS}
+             for name, c in now.items()}
+    tokens = max(1, sum(d["tokens"] for d in delta.values()))
+    rows = max(1, sum(d["rows"] for d in delta.values()))
+    out = {}
+    for name, d in delta.items():
+        bad_now, bad_base = now[name]["bad"], base.get(name, {}).get("bad", {})
+        out.update({
+            f"source/{name}/tokens": d["tokens"], f"source/{name}/documents": d["docs"],
+            f"source/{name}/rows": d["rows"], f"source/{name}/padding_tokens": d["pad"],
+            f"source/{name}/epoch": now[name]["epoch"],
+            f"source/{name}/bad_records": sum(bad_now.values()) - sum(bad_base.values()),
+            f"source/{name}/token_share": d["tokens"] / tokens,
+            f"source/{name}/row_share": d["rows"] / rows,
+        })
+    return out
+
+
 class _Stop:
     pass
 
@@ -335,7 +383,6 @@ class DevicePrefetcher:
         self._stop = threading.Event()
         self._state = host_iterator.get_state()
         self._base_state = self._state if follows is None else follows._base_state
-        self._base = state_counters(self._base_state)
         self._stage_times = getattr(host_iterator, "stage_times", None)
         self._h2d = 0.0                      # seconds in _to_global (the "h2d" stage)
         if os.environ.get(SLOW_STAGE_ENV):
@@ -438,25 +485,11 @@ class DevicePrefetcher:
         return len(self._q._items)
 
     def stats(self) -> dict:
-        c = state_counters(self._state)
-        d = {k: c[k] - self._base[k] for k in COUNTER_KEYS}
-        bad = {k: v - self._base["bad"].get(k, 0) for k, v in c["bad"].items()}
-        rows, tokens, pad = d["rows"], d["tokens"], d["pad"]
-        return {
-            "batches": self._batches,
-            "documents": d["docs"], "tokens": tokens, "rows": rows,
-            "padding_tokens": pad,
-            "padding_frac": pad / max(1, tokens + pad),
-            "docs_per_row": d["segs"] / max(1, rows),
-            "truncated_tokens": d["trunc"], "dropped_tokens": d["drop"],
-            "bad_records": {k: v for k, v in bad.items() if v},
-            "bad_examples": c["badex"][:10],
-            "wait_s": self._wait,
-            **self._source_stats(),
-            # seconds per input stage since this prefetcher started, as produced up to the last
-            # batch returned (data/timing.py); {} when the iterator keeps no timers
-            "stage_s": self._stage_seconds(),
-        }
+        return {"batches": self._batches, **consumed_figures(self._state, self._base_state),
+                "wait_s": self._wait,
+                # seconds per input stage since this prefetcher started, as produced up to the last
+                # batch returned (data/timing.py); {} when the iterator keeps no timers
+                "stage_s": self._stage_seconds()}
 
     def _stage_seconds(self) -> dict:
         if not self._times:
@@ -465,32 +498,6 @@ class DevicePrefetcher:
         for k in STAGES + WAITS:       # lanes stay those of the pipeline running now
             now[k] += self._times_before.get(k, 0.0)
         return now
-
-    def _source_stats(self) -> dict:
-        """A mixture's per-source figures since this iterator started ("source/NAME/KEY"; the
-        training log prefixes "data/"): rows, tokens, documents, padding, bad records, the epoch
-        the source is reading, and its share of the tokens and of the rows."""
-        now = source_counters(find_shard_states(self._state))
-        if not now:
-            return {}
-        # parked=True: a source listed again on resume counts from its parked position
-        base = source_counters(find_shard_states(self._base_state), parked=True)
-        delta = {name: {key: c[key] - base.get(name, {}).get(key, 0) for key in COUNTER_KEYS}
-                 for name, c in now.items()}
-        tokens = max(1, sum(d["tokens"] for d in delta.values()))
-        rows = max(1, sum(d["rows"] for d in delta.values()))
-        out = {}
-        for name, d in delta.items():
-            bad_now, bad_base = now[name]["bad"], base.get(name, {}).get("bad", {})
-            out.update({
-                f"source/{name}/tokens": d["tokens"], f"source/{name}/documents": d["docs"],
-                f"source/{name}/rows": d["rows"], f"source/{name}/padding_tokens": d["pad"],
-                f"source/{name}/epoch": now[name]["epoch"],
-                f"source/{name}/bad_records": sum(bad_now.values()) - sum(bad_base.values()),
-                f"source/{name}/token_share": d["tokens"] / tokens,
-                f"source/{name}/row_share": d["rows"] / rows,
-            })
-        return out
 
     def host_iterator(self):
         return self._it
