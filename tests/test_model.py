@@ -119,6 +119,42 @@ def test_attention_impls_match_reference(impl, dtype):
     np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
 
 
+def _naive_window_attention(q, k, v, seg, window):
+    """_naive_attention with each query also seeing only the `window` slots ending at itself."""
+    t = q.shape[1]
+    g = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
+    s = jnp.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(q.shape[-1])
+    idx = np.arange(t)
+    near = (idx[:, None] >= idx[None, :]) & (idx[:, None] - idx[None, :] < window)
+    mask = (near[None] & (seg[:, :, None] == seg[:, None, :]))[:, None]
+    p = jax.nn.softmax(jnp.where(mask, s, -1e30), axis=-1)
+    return jnp.einsum("bnts,bsnh->btnh", p, v)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", ["reference", *IMPLS])
+def test_sliding_window_attention_on_every_kernel(impl):
+    """Mistral's window (a query sees itself and window-1 keys before it) on packed documents
+    longer than the window, on each kernel model.attention can pick; the window matters."""
+    if impl != "reference" and not IMPLS[impl][0]:
+        pytest.skip(f"{impl} does not run on {jax.default_backend()}")
+    window, t = 40, 128
+    q, k, v, _ = _qkv(3, t=t, h=128 if impl in ("cudnn", "splash") else 16)
+    seg = jnp.asarray(np.repeat([np.digitize(np.arange(t), [70, 110]) + 1], 2, axis=0), jnp.int32)
+    want = _naive_window_attention(q, k, v, seg, window)
+    if impl == "reference":
+        got = llama.attention_xla(q, k, v, seg, window=window)
+    elif impl == "dpa_xla":
+        got = llama.attention_dpa(q, k, v, seg, "xla", window=window)
+    elif impl == "splash_interpret":
+        got = llama.attention_splash(q, k, v, seg, interpret=True, window=window)
+    else:
+        got = llama.attention(q, k, v, seg, impl, window=window)
+    np.testing.assert_allclose(got, want, atol=1e-5 if impl != "cudnn" else 3e-2)
+    assert np.abs(np.asarray(want) - np.asarray(_naive_attention(q, k, v, seg))).max() > 1e-2
+
+
 @pytest.mark.slow
 def test_splash_under_shard_map_matches_reference():
     """Splash on a fsdp=4 x tensor=2 mesh: batch and heads split, per-device kernels."""
