@@ -113,15 +113,16 @@ VARIANTS = {
 DOC_LENGTHS = (21, 13, 6)
 
 
-def save_variant(name: str, directory) -> "torch.nn.Module":
+def save_variant(name: str, directory, **shape) -> "torch.nn.Module":
     """transformers' model for `name`, random, with norm scales and biases away from their
-    init (a missing or transposed one shows), saved to `directory`; returns it (eval mode)."""
+    init (a missing or transposed one shows), saved to `directory`; returns it (eval mode).
+    `shape`: config keys over SHAPE and the variant's (a tokenizer's vocab_size, say)."""
     import json
     from pathlib import Path
 
     cls_name, kwargs = VARIANTS[name]
     cls = getattr(transformers, cls_name)
-    config = cls.config_class(**{**SHAPE, **kwargs}, attn_implementation="eager")
+    config = cls.config_class(**{**SHAPE, **kwargs, **shape}, attn_implementation="eager")
     torch.manual_seed(0)
     model = cls(config).eval()
     with torch.no_grad():
