@@ -102,7 +102,7 @@ def from_hf_config(hf: Mapping[str, Any], **runtime) -> LlamaConfig:
     for key, neutral in _REFUSED_KEYS.items():
         value = hf.get(key)
         if value is not None and value != neutral:
-            _refuse(key, value, f"model/llama.py needs {neutral!r} (absent)" if neutral is None
+            _refuse(key, value, "model/llama.py has no such part (absent or null only)" if neutral is None
                     else f"model/llama.py needs {neutral!r}")
     kinds = set(hf.get("layer_types") or []) - {"full_attention"}
     if kinds:
@@ -138,8 +138,6 @@ def to_hf_config(cfg: LlamaConfig, bos_token_id: int | None = None, eos_token_id
     if cfg.sliding_window is not None and family != "mistral":
         raise ValueError(f"model.sliding_window={cfg.sliding_window}: a {family!r} config.json has no "
                          "sliding window (model.hf_model_type=mistral has)")
-    if family == "qwen2" and cfg.head_dim != cfg.d_model // cfg.n_heads:
-        raise ValueError(f"model.head_dim={cfg.head_dim}: Qwen2 has head_dim = d_model / n_heads")
     rope = {"rope_type": cfg.rope_type}
     if cfg.rope_type == "llama3":
         rope.update({theirs: getattr(cfg, ours) for ours, theirs in _LLAMA3_KEYS.items()})
@@ -166,8 +164,7 @@ def to_hf_config(cfg: LlamaConfig, bos_token_id: int | None = None, eos_token_id
         "eos_token_id": eos_token_id,
         "torch_dtype": "float32",
     }
-    if family != "qwen2":
-        config["head_dim"] = cfg.head_dim
+    config["head_dim"] = cfg.head_dim  # every family's attention reads it when present
     if family in ("llama", "qwen3"):
         config["attention_bias"] = False
     if family == "llama":

@@ -2,7 +2,10 @@
 
 References: Llama 2 (Touvron et al. 2023) for the block (pre-RMSNorm, RoPE, GQA, SwiGLU);
 Hugging Face `LlamaForCausalLM` is the numerical reference (tests/test_model_hf.py checks
-logits to 1e-4 in fp32), so RoPE uses its "rotate half" layout.
+logits to 1e-4 in fp32), so RoPE uses its "rotate half" layout. The open checkpoints built on
+this block are config fields, off by default: Llama 3.1's RoPE scaling (rope_type llama3), a
+head_dim apart from d_model / n_heads, Qwen2's q/k/v biases, Qwen3's per-head q/k RMSNorm and
+Mistral's sliding window (model/hf.py maps their config.json files; the same test covers each).
 
 Conventions (the models we learn from: big_vision, flax gemma, nanoGPT, torchtitan):
 - Names carry shapes: b batch, t query length, s key length, d model width, n query heads,

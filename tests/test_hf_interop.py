@@ -229,9 +229,9 @@ def test_init_from_imported_checkpoint_trains_from_its_params(exported, tmp_path
 def _family_variants():
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    import test_model_hf
+    import hf_helpers
 
-    return test_model_hf
+    return hf_helpers
 
 
 @pytest.mark.parametrize("name", ["llama2", "llama3", "llama3_hub_spelling", "llama_head_dim", "qwen2", "qwen3",

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Max |logit difference| between our Llama and transformers, per open-checkpoint family, fp32.
 
-    python scripts/bench/bench_hf_parity.py            # every variant of tests/test_model_hf.py
+    python scripts/bench/bench_hf_parity.py            # every variant of tests/hf_helpers.py
     python scripts/bench/bench_hf_parity.py mistral qwen3
 
-For each variant, tests/test_model_hf.py's own procedure (`logit_gap`): a tiny random model built
+For each variant, the tests' own procedure (tests/hf_helpers.py `logit_gap`): a tiny random model built
 with transformers' class (Llama 2 and 3.x with both RoPE spellings, a decoupled head_dim, Qwen2,
 Qwen3, Mistral with a window of 8, SmolLM2- and TinyLlama-shaped), saved with save_pretrained and
 read by model/hf.py; logits over a packed row of three documents (two longer than the window,
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def load_variants():
-    spec = importlib.util.spec_from_file_location("test_model_hf", ROOT / "tests" / "test_model_hf.py")
+    spec = importlib.util.spec_from_file_location("hf_helpers", ROOT / "tests" / "hf_helpers.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -31,7 +31,7 @@ def load_variants():
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("variants", nargs="*", help="names from tests/test_model_hf.py VARIANTS (default: all)")
+    ap.add_argument("variants", nargs="*", help="names from tests/hf_helpers.py VARIANTS (default: all)")
     args = ap.parse_args(argv)
     module = load_variants()
     names = args.variants or list(module.VARIANTS)
