@@ -39,13 +39,17 @@ def test_from_mapping_rejects_unknown_keys_and_bad_values():
 
 
 @pytest.mark.parametrize("name,expected", [
-    ("tiny", None), ("125m", None), ("1b", 1_100_048_384), ("llama2_7b", 6_738_415_616)])
+    ("tiny", None), ("125m", None), ("1b", 1_100_048_384), ("llama2_7b", 6_738_415_616),
+    # the open checkpoints' (configs/model: their config.json shapes; the count their tensors hold,
+    # a tied head once)
+    ("llama3_2_1b", 1_235_814_400), ("llama3_2_3b", 3_212_749_824), ("llama3_1_8b", 8_030_261_248),
+    ("qwen2_5_0_5b", 494_032_768), ("qwen3_0_6b", 596_049_920), ("mistral_7b", 7_241_732_096)])
 def test_presets_build_by_shape_and_count_params(name, expected):
     cfg = preset(name)
     model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
     counted = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     assert counted == cfg.num_params()
-    if expected is not None:  # the published counts (Llama-2-7B, TinyLlama-1.1B)
+    if expected is not None:  # the published counts (Llama-2-7B, TinyLlama-1.1B, ...)
         assert cfg.num_params() == expected
     b, t = 2, 16
     out = jax.eval_shape(lambda m: m(jnp.zeros((b, t), jnp.int32), jnp.zeros((b, t), jnp.int32),
