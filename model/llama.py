@@ -2,7 +2,10 @@
 
 References: Llama 2 (Touvron et al. 2023) for the block (pre-RMSNorm, RoPE, GQA, SwiGLU);
 Hugging Face `LlamaForCausalLM` is the numerical reference (tests/test_model_hf.py checks
-logits to 1e-4 in fp32), so RoPE uses its "rotate half" layout.
+logits to 1e-4 in fp32), so RoPE uses its "rotate half" layout. The open checkpoints built on
+this block are config fields, off by default: Llama 3.1's RoPE scaling (rope_type llama3), a
+head_dim apart from d_model / n_heads, Qwen2's q/k/v biases, Qwen3's per-head q/k RMSNorm and
+Mistral's sliding window (model/hf.py maps their config.json files; the same test covers each).
 
 Conventions (the models we learn from: big_vision, flax gemma, nanoGPT, torchtitan):
 - Names carry shapes: b batch, t query length, s key length, d model width, n query heads,
@@ -29,6 +32,11 @@ from flax import nnx
 from model import sharding as shd
 
 ATTENTION_IMPLS = ("xla", "cudnn", "splash")
+ROPE_TYPES = ("default", "llama3")
+# The Hugging Face families this network is (model/hf.py): the config.json model_type an export writes.
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# The fields rope_type "llama3" reads (Llama 3.1+: longer contexts by slowing the low frequencies).
+LLAMA3_ROPE_FIELDS = ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len")
 # What a rematerialised layer keeps for the backward pass instead of recomputing it.
 REMAT_POLICIES = {
     "none": None,  # no remat at all: fastest, most memory
@@ -53,6 +61,19 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     max_seq_len: int = 2048
     tie_embeddings: bool = False
+    # The open-checkpoint variants (model/hf.py reads them from config.json). The defaults are
+    # the Llama 2 block: leaving them alone leaves the network, its parameters and its numbers as
+    # they were.
+    head_dim: int | None = None  # None: d_model // n_heads (Qwen3 sets it apart from the width)
+    qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2/2.5)
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
+    sliding_window: int | None = None  # a query sees itself and the window-1 keys before it (Mistral)
+    rope_type: str = "default"  # one of ROPE_TYPES
+    rope_factor: float | None = None  # rope_type llama3 only (all four of LLAMA3_ROPE_FIELDS)
+    rope_low_freq_factor: float | None = None
+    rope_high_freq_factor: float | None = None
+    rope_original_max_len: int | None = None
+    hf_model_type: str = "llama"  # one of HF_MODEL_TYPES: not the network, the family export names
     dtype: str = "bfloat16"  # compute dtype (activations, matmul inputs)
     param_dtype: str = "float32"  # storage dtype of the parameters (optimizer masters)
     remat: str = "full"  # one of REMAT_POLICIES
@@ -60,20 +81,38 @@ class LlamaConfig:
     attention: str = "xla"  # one of ATTENTION_IMPLS
 
     def __post_init__(self):
-        if self.d_model % self.n_heads:
-            raise ValueError(f"model.d_model={self.d_model} not divisible by model.n_heads={self.n_heads}")
+        if self.head_dim is None:
+            if self.d_model % self.n_heads:
+                raise ValueError(f"model.d_model={self.d_model} not divisible by model.n_heads={self.n_heads}")
+            # Resolved here so every user (and the saved config) sees one number.
+            object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"model.n_heads={self.n_heads} not divisible by model.n_kv_heads={self.n_kv_heads}")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"model.remat={self.remat!r}; expected one of {list(REMAT_POLICIES)}")
         if self.attention not in ATTENTION_IMPLS:
             raise ValueError(f"model.attention={self.attention!r}; expected one of {list(ATTENTION_IMPLS)}")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.head_dim < 2 or self.head_dim % 2:
+            raise ValueError(f"model.head_dim={self.head_dim} must be even (and positive) for RoPE")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"model.sliding_window={self.sliding_window}; expected a positive int or null")
+        if self.hf_model_type not in HF_MODEL_TYPES:
+            raise ValueError(f"model.hf_model_type={self.hf_model_type!r}; expected one of {list(HF_MODEL_TYPES)}")
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"model.rope_type={self.rope_type!r}; expected one of {list(ROPE_TYPES)}")
+        for name in LLAMA3_ROPE_FIELDS:
+            value = getattr(self, name)
+            if (value is None) == (self.rope_type == "llama3"):
+                need = "needs it" if value is None else "does not use it"
+                raise ValueError(f"model.{name}={value!r}: model.rope_type={self.rope_type!r} {need}")
+        if self.rope_type == "llama3" and self.rope_high_freq_factor <= self.rope_low_freq_factor:
+            raise ValueError(f"model.rope_high_freq_factor={self.rope_high_freq_factor} must exceed "
+                             f"model.rope_low_freq_factor={self.rope_low_freq_factor}")
 
     @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+    def rope_llama3(self) -> tuple | None:
+        """(factor, low_freq_factor, high_freq_factor, original_max_len) for rope_type llama3."""
+        return tuple(getattr(self, name) for name in LLAMA3_ROPE_FIELDS) if self.rope_type == "llama3" else None
 
     @classmethod
     def from_mapping(cls, m: Mapping[str, Any]) -> "LlamaConfig":
@@ -88,6 +127,8 @@ class LlamaConfig:
     def layer_params(self) -> int:
         d, h = self.d_model, self.head_dim
         attn = d * self.n_heads * h + 2 * d * self.n_kv_heads * h + self.n_heads * h * d
+        attn += (self.n_heads + 2 * self.n_kv_heads) * h if self.qkv_bias else 0
+        attn += 2 * h if self.qk_norm else 0  # the per-head q and k norm scales
         mlp = 3 * d * self.d_ff
         return attn + mlp + 2 * d  # + two RMSNorm scales
 
@@ -116,6 +157,12 @@ def _param(rngs: nnx.Rngs, shape, names, std, dtype) -> nnx.Param:
     return nnx.Param(value, out_sharding=names, eager_sharding=False)
 
 
+def _zeros(shape, names, dtype) -> nnx.Param:
+    """A Param of zeros (biases), drawing nothing from the rngs: the other Params' values do not
+    depend on whether a variant has biases."""
+    return nnx.Param(jnp.zeros(shape, dtype), out_sharding=names, eager_sharding=False)
+
+
 # ----------------------------------------------------------------------------- layers
 
 
@@ -131,10 +178,24 @@ class RMSNorm(nnx.Module):
         return (y * self.scale_d[...].astype(jnp.float32)).astype(x_btd.dtype)
 
 
-def rope(x_btnh, positions_bt, theta: float):
-    """Rotary embedding, HF "rotate half" layout (first half / second half of each head)."""
-    h = x_btnh.shape[-1]
+def rope_inv_freq(h: int, theta: float, llama3: tuple | None = None):
+    """[h/2] fp32 rotation frequencies. llama3 = (factor, low_freq_factor, high_freq_factor,
+    original_max_len) (Llama 3.1+, HF rope_type "llama3"): wavelengths longer than
+    original_max_len / low_freq_factor are slowed by `factor`, those shorter than
+    original_max_len / high_freq_factor kept, and those between interpolated smoothly."""
     inv_freq_j = 1.0 / (theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+    if llama3 is None:
+        return inv_freq_j
+    factor, low, high, original = llama3
+    wavelen_j = 2 * math.pi / inv_freq_j
+    slowed_j = jnp.where(wavelen_j > original / low, inv_freq_j / factor, inv_freq_j)
+    smooth_j = (original / wavelen_j - low) / (high - low)
+    between_j = (wavelen_j >= original / high) & (wavelen_j <= original / low)
+    return jnp.where(between_j, (1 - smooth_j) * slowed_j / factor + smooth_j * slowed_j, slowed_j)
+
+
+def rope(x_btnh, positions_bt, inv_freq_j):
+    """Rotary embedding, HF "rotate half" layout (first half / second half of each head)."""
     angle_btj = positions_bt.astype(jnp.float32)[..., None] * inv_freq_j
     cos, sin = jnp.cos(angle_btj)[:, :, None, :], jnp.sin(angle_btj)[:, :, None, :]
     x1, x2 = jnp.split(x_btnh.astype(jnp.float32), 2, axis=-1)
@@ -142,12 +203,16 @@ def rope(x_btnh, positions_bt, theta: float):
     return out.astype(x_btnh.dtype)
 
 
-def attention_mask(segment_ids_bt, branch_ids_bt=None):
+def attention_mask(segment_ids_bt, branch_ids_bt=None, window: int | None = None, positions_bt=None):
     """[b, t, s] bool: causal and same document. Packed documents never see each other.
 
     branch_ids_bt (scoring only, model/evals/evaluate.py): a document is a shared prefix (branch 0)
     followed by branches 1, 2, ... that each see the prefix and themselves but not each other,
-    so several continuations of one context are scored in one pass over the context."""
+    so several continuations of one context are scored in one pass over the context.
+    window (sliding-window attention): a query also sees only keys fewer than `window` positions
+    back (HF: key > query - window). Distances are in positions when given (a branch's tokens sit
+    after the earlier branches in the row but follow the prefix in position), else in row slots,
+    which within one training document are the same."""
     t = segment_ids_bt.shape[1]
     causal_ts = jnp.tril(jnp.ones((t, t), dtype=bool))
     same_doc_bts = segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
@@ -155,12 +220,15 @@ def attention_mask(segment_ids_bt, branch_ids_bt=None):
     if branch_ids_bt is not None:
         key_b1s = branch_ids_bt[:, None, :]
         mask_bts &= (key_b1s == 0) | (key_b1s == branch_ids_bt[:, :, None])
+    if window is not None:
+        pos_bt = jnp.broadcast_to(jnp.arange(t), segment_ids_bt.shape) if positions_bt is None else positions_bt
+        mask_bts &= (pos_bt[:, :, None] - pos_bt[:, None, :]) < window
     return mask_bts
 
 
-def attention_xla(q_btnh, k_bskh, v_bskh, segment_ids_bt, branch_ids_bt=None):
+def attention_xla(q_btnh, k_bskh, v_bskh, segment_ids_bt, branch_ids_bt=None, window=None, positions_bt=None):
     """Reference attention: plain einsums, softmax in fp32. Runs on every backend."""
-    mask_bts = attention_mask(segment_ids_bt, branch_ids_bt)
+    mask_bts = attention_mask(segment_ids_bt, branch_ids_bt, window, positions_bt)
     return _gqa_attention(q_btnh, k_bskh, v_bskh, mask_bts[:, None, None])
 
 
@@ -181,26 +249,31 @@ def _gqa_attention(q_btnh, k_bskh, v_bskh, mask):
     return out_btkgh.reshape(b, t, n, h)
 
 
-def attention_dpa(q_btnh, k_bskh, v_bskh, segment_ids_bt, implementation: str):
+def attention_dpa(q_btnh, k_bskh, v_bskh, segment_ids_bt, implementation: str, window: int | None = None):
     """`jax.nn.dot_product_attention`: "cudnn" (flash attention on NVIDIA GPUs) or "xla".
 
     The segment mask is passed as a boolean mask and causality as is_causal, so cuDNN can
     skip the upper triangle (jax hands the mask to cuDNN as an additive bias). The "xla" variant
     exists so CPU tests exercise this code path; `attention` decides where "cudnn" may run.
+    A sliding window is jax's local_window_size (window-1 keys back, none ahead), which cuDNN
+    runs as its own sliding-window length.
     """
     mask_b1ts = (segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :])[:, None]
     return jax.nn.dot_product_attention(
-        q_btnh, k_bskh, v_bskh, mask=mask_b1ts, is_causal=True, implementation=implementation
+        q_btnh, k_bskh, v_bskh, mask=mask_b1ts, is_causal=True, implementation=implementation,
+        local_window_size=None if window is None else (window - 1, 0),
     )
 
 
-def attention_splash(q_btnh, k_bskh, v_bskh, segment_ids_bt, interpret: bool = False):
+def attention_splash(q_btnh, k_bskh, v_bskh, segment_ids_bt, interpret: bool = False, window: int | None = None):
     """Pallas splash attention (TPU). A per-device kernel, so it runs under shard_map.
 
     Batch is split over the mesh axes the rules give "act_batch", heads over "act_heads".
     K/V heads are repeated to the query heads (splash MHA); the repeat is cheap next to
     the attention itself and keeps one kernel for MHA and GQA. interpret=True runs the
     Pallas kernel in the interpreter (any backend, slow): how the CPU tests check this path.
+    A sliding window is splash's LocalMask (window-1 keys back, none ahead: causal too), whose
+    fully masked blocks the kernel skips.
     """
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
@@ -212,7 +285,11 @@ def attention_splash(q_btnh, k_bskh, v_bskh, segment_ids_bt, interpret: bool = F
 
     def local(q, k, v, seg):
         n_local = q.shape[1]
-        mask = splash.MultiHeadMask([splash.CausalMask((t, t)) for _ in range(n_local)])
+        if window is None:
+            head_mask = splash.CausalMask((t, t))
+        else:
+            head_mask = splash.LocalMask((t, t), window_size=(window - 1, 0), offset=0)
+        mask = splash.MultiHeadMask([head_mask for _ in range(n_local)])
         kernel = splash.make_splash_mha(mask, head_shards=1, q_seq_shards=1, interpret=interpret)
         ids = splash.SegmentIds(q=seg, kv=seg)
         return jax.vmap(kernel)(q, k, v, segment_ids=ids)
@@ -279,16 +356,19 @@ def _devices_here():
     return device.platform, getattr(device, "compute_capability", None)
 
 
-def attention(q_btnh, k_bskh, v_bskh, segment_ids_bt, impl: str, branch_ids_bt=None):
+def attention(q_btnh, k_bskh, v_bskh, segment_ids_bt, impl: str, branch_ids_bt=None,
+              window: int | None = None, positions_bt=None):
+    """Causal attention within each packed document (and within `window` when set) by `impl`.
+    positions_bt: the window's distances for the reference (see attention_mask)."""
     if impl == "xla" or branch_ids_bt is not None:
         # Branched rows are scoring's (no gradient, short rows): the kernels take segment ids only.
-        return attention_xla(q_btnh, k_bskh, v_bskh, segment_ids_bt, branch_ids_bt)
+        return attention_xla(q_btnh, k_bskh, v_bskh, segment_ids_bt, branch_ids_bt, window, positions_bt)
     if impl == "cudnn":
         platform, capability = _devices_here()
         reason = cudnn_unavailable(platform, q_btnh.dtype, q_btnh.shape[-1], q_btnh.shape[1], capability)
         if reason is None:
             try:
-                out = attention_dpa(q_btnh, k_bskh, v_bskh, segment_ids_bt, "cudnn")
+                out = attention_dpa(q_btnh, k_bskh, v_bskh, segment_ids_bt, "cudnn", window)
                 _notice_once("model.attention=cudnn: cuDNN flash attention (segment mask as a bias)")
                 return out
             except (NotImplementedError, RuntimeError) as e:  # jax's own refusals at trace time
@@ -296,19 +376,23 @@ def attention(q_btnh, k_bskh, v_bskh, segment_ids_bt, impl: str, branch_ids_bt=N
         # The reference computes the same function: same numbers, but it builds the [t, s] scores
         # in memory, so a GPU plan sized for cuDNN may need more memory or microbatches.
         _notice_once(f"model.attention=cudnn unavailable ({reason}); using the XLA reference attention")
-        return attention_xla(q_btnh, k_bskh, v_bskh, segment_ids_bt)
+        return attention_xla(q_btnh, k_bskh, v_bskh, segment_ids_bt, window=window, positions_bt=positions_bt)
     if impl == "splash":
-        return attention_splash(q_btnh, k_bskh, v_bskh, segment_ids_bt)
+        return attention_splash(q_btnh, k_bskh, v_bskh, segment_ids_bt, window=window)
     raise ValueError(f"model.attention={impl!r}")
 
 
-def attention_cached(q_btnh, k_bskh, v_bskh, start):
+def attention_cached(q_btnh, k_bskh, v_bskh, start, window: int | None = None):
     """attention_xla against a KV cache (generation): the t queries sit at cache slots
     start .. start+t-1 and query i sees slots <= start + i, so the empty slots beyond the
     filled ones are masked too. One sequence per row (no packing): slot s holds position s.
+    With a sliding window, query i also sees only slots > start + i - window.
     """
     t, s = q_btnh.shape[1], k_bskh.shape[1]
-    visible_ts = jnp.arange(s)[None, :] <= start + jnp.arange(t)[:, None]
+    query_t1 = start + jnp.arange(t)[:, None]
+    visible_ts = jnp.arange(s)[None, :] <= query_t1
+    if window is not None:
+        visible_ts &= jnp.arange(s)[None, :] > query_t1 - window
     return _gqa_attention(q_btnh, k_bskh, v_bskh, visible_ts)
 
 
@@ -327,11 +411,19 @@ class Block(nnx.Module):
         self.wk_dkh = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), std, pdt)
         self.wv_dkh = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), std, pdt)
         self.wo_nhd = _param(rngs, (n, h, d), ("heads", "head_dim", "embed"), out_std, pdt)
+        # Optional parts are None when off: the default block's parameters are today's, unchanged.
+        self.bq_nh = _zeros((n, h), ("heads", "head_dim"), pdt) if cfg.qkv_bias else None
+        self.bk_kh = _zeros((k, h), ("kv_heads", "head_dim"), pdt) if cfg.qkv_bias else None
+        self.bv_kh = _zeros((k, h), ("kv_heads", "head_dim"), pdt) if cfg.qkv_bias else None
+        self.q_norm = RMSNorm(h, cfg.norm_eps, pdt, rngs=rngs) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(h, cfg.norm_eps, pdt, rngs=rngs) if cfg.qk_norm else None
         self.mlp_norm = RMSNorm(d, cfg.norm_eps, pdt, rngs=rngs)
         self.w_gate_df = _param(rngs, (d, f), ("embed", "mlp"), std, pdt)
         self.w_up_df = _param(rngs, (d, f), ("embed", "mlp"), std, pdt)
         self.w_down_fd = _param(rngs, (f, d), ("mlp", "embed"), out_std, pdt)
         self.rope_theta = cfg.rope_theta
+        self.rope_llama3 = cfg.rope_llama3
+        self.sliding_window = cfg.sliding_window
         self.attention_impl = cfg.attention
         self.dtype = jnp.dtype(cfg.dtype)
 
@@ -339,15 +431,22 @@ class Block(nnx.Module):
         return p[...].astype(self.dtype)   # fp32 master -> compute dtype
 
     def _qkv(self, x_btd, positions_bt):
-        """norm -> q, k, v projections -> RoPE on q and k."""
+        """norm -> q, k, v projections (+ biases) -> per-head q, k norms -> RoPE on q and k."""
         y_btd = self.attn_norm(x_btd)
         q_btnh = jnp.einsum("btd,dnh->btnh", y_btd, self._w(self.wq_dnh))
         k_btkh = jnp.einsum("btd,dkh->btkh", y_btd, self._w(self.wk_dkh))
         v_btkh = jnp.einsum("btd,dkh->btkh", y_btd, self._w(self.wv_dkh))
+        if self.bq_nh is not None:
+            q_btnh = q_btnh + self._w(self.bq_nh)
+            k_btkh = k_btkh + self._w(self.bk_kh)
+            v_btkh = v_btkh + self._w(self.bv_kh)
         q_btnh = shd.constrain(q_btnh, ("act_batch", "act_len", "act_heads", None))
         k_btkh = shd.constrain(k_btkh, ("act_batch", "act_len", "act_kv_heads", None))
         v_btkh = shd.constrain(v_btkh, ("act_batch", "act_len", "act_kv_heads", None))
-        return rope(q_btnh, positions_bt, self.rope_theta), rope(k_btkh, positions_bt, self.rope_theta), v_btkh
+        if self.q_norm is not None:
+            q_btnh, k_btkh = self.q_norm(q_btnh), self.k_norm(k_btkh)
+        inv_freq_j = rope_inv_freq(q_btnh.shape[-1], self.rope_theta, self.rope_llama3)
+        return rope(q_btnh, positions_bt, inv_freq_j), rope(k_btkh, positions_bt, inv_freq_j), v_btkh
 
     def _out_and_mlp(self, x_btd, o_btnh):
         """Attention output projection into the residual, then the SwiGLU branch."""
@@ -364,7 +463,8 @@ class Block(nnx.Module):
 
     def __call__(self, x_btd, positions_bt, segment_ids_bt, branch_ids_bt=None):
         q_btnh, k_btkh, v_btkh = self._qkv(x_btd, positions_bt)
-        o_btnh = attention(q_btnh, k_btkh, v_btkh, segment_ids_bt, self.attention_impl, branch_ids_bt)
+        o_btnh = attention(q_btnh, k_btkh, v_btkh, segment_ids_bt, self.attention_impl, branch_ids_bt,
+                           self.sliding_window, positions_bt)
         return self._out_and_mlp(x_btd, o_btnh)
 
     def decode(self, x_btd, positions_bt, k_cache_bskh, v_cache_bskh, start):
@@ -376,7 +476,7 @@ class Block(nnx.Module):
         q_btnh, k_btkh, v_btkh = self._qkv(x_btd, positions_bt)
         k_cache_bskh = jax.lax.dynamic_update_slice_in_dim(k_cache_bskh, k_btkh.astype(k_cache_bskh.dtype), start, 1)
         v_cache_bskh = jax.lax.dynamic_update_slice_in_dim(v_cache_bskh, v_btkh.astype(v_cache_bskh.dtype), start, 1)
-        o_btnh = attention_cached(q_btnh, k_cache_bskh, v_cache_bskh, start)
+        o_btnh = attention_cached(q_btnh, k_cache_bskh, v_cache_bskh, start, self.sliding_window)
         return self._out_and_mlp(x_btd, o_btnh), k_cache_bskh, v_cache_bskh
 
 

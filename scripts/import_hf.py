@@ -1,4 +1,4 @@
-"""Import a Hugging Face Llama directory as a parameters-only checkpoint to train from.
+"""Import a Hugging Face Llama, Mistral, Qwen2/2.5 or Qwen3 directory as a parameters-only checkpoint to train from.
 
     python scripts/import_hf.py /models/TinyLlama-1.1B ckpt/tinyllama
     python train.py model=1b checkpoint.init_from=ckpt/tinyllama tokenizer.path=/models/TinyLlama-1.1B
@@ -39,9 +39,17 @@ def import_hf(hf_dir: str, out_dir: str, **runtime) -> tuple:
     return cfg, save_params(out_dir, params, meta)
 
 
+def model_overrides(cfg) -> list[str]:
+    """`model.<field>=<value>` for every field of `cfg`, as Hydra reads them (YAML scalars)."""
+    from model.hf import model_yaml
+
+    return [f"model.{line.replace(': ', '=', 1)}" for line in model_yaml(cfg).splitlines()]
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("hf_dir", help="Hugging Face Llama directory (config.json + safetensors)")
+    ap.add_argument("hf_dir", help="Hugging Face directory (config.json + safetensors) of model_type llama, "
+                                   "mistral, qwen2 or qwen3")
     ap.add_argument("out_ckpt_dir", help="new checkpoint directory")
     ap.add_argument("--dtype", default="bfloat16", help="compute dtype recorded in the model config")
     ap.add_argument("--remat", default="full", help="remat policy recorded in the model config")
@@ -55,7 +63,7 @@ def main(argv=None) -> None:
 
     cfg, directory = import_hf(args.hf_dir, args.out_ckpt_dir, dtype=args.dtype, remat=args.remat)
     text = model_yaml(cfg)
-    overrides = " ".join(f"model.{line.replace(': ', '=')}" for line in text.splitlines())
+    overrides = " ".join(model_overrides(cfg))
     tokenizer = Path(args.hf_dir).resolve() / "tokenizer.json"
     tok_arg = f" tokenizer.path={tokenizer}" if tokenizer.is_file() else ""
     print(f"imported {cfg.num_params():,} parameters from {args.hf_dir} to {directory} (step 0)\n")

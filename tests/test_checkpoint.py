@@ -267,6 +267,19 @@ def test_runtime_only_model_settings_may_change():
     assert check_fingerprint(FP, now, allow_data_change=False) == []
 
 
+def test_model_fields_added_later_compare_at_their_defaults():
+    """A checkpoint saved before head_dim, qkv_bias, ... existed names the same network as a preset
+    that spells their defaults out (head_dim resolved); a set one is a difference."""
+    import dataclasses
+
+    old = {"model": {k: v for k, v in dataclasses.asdict(MODEL).items()
+                     if k not in ("head_dim", "qkv_bias", "qk_norm", "sliding_window", "rope_type", "hf_model_type")}}
+    now = {"model": {**dataclasses.asdict(MODEL), "head_dim": None}}
+    assert fingerprint_diffs(old, now) == []
+    assert fingerprint_diffs(old, {"model": {**now["model"], "sliding_window": 64}}) == [
+        "model.sliding_window: checkpoint=None now=64"]
+
+
 # ---------------------------------------------------------------- damaged steps
 def _largest_array_file(step_dir):
     return max((step_dir / "state").glob("ocdbt.process_*/d/*"), key=lambda p: p.stat().st_size)

@@ -77,11 +77,22 @@ def test_cached_greedy_equals_uncached(scan_layers, tie):
     assert len(set(want)) > 1  # not a degenerate constant continuation
 
 
+# The open-checkpoint variants (model/hf.py): a window shorter than the sequence (Mistral), q/k/v
+# biases and a decoupled head_dim (Qwen2-like), q/k norms (Qwen3), Llama 3.1's RoPE scaling.
+VARIANTS = {"llama2": {}, "window": dict(sliding_window=6), "bias_head_dim": dict(qkv_bias=True, head_dim=16),
+            "qk_norm": dict(qk_norm=True),
+            "llama3_rope": dict(rope_type="llama3", rope_theta=500000.0, rope_factor=8.0, rope_low_freq_factor=1.0,
+                                rope_high_freq_factor=4.0, rope_original_max_len=16)}
+
+
 @pytest.mark.slow
-def test_decode_logits_match_forward_in_chunks():
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_decode_logits_match_forward_in_chunks(variant):
     """Prefill + uneven chunks through the cache reproduce the training forward's logits."""
-    cfg = LlamaConfig(**SMALL)
-    model = Llama(cfg, rngs=nnx.Rngs(1))
+    from model.step import model_from_params
+
+    cfg = LlamaConfig(**SMALL, **VARIANTS[variant])
+    model = model_from_params(cfg, random_params(cfg, seed=1, std=0.1))
     b, t = 2, 20
     tokens = jax.random.randint(jax.random.key(0), (b, t), 0, cfg.vocab_size)
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))

@@ -7,6 +7,7 @@ Run: pytest tests/test_hf_interop.py -q   (the transformers checks skip without 
 import dataclasses
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import jax
@@ -114,14 +115,63 @@ def test_sharded_safetensors_import(exported, tmp_path):
     assert_same_params(ckpt_lib.load_params(run)[1], ckpt_lib.load_params(tmp_path / "ckpt")[1])
 
 
-def test_unsupported_hf_variants_are_refused():
-    base = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                num_attention_heads=2, num_key_value_heads=1)
-    assert hf.from_hf_config(base).d_model == 16
-    for bad in ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, {"attention_bias": True},
-                {"hidden_act": "gelu"}, {"head_dim": 4}):
-        with pytest.raises(ValueError, match=next(iter(bad))):
-            hf.from_hf_config({**base, **bad})
+BASE_HF = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+               num_attention_heads=2, num_key_value_heads=1)
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192}
+# config.json changes that would make another network: (change, what the one line must name)
+REFUSED = [
+    ({"model_type": "gemma"}, "model_type='gemma'"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling.rope_type='yarn'"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}},
+     "rope_parameters.rope_type='linear'"),
+    ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling.rope_type='dynamic'"),
+    ({"rope_scaling": {k: v for k, v in LLAMA3.items() if k != "low_freq_factor"}},
+     "rope_scaling.low_freq_factor=None"),
+    ({"rope_scaling": LLAMA3, "rope_parameters": {**LLAMA3, "factor": 32.0}}, "rope_scaling.factor=8.0"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25}},
+     "rope_parameters.partial_rotary_factor=0.25"),
+    ({"attention_bias": True}, "attention_bias=True"),
+    ({"model_type": "qwen3", "attention_bias": True}, "attention_bias=True"),
+    ({"mlp_bias": True}, "mlp_bias=True"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ({"num_local_experts": 8}, "num_local_experts=8"),
+    ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window=True"),
+    ({"layer_types": ["sliding_attention"]}, "layer_types=['sliding_attention']"),
+    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
+]
+
+
+@pytest.mark.parametrize("change, names", REFUSED, ids=[n for _, n in REFUSED])
+def test_unsupported_hf_variants_are_refused_in_one_line(change, names):
+    with pytest.raises(ValueError) as e:
+        hf.from_hf_config({**BASE_HF, **change})
+    message = str(e.value)
+    assert names in message and "\n" not in message, message
+
+
+def test_supported_hf_variants_read_their_fields():
+    assert hf.from_hf_config(BASE_HF).head_dim == 8
+    cfg = hf.from_hf_config({**BASE_HF, "head_dim": 4, "rope_theta": 5e5, "rope_scaling": LLAMA3})
+    assert (cfg.head_dim, cfg.rope_type, cfg.rope_theta, cfg.rope_llama3) == (4, "llama3", 5e5, (8.0, 1.0, 4.0, 8192))
+    assert cfg == hf.from_hf_config({**BASE_HF, "head_dim": 4, "rope_parameters": {**LLAMA3, "rope_theta": 5e5}})
+    assert hf.from_hf_config({**BASE_HF, "model_type": "mistral", "sliding_window": None}).sliding_window is None
+    assert hf.from_hf_config({**BASE_HF, "model_type": "mistral"}).sliding_window == 4096  # MistralConfig's default
+    assert hf.from_hf_config({**BASE_HF, "model_type": "qwen3"}).head_dim == 128  # Qwen3Config's default
+
+
+def test_weights_without_a_place_and_unfit_exports_are_refused_in_one_line():
+    cfg = hf.from_hf_config(BASE_HF, dtype="float32")
+    sd = hf.to_hf_state_dict(nnx.to_pure_dict(nnx.state(Llama(cfg, rngs=nnx.Rngs(0)), nnx.Param)), cfg)
+    hf.from_hf_state_dict(sd, cfg)
+    with pytest.raises(ValueError, match=r"^weight 'model.layers.0.self_attn.o_proj.bias' \(and 0 more\)[^\n]*$"):
+        hf.from_hf_state_dict({**sd, "model.layers.0.self_attn.o_proj.bias": np.zeros(16, np.float32)}, cfg)
+    for fields, names in [(dict(qk_norm=True), "model.qk_norm=True"),
+                          (dict(sliding_window=8), "model.sliding_window=8"),
+                          (dict(hf_model_type="qwen2"), "model.qkv_bias=False")]:
+        with pytest.raises(ValueError, match=f"^{re.escape(names)}[^\n]*$"):
+            hf.to_hf_config(dataclasses.replace(cfg, **fields))
 
 
 # ---------------------------------------------------------------- transformers loads the export
@@ -173,3 +223,76 @@ def test_init_from_imported_checkpoint_trains_from_its_params(exported, tmp_path
     summary = train_mod.train(cfg)
     assert summary["start_step"] == 0 and summary["steps"] == 2
     assert_same_params(ckpt_lib.load_params(tmp_path / "run2")[1], ckpt_lib.load_params(imported)[1])
+
+
+# ---------------------------------------------------------------- the open-checkpoint families, both ways
+def _family_variants():
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import hf_helpers
+
+    return hf_helpers
+
+
+@pytest.mark.parametrize("name", ["llama2", "llama3", "llama3_hub_spelling", "llama_head_dim", "qwen2", "qwen3",
+                                  "mistral", "smollm2", "tinyllama"])
+def test_import_then_export_writes_the_same_directory(name, tmp_path):
+    """transformers' directory -> import_hf -> export_hf: the same model_type and architectures,
+    the RoPE fields in the spelling it came in, every tensor back equal (fp32)."""
+    variants = _family_variants()
+    variants.save_variant(name, tmp_path / "hf")
+    cfg, _ = import_hf.import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"), dtype="float32", remat="none")
+    export_hf.export(str(tmp_path / "ckpt"), str(tmp_path / "out"))
+    source = json.loads((tmp_path / "hf" / "config.json").read_text())
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    for key in ("model_type", "architectures", "hidden_size", "num_key_value_heads", "tie_word_embeddings",
+                "intermediate_size", "vocab_size"):
+        assert written[key] == source[key], key
+    if "head_dim" in source:
+        assert written["head_dim"] == source["head_dim"]
+    # the spelling it came in holds the same RoPE (the other spelling is written too, equal)
+    rope_in = source.get("rope_scaling") or source.get("rope_parameters") or {}
+    rope_key = "rope_scaling" if source.get("rope_scaling") else "rope_parameters"
+    for key, value in rope_in.items():
+        got = written[rope_key].get(key, written["rope_theta"] if key == "rope_theta" else None)
+        assert got == value, (rope_key, key)
+    if "sliding_window" in source:
+        assert written.get("sliding_window") == source["sliding_window"]
+    a, b = hf.read_safetensors(tmp_path / "hf"), hf.read_safetensors(tmp_path / "out")
+    assert sorted(a) == sorted(b)
+    for key in a:
+        assert b[key].dtype == np.float32
+        np.testing.assert_array_equal(b[key], a[key], err_msg=key)
+    assert hf.from_hf_config(written, dtype="float32", remat="none") == cfg
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen2", "qwen3", "mistral"])
+def test_import_train_export_loads_in_transformers(name, tmp_path):
+    """import_hf -> train.py a few steps from it (checkpoint.init_from, the printed overrides) ->
+    export_hf -> transformers' AutoModelForCausalLM is the family's class and gives our logits."""
+    import torch
+    import transformers
+
+    variants = _family_variants()
+    variants.save_variant(name, tmp_path / "hf", vocab_size=4096)  # the bundled tokenizer's ids
+    cfg, ckpt = import_hf.import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"), dtype="float32", remat="none")
+    run_args = [a for a in TINY_RUN if not a.startswith("model.")]
+    train_mod.train(make_cfg(tmp_path / "run", *run_args, *import_hf.model_overrides(cfg), "train.steps=3",
+                             f"checkpoint.init_from={ckpt}", f"tokenizer.path={TOKENIZER}"))
+    cfg_run, params, _ = ckpt_lib.load_params(tmp_path / "run")
+    assert cfg_run == cfg
+    before = ckpt_lib.load_params(ckpt)[1]
+    assert np.abs(np.asarray(params["embed_vd"]) - np.asarray(before["embed_vd"])).max() > 0  # it trained
+    export_hf.export(str(tmp_path / "run"), str(tmp_path / "out"))
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), attn_implementation="eager")
+    assert type(model).__name__ == variants.VARIANTS[name][0]
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 40))  # longer than the Mistral window
+    with torch.no_grad():
+        want = model.eval()(torch.from_numpy(tokens)).logits.numpy()
+    b, t = tokens.shape
+    got = np.asarray(model_from_params(cfg, params)(jnp.asarray(tokens, jnp.int32),
+                                                    jnp.broadcast_to(jnp.arange(t), (b, t)),
+                                                    jnp.ones((b, t), jnp.int32)))
+    assert np.abs(want).max() > 1.0
+    assert np.abs(got - want).max() <= 1e-4, np.abs(got - want).max()

@@ -85,7 +85,7 @@ def load_script(name):
     return module
 
 
-def trained_params(steps=40):
+def trained_params(cfg: LlamaConfig = CFG, steps=40):
     """fp32 weights trained a few dozen AdamW steps on the bundled sample's text: predictions as
     peaked as a real checkpoint's (the init's are near-uniform), norm scales away from 1."""
     import gzip
@@ -98,7 +98,7 @@ def trained_params(steps=40):
     with gzip.open(ROOT / "data" / "sample" / "0000" / "en_head.json.gz", "rt") as f:
         texts = [json.loads(line)["raw_content"] for line in itertools.islice(f, 64)]
     ids = np.concatenate([e.ids for e in tok.encode_batch(texts)])[: 16 * (SEQ + 1)].reshape(16, SEQ + 1)
-    model = Llama(CFG, rngs=nnx.Rngs(3))
+    model = Llama(cfg, rngs=nnx.Rngs(3))
     graphdef, params = nnx.split(model, nnx.Param)
     pos, seg = jnp.broadcast_to(jnp.arange(SEQ), (16, SEQ)), jnp.ones((16, SEQ), jnp.int32)
 
@@ -220,3 +220,45 @@ def test_bad_model_args_and_generation_are_one_line(setup):
         model.evals.harness.JaxptLM(run_dir=ckpt, temperature=1.0)
     with pytest.raises(FileNotFoundError, match="no checkpoint at step 7"):
         model.evals.harness.JaxptLM(run_dir=ckpt, step=7)
+
+
+def _mc_lines(task_dir):
+    return (task_dir / "mc.jsonl").read_text().splitlines()
+
+
+# ---------------------------------------------------------------- one exported model per family
+# Each family's peculiarity at this size (model/hf.py): Llama 3's RoPE scaling (original length 32,
+# so the rows use the scaled bands) with a tied head, Qwen2's q/k/v biases, Qwen3's q/k norms and
+# a head_dim apart from d_model / n_heads, Mistral's window (shorter than the rows and contexts).
+FAMILIES = {
+    "llama3": dict(rope_type="llama3", rope_theta=500000.0, rope_factor=8.0, rope_low_freq_factor=1.0,
+                   rope_high_freq_factor=4.0, rope_original_max_len=32, tie_embeddings=True),
+    "qwen2": dict(qkv_bias=True, tie_embeddings=True, hf_model_type="qwen2"),
+    "qwen3": dict(qk_norm=True, head_dim=32, hf_model_type="qwen3"),
+    "mistral": dict(sliding_window=16, hf_model_type="mistral"),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_each_family_matches_the_hf_backend_per_request(family, setup, tmp_path):
+    """The family's export through the harness's HF backend (transformers' own class) and
+    "jaxpt" on our checkpoint give the same log-likelihood per request (8 documents of each task:
+    the first 6 multiple-choice ones, then the context longer than the model's rows and the empty one)."""
+    _, _, task_dir, _ = setup
+    cfg = dataclasses.replace(CFG, **FAMILIES[family])
+    meta = {"config": {"model": dataclasses.asdict(cfg), "tokenizer": {"path": TOKENIZER},
+                       "data": {"add_bos": False}}}
+    ckpt = ckpt_lib.save_params(tmp_path / "ckpt", trained_params(cfg), meta)
+    load_script("export_hf").export(ckpt, str(tmp_path / "hf"))
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == cfg.hf_model_type
+    n_mc = len(_mc_lines(task_dir))
+    docs = {"jx_mc": [0, 1, 2, 3, 4, 5, n_mc - 2, n_mc - 1], "jx_lambada": list(range(8))}
+    hf = run(HFLM(pretrained=str(tmp_path / "hf"), device="cpu", dtype="float32", batch_size=4), task_dir,
+             samples=docs)
+    ours = run("jaxpt", task_dir, model_args=f"run_dir={ckpt},step=0,batch_rows=8", samples=docs)
+    for task in ("jx_mc", "jx_lambada"):
+        a, b = lls(hf, task), lls(ours, task)
+        assert a.shape == b.shape and len(a) == 8
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            np.testing.assert_allclose(np.asarray(y, float), np.asarray(x, float), atol=1e-4, rtol=0,
+                                       err_msg=f"{family} {task} doc {i}")

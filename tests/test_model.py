@@ -39,13 +39,17 @@ def test_from_mapping_rejects_unknown_keys_and_bad_values():
 
 
 @pytest.mark.parametrize("name,expected", [
-    ("tiny", None), ("125m", None), ("1b", 1_100_048_384), ("llama2_7b", 6_738_415_616)])
+    ("tiny", None), ("125m", None), ("1b", 1_100_048_384), ("llama2_7b", 6_738_415_616),
+    # the open checkpoints' (configs/model: their config.json shapes; the count their tensors hold,
+    # a tied head once)
+    ("llama3_2_1b", 1_235_814_400), ("llama3_2_3b", 3_212_749_824), ("llama3_1_8b", 8_030_261_248),
+    ("qwen2_5_0_5b", 494_032_768), ("qwen3_0_6b", 596_049_920), ("mistral_7b", 7_241_732_096)])
 def test_presets_build_by_shape_and_count_params(name, expected):
     cfg = preset(name)
     model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
     counted = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     assert counted == cfg.num_params()
-    if expected is not None:  # the published counts (Llama-2-7B, TinyLlama-1.1B)
+    if expected is not None:  # the published counts (Llama-2-7B, TinyLlama-1.1B, ...)
         assert cfg.num_params() == expected
     b, t = 2, 16
     out = jax.eval_shape(lambda m: m(jnp.zeros((b, t), jnp.int32), jnp.zeros((b, t), jnp.int32),
@@ -117,6 +121,42 @@ def test_attention_impls_match_reference(impl, dtype):
     got = fn(q, k, v, seg).astype(jnp.float32)
     tol = 1e-5 if dtype == "float32" else 3e-2
     np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
+
+
+def _naive_window_attention(q, k, v, seg, window):
+    """_naive_attention with each query also seeing only the `window` slots ending at itself."""
+    t = q.shape[1]
+    g = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
+    s = jnp.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(q.shape[-1])
+    idx = np.arange(t)
+    near = (idx[:, None] >= idx[None, :]) & (idx[:, None] - idx[None, :] < window)
+    mask = (near[None] & (seg[:, :, None] == seg[:, None, :]))[:, None]
+    p = jax.nn.softmax(jnp.where(mask, s, -1e30), axis=-1)
+    return jnp.einsum("bnts,bsnh->btnh", p, v)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", ["reference", *IMPLS])
+def test_sliding_window_attention_on_every_kernel(impl):
+    """Mistral's window (a query sees itself and window-1 keys before it) on packed documents
+    longer than the window, on each kernel model.attention can pick; the window matters."""
+    if impl != "reference" and not IMPLS[impl][0]:
+        pytest.skip(f"{impl} does not run on {jax.default_backend()}")
+    window, t = 40, 128
+    q, k, v, _ = _qkv(3, t=t, h=128 if impl in ("cudnn", "splash") else 16)
+    seg = jnp.asarray(np.repeat([np.digitize(np.arange(t), [70, 110]) + 1], 2, axis=0), jnp.int32)
+    want = _naive_window_attention(q, k, v, seg, window)
+    if impl == "reference":
+        got = llama.attention_xla(q, k, v, seg, window=window)
+    elif impl == "dpa_xla":
+        got = llama.attention_dpa(q, k, v, seg, "xla", window=window)
+    elif impl == "splash_interpret":
+        got = llama.attention_splash(q, k, v, seg, interpret=True, window=window)
+    else:
+        got = llama.attention(q, k, v, seg, impl, window=window)
+    np.testing.assert_allclose(got, want, atol=1e-5 if impl != "cudnn" else 3e-2)
+    assert np.abs(np.asarray(want) - np.asarray(_naive_attention(q, k, v, seg))).max() > 1e-2
 
 
 @pytest.mark.slow

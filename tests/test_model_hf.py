@@ -12,6 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
+from hf_helpers import VARIANTS, import_variant, logit_gap, save_variant  # noqa: E402
 
 from model.llama import Llama, LlamaConfig  # noqa: E402
 
@@ -81,3 +82,47 @@ def test_logits_match_hf_llama(tie):
     assert got.dtype == np.float32 and got.shape == want.shape
     assert np.abs(want).max() > 1.0  # the check is not vacuous
     assert np.abs(got - want).max() <= 1e-4, np.abs(got - want).max()
+
+
+# ---------------------------------------------------------------- the open-checkpoint families
+# One tiny random model per family, built by transformers' own class (tests/hf_helpers.py).
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_family_logits_match_transformers(name, tmp_path):
+    gap, scale = logit_gap(name, tmp_path / name)
+    assert scale > 1.0  # not vacuous
+    assert gap <= 1e-4, gap
+
+
+def test_variant_features_are_read_and_matter(tmp_path):
+    """Each variant's field is read, and leaving it out would change the logits (so the parity
+    above checks it): RoPE scaling, the window, biases and q/k norms."""
+    import dataclasses
+
+    from model import hf
+    from model.step import model_from_params
+
+    expected = {"llama3": dict(rope_type="llama3", rope_factor=32.0, rope_low_freq_factor=1.0,
+                               rope_high_freq_factor=4.0, rope_original_max_len=64, rope_theta=500000.0,
+                               tie_embeddings=True),
+                "llama3_hub_spelling": dict(rope_type="llama3", rope_factor=32.0, rope_original_max_len=64,
+                                            rope_theta=500000.0),
+                "mistral": dict(sliding_window=8, hf_model_type="mistral"),
+                "qwen2": dict(qkv_bias=True, hf_model_type="qwen2", tie_embeddings=True),
+                "qwen3": dict(qk_norm=True, head_dim=32, hf_model_type="qwen3")}
+    without = {"llama3": dict(rope_type="default", rope_factor=None, rope_low_freq_factor=None,
+                              rope_high_freq_factor=None, rope_original_max_len=None),
+               "mistral": dict(sliding_window=None)}
+    long_doc = np.random.default_rng(1).integers(0, 256, (1, 48))
+    pos, seg = jnp.arange(48)[None], jnp.ones((1, 48), jnp.int32)
+    for name, fields in expected.items():
+        save_variant(name, tmp_path / name)
+        cfg, ours = import_variant(tmp_path / name)
+        assert {k: getattr(cfg, k) for k in fields} == fields, name
+        if name in without:
+            params = hf.from_hf_state_dict(hf.read_safetensors(tmp_path / name), cfg)
+            other = model_from_params(dataclasses.replace(cfg, **without[name]), params)
+            gap = np.abs(np.asarray(ours(jnp.asarray(long_doc), pos, seg)) -
+                         np.asarray(other(jnp.asarray(long_doc), pos, seg))).max()
+            assert gap > 1e-2, (name, gap)

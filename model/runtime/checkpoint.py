@@ -478,6 +478,8 @@ def fingerprint_diffs(saved: Mapping, current: Mapping, accepted=frozenset()) ->
     diffs = []
     for section in sorted(set(saved) | set(current)):
         a, b = saved.get(section) or {}, current.get(section) or {}
+        if section == "model":
+            a, b = _model_in_full(a), _model_in_full(b)
         for key in sorted(set(a) | set(b)):
             if (section == "model" and key in MODEL_RUNTIME_KEYS) or f"{section}.{key}" in accepted:
                 continue
@@ -507,6 +509,18 @@ def check_fingerprint(saved: Mapping, current: Mapping, *, allow_data_change: bo
             hint = "the model must match; start a new run (name=...) or use checkpoint.init_from"
         raise ValueError(f"the checkpoint was written by a different setup ({hint}):\n  " + "\n  ".join(diffs))
     return diffs
+
+
+def _model_in_full(model: Mapping) -> Mapping:
+    """Every LlamaConfig field, defaults filled and head_dim resolved: a checkpoint written before
+    a field existed (or a preset that leaves it out) names the same network as one that spells
+    the default out. A mapping LlamaConfig refuses is compared as it is."""
+    from model.llama import LlamaConfig
+
+    try:
+        return dataclasses.asdict(LlamaConfig.from_mapping(model))
+    except (TypeError, ValueError):
+        return model
 
 
 def _canon(value):
