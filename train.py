@@ -301,15 +301,12 @@ def config_errors(*kinds):
 
 def check_config(cfg: DictConfig) -> Settings:
     """Every setting checked that can be without hosts, files or devices; raises ConfigError."""
-    from data.config import DataConfig
-    from data.heldout import eval_settings
+    from data.heldout import data_settings
     from model.evals.evaluate import TasksConfig
     from model.optimizer import resolve_warmup
     from model.runtime import rollback as rollback_lib
     from model.runtime.local_tier import LocalTier
 
-    data_map = OmegaConf.to_container(cfg.data, resolve=True)
-    eval_map = data_map.pop("eval", None) or {}
     with config_errors(TypeError, ValueError):
         if cfg.train.steps <= 0:
             raise ValueError(f"train.steps={cfg.train.steps} must be positive")
@@ -323,12 +320,8 @@ def check_config(cfg: DictConfig) -> Settings:
         if cfg.checkpoint.get("on_damaged", "fall_back") not in ("fall_back", "stop"):
             raise ValueError(f"checkpoint.on_damaged={cfg.checkpoint.on_damaged} must be fall_back or stop")
         model_cfg, tx, schedule = model_and_optimizer(cfg)
-        # data.paths may be one glob or a list: DataConfig takes either.
-        data_cfg = DataConfig.from_mapping({**data_map, "tokenizer": cfg.tokenizer.path})
-        eval_paths, holdout = eval_settings(eval_map)
-        if holdout and data_cfg.sources:
-            raise ValueError("data.eval.holdout_files works with data.paths only: with data.sources, "
-                             "hold out files through data.eval.paths (read with data.text_key)")
+        data_cfg, eval_paths, holdout = data_settings(OmegaConf.to_container(cfg.data, resolve=True),
+                                                      cfg.tokenizer.path)
         _, _, warmup_notice = resolve_warmup(cfg.optimizer, cfg.train.steps)
         TasksConfig.from_mapping(OmegaConf.to_container(cfg.eval, resolve=True))   # eval.tasks, read later
     if data_cfg.seq_len > model_cfg.max_seq_len:

@@ -31,7 +31,7 @@ _EXPORTS = {
     "data.config": ["DataConfig", "SourceConfig", "check_files", "check_shards", "list_files", "validate",
                     "validate_settings"],
     "data.feed": ["Feed", "start_feed"],
-    "data.heldout": ["HeldOutSet", "eval_settings", "split_eval", "valid_eval_files"],
+    "data.heldout": ["HeldOutSet", "data_settings", "eval_settings", "split_eval", "valid_eval_files"],
     "data.host": ["find_shard_states"],
     "data.listing": ["Listing", "all_files", "list_paths", "run_listing"],
     "data.pipeline": ["DevicePrefetcher", "make_host_dataset", "make_host_iterator", "restore_host_iterator"],

@@ -28,6 +28,20 @@ def eval_settings(eval_map: dict) -> tuple[list, int]:
     return eval_paths, holdout
 
 
+def data_settings(data_map: dict, tokenizer: str) -> tuple[DataConfig, list, int]:
+    """A run's resolved `data` section -> (the training DataConfig, data.eval.paths,
+    data.eval.holdout_files), checked without touching the files: where train.py and
+    data/torch.py both start. data.paths may be one glob or a list: DataConfig takes either."""
+    data_map = dict(data_map)
+    eval_map = data_map.pop("eval", None) or {}
+    data_cfg = DataConfig.from_mapping({**data_map, "tokenizer": tokenizer})
+    eval_paths, holdout = eval_settings(eval_map)
+    if holdout and data_cfg.sources:
+        raise ValueError("data.eval.holdout_files works with data.paths only: with data.sources, "
+                         "hold out files through data.eval.paths (read with data.text_key)")
+    return data_cfg, eval_paths, holdout
+
+
 def split_eval(data_cfg: DataConfig, listing: dict, holdout: int):
     """(training config, held-out config or None, training files, held-out files). The held-out
     set is `data.eval.paths` (must not overlap training files), or the last

@@ -109,13 +109,8 @@ def input_from_config(cfg, world: int, *, list_once: bool) -> Input:
     from data.autoworkers import provisional_workers, ram_budget_bytes
     from data.tokenizer import available_cores
 
-    data_map = OmegaConf.to_container(cfg.data, resolve=True)
-    eval_map = data_map.pop("eval", None) or {}
-    data_cfg = data_lib.DataConfig.from_mapping({**data_map, "tokenizer": cfg.tokenizer.path})
-    eval_paths, holdout = data_lib.eval_settings(eval_map)
-    if holdout and data_cfg.sources:
-        raise ValueError("data.eval.holdout_files works with data.paths only: with data.sources, "
-                         "hold out files through data.eval.paths")
+    data_cfg, eval_paths, holdout = data_lib.data_settings(OmegaConf.to_container(cfg.data, resolve=True),
+                                                           cfg.tokenizer.path)
     data_lib.validate_settings(data_cfg, world)
     if data_lib.is_auto(data_cfg.num_workers):
         # No train step to measure here: auto takes the count the JAX run starts with, from
