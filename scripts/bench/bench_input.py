@@ -321,6 +321,10 @@ def main():
                     help="pipeline runs per worker count, interleaved with tokenizer-alone runs")
     ap.add_argument("--pair-chars", type=float, default=30e6,
                     help="corpus characters for each tokenizer-alone run between pipeline runs")
+    ap.add_argument("--worker-nice", type=int, default=None,
+                    help="data.worker_nice (default: the config's, 10). On a host shared with other "
+                    "jobs, niced workers yield to them while the tokenizer alone does not: 0 compares "
+                    "the two at the same priority")
     args = ap.parse_args()
 
     import data
@@ -330,6 +334,9 @@ def main():
                 global_batch_size=args.batch_size, num_shards=args.num_shards,
                 packing=args.packing, shuffle_window=args.shuffle_window,
                 files_per_stream=args.files_per_stream, text_key=args.text_key)
+    if args.worker_nice is not None:
+        base["worker_nice"] = args.worker_nice
+    load_start = os.getloadavg()[0]
     data.validate(data.DataConfig(**base, num_workers=max(workers)), 1, 1)
 
     texts = load_texts(files, args.text_key, args.max_chars)
@@ -452,7 +459,8 @@ def main():
         "timer_ns": {"line": round(per_line * 1e9), "other": round(per_other * 1e9)},
         "timer_overhead_frac": {str(n): round(v, 6) for n, v in overhead.items()},
         "tokenizer_tok_s_after": round(tok_s_after),
-        "load_avg_1m": round(os.getloadavg()[0], 2),
+        "load_avg_1m": round(os.getloadavg()[0], 2), "load_avg_1m_start": round(load_start, 2),
+        "worker_nice": cfg.worker_nice,
         "seq_len": args.seq_len, "batch_size": args.batch_size, "workers": workers,
         "num_shards": args.num_shards, "files": len(files), "cores": os.cpu_count(),
     }
