@@ -324,6 +324,10 @@ def main():
                     help="pipeline runs per worker count, interleaved with tokenizer-alone runs")
     ap.add_argument("--pair-chars", type=float, default=30e6,
                     help="corpus characters for each tokenizer-alone run between pipeline runs")
+    ap.add_argument("--warmup-s", type=float, default=0.0,
+                    help="seconds of batches after the first left out of each run's rate: the workers' "
+                    "start (imports, the tokenizer parsed: ~1 s quiet, several under load) is not "
+                    "the steady state a long run sees")
     ap.add_argument("--worker-nice", type=int, default=None,
                     help="data.worker_nice (default: the config's, 10). On a host shared with other "
                     "jobs, niced workers yield to them while the tokenizer alone does not: 0 compares "
@@ -377,7 +381,8 @@ def main():
     for rnd in range(args.rounds):
         for n in workers:
             cfg = data.DataConfig(**base, num_workers=n)
-            r = run_pipeline(cfg, min(corpus_tokens, args.max_chars / 3.0), args.max_batches)
+            r = run_pipeline(cfg, min(corpus_tokens, args.max_chars / 3.0), args.max_batches,
+                             warmup_s=args.warmup_s)
             after, after_cpu = tok_now()
             runs[n].append(r)
             pair[n].append((before + after) / 2)
@@ -475,7 +480,7 @@ def main():
         "timer_overhead_frac": {str(n): round(v, 6) for n, v in overhead.items()},
         "tokenizer_tok_s_after": round(tok_s_after),
         "load_avg_1m": round(os.getloadavg()[0], 2), "load_avg_1m_start": round(load_start, 2),
-        "worker_nice": cfg.worker_nice,
+        "worker_nice": cfg.worker_nice, "warmup_s": args.warmup_s,
         "seq_len": args.seq_len, "batch_size": args.batch_size, "workers": workers,
         "num_shards": args.num_shards, "files": len(files), "cores": os.cpu_count(),
     }
