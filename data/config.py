@@ -224,7 +224,7 @@ def check_files(cfg: DataConfig, process_count: int, files, tokenizer=None) -> N
             formats.check_readable(fs, where)
             continue
         tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.tokenizer)
-        info.check(tokenizer_hash(tok), cfg.tokenizer)
+        info.check(tokenizer_hash(tok), cfg.tokenizer, tok.get_vocab_size())
         if cfg.num_shards > info.documents:
             raise ValueError(f"data.num_shards={cfg.num_shards} is larger than the "
                              f"{info.documents} documents of {info.root}: lower data.num_shards")

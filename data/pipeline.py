@@ -17,7 +17,7 @@ from data.streams import records
 from data.streams.mixture import mixture_spec, source_counters
 from data.streams.shard import COUNTER_KEYS, StreamSpec, url_sizes
 from data.timing import STAGES, WAITS, sub_times
-from data.tokenizer import load_tokenizer, special_ids
+from data.tokenizer import BOS_NAMES, load_tokenizer, special_ids
 from data.workers import WorkerMergeIterDataset, slab_to_batch
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
@@ -37,7 +37,7 @@ def stream_spec(cfg: DataConfig, process_index: int, process_count: int, files, 
     eos, bos = special_ids(tok)   # raises when the tokenizer has no EOS
     if cfg.add_bos and bos is None:
         raise ValueError(f"data.add_bos=true but tokenizer.path={cfg.tokenizer!r} has no BOS "
-                         "token (<s>, <|begin_of_text|>, <bos>)")
+                         f"token ({', '.join(BOS_NAMES)}; Qwen's tokenizers have none)")
     spec = StreamSpec(
         files=() if cfg.sources else tuple(files), num_shards=cfg.num_shards, tokenizer_json=tok.to_str(),
         seq_len=cfg.seq_len, text_key=cfg.text_key, strict=cfg.strict, packing=cfg.packing,

@@ -50,19 +50,30 @@ def load_tokenizer(spec: str):
                          f"from the Hugging Face hub ({e})") from e
 
 
+# Document end and start, by name, first found wins: SentencePiece (Llama 2, Mistral), GPT-2 and
+# Qwen (<|endoftext|>; no BOS), Llama 3 (<|end_of_text|> and <|begin_of_text|>: pre-training's
+# document boundaries, not the chat turn's <|eot_id|>), Gemma, BERT.
+EOS_NAMES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "[SEP]")
+BOS_NAMES = ("<s>", "<|begin_of_text|>", "<bos>", "[CLS]")
+
+
 def special_ids(tok) -> tuple[int, int | None]:
-    """(eos_id, bos_id) found by the usual names."""
+    """(eos_id, bos_id) found by the usual names among the tokenizer's special tokens; among its
+    whole vocabulary only when it marks no token special. A byte-level vocabulary (Llama 3's,
+    Qwen's) may hold "</s>" or "<s>" as an ordinary piece of text: that is no boundary token."""
+    special = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+
     def find(names):
         for n in names:
-            i = tok.token_to_id(n)
+            i = special.get(n) if special else tok.token_to_id(n)
             if i is not None:
                 return i
         return None
-    eos = find(["</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "[SEP]"])
-    bos = find(["<s>", "<|begin_of_text|>", "<bos>", "[CLS]"])
+    eos, bos = find(EOS_NAMES), find(BOS_NAMES)
     if eos is None:
         raise ValueError("tokenizer.path: the tokenizer has no end-of-sequence token "
-                         "(looked for </s>, <|endoftext|>, <|end_of_text|>, <eos>)")
+                         f"(looked for {', '.join(EOS_NAMES)}"
+                         + (" among its special tokens)" if special else ")"))
     return eos, bos
 
 

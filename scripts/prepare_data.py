@@ -7,8 +7,9 @@ Reads what the streaming path reads (JSON lines, JSON arrays, Parquet, Arrow: da
 the text under --text-key) with its bad-record policy: a bad record is skipped, counted by kind and named
 (file:line) in the summary; with --strict the first one stops the run, naming file:line.
 Documents are tokenized on all cores (a thread per core, the tokenizer releases the GIL) and
-stored as bare token ids (uint16 for vocabularies under 65,536, else uint32; no EOS/BOS: the
-training source adds them as the text path does), so seq_len and packing stay free.
+stored as bare token ids (uint16 for vocabularies of up to 65,536 ids, else uint32, as for Llama 3's
+and Qwen's; the manifest's "dtype" says which; no EOS/BOS: the training source adds them as the
+text path does), so seq_len and packing stay free.
 
 Output, one ArrayRecord file per input file (input i of the sorted list -> part-NNNNNN):
   DIR/job.json                      inputs, tokenizer hash, text key, dtype (checked on restart)
@@ -273,7 +274,7 @@ class Converter:
         self.out = args.out
         self.store = (UrlOut(args.out, args.process_index, args.tmp) if objstore.is_url(args.out)
                       else LocalOut(args.out, args.process_index))
-        self.dtype = "uint16" if tok.get_vocab_size() < 1 << 16 else "uint32"
+        self.dtype = records.token_dtype(tok.get_vocab_size())   # said in job.json and the manifest
         self.tok_hash = tokenizer_hash(tok)
         self.threads = available_cores()
         set_thread_env(1)

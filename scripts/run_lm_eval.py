@@ -6,9 +6,10 @@
         --tasks my_task --include_path configs/eval/lm_eval_tasks     # local task YAMLs, no hub
 
 Every argument is lm_eval's (`lm_eval --help`). The wrapper exists because the `lm_eval`
-command discovers only the models inside its own package: importing model.harness first
-registers ours. (Not named lm_eval.py: the script's directory comes first on sys.path and
-would shadow the package.) Needs the [eval] extra (pip install -e ".[eval]").
+command discovers only the models inside its own package: importing model.evals.harness first
+registers ours, beside the harness's own models (`--model hf ...` works as with `lm_eval`).
+(Not named lm_eval.py: the script's directory comes first on sys.path and would shadow the
+package.) Needs the [eval] extra (pip install -e ".[eval]").
 """
 from __future__ import annotations
 

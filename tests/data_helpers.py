@@ -19,12 +19,12 @@ WORDS = ("alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega riv
          "harbor lantern pencil rocket").split()
 
 
-def doc_text(rng: random.Random, tag: str, n_words: int) -> str:
-    return f"doc {tag}: " + " ".join(rng.choice(WORDS) for _ in range(n_words)) + "."
+def doc_text(rng: random.Random, tag: str, n_words: int, words=WORDS) -> str:
+    return f"doc {tag}: " + " ".join(rng.choice(words) for _ in range(n_words)) + "."
 
 
 def write_corpus(root, n_files=8, docs_per_file=12, seed=0, min_words=5, max_words=120,
-                 long_doc_chars=0, ext=".json.gz", text_key="raw_content"):
+                 long_doc_chars=0, ext=".json.gz", text_key="raw_content", words=WORDS):
     """Writes root/NNNN/en_head<ext>; returns {(path, line_1based): text}."""
     rng = random.Random(seed)
     texts = {}
@@ -34,7 +34,7 @@ def write_corpus(root, n_files=8, docs_per_file=12, seed=0, min_words=5, max_wor
         path = os.path.join(d, "en_head" + ext)
         lines = []
         for i in range(docs_per_file):
-            t = doc_text(rng, f"{f}-{i}", rng.randint(min_words, max_words))
+            t = doc_text(rng, f"{f}-{i}", rng.randint(min_words, max_words), words)
             if long_doc_chars and f == 0 and i == 1:
                 words, n = [], 0
                 while n < long_doc_chars:
@@ -130,8 +130,8 @@ def _converter():
     return mod
 
 
-def convert(src_glob, out, *extra):
-    return _converter().main(["--paths", src_glob, "--tokenizer", TOKENIZER, "--out", str(out),
+def convert(src_glob, out, *extra, tokenizer=TOKENIZER):
+    return _converter().main(["--paths", src_glob, "--tokenizer", tokenizer, "--out", str(out),
                               "--no-progress", *extra])
 
 
@@ -245,3 +245,30 @@ def write_sources(root, sources=SOURCES):
 def close(it):
     if hasattr(it, "close"):
         it.close()
+
+
+# ---------------------------------------------------------------- vocabularies past 65,536 ids
+def make_tokenizers_module():
+    """scripts/bench/make_tokenizers.py: Llama-3- and Qwen2-style byte-level BPE built locally."""
+    spec = importlib.util.spec_from_file_location(
+        "make_tokenizers", os.path.join(REPO, "scripts", "bench", "make_tokenizers.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+WIDE_PIECES = 70_000
+
+
+def wide_tokenizer(path, family="qwen2", pieces=WIDE_PIECES) -> str:
+    """Saves at `path` a byte-level BPE tokenizer of `family` with `pieces` BPE pieces (its special
+    tokens after them), built without training (make_tokenizers.constructed); returns the path."""
+    make_tokenizers_module().constructed(family, pieces).save(str(path))
+    return str(path)
+
+
+def wide_words(pieces=WIDE_PIECES) -> list[str]:
+    """WORDS and synthetic words that a wide_tokenizer encodes to single ids of 65,536 and above."""
+    mt = make_tokenizers_module()
+    first = 256 + 26 * 26          # make_tokenizers.constructed: the k-th word's id is first + k
+    return list(WORDS) + [mt.synthetic_word(k) for k in range((1 << 16) - first, pieces - first, 97)]

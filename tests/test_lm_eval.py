@@ -202,16 +202,53 @@ def test_in_loop_scorer_matches_the_hf_backend(setup, both):
 def test_cli_wrapper(setup, both, tmp_path):
     ckpt, _, task_dir, _ = setup
     _, ours = both
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-    env.pop("XLA_FLAGS", None)
     result = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "run_lm_eval.py"), "--model", "jaxpt", "--model_args",
          f"run_dir={ckpt},step=0", "--tasks", "jx_mc", "--include_path", str(task_dir), "--output_path",
-         str(tmp_path / "out")], capture_output=True, text=True, env=env, timeout=600)
+         str(tmp_path / "out")], capture_output=True, text=True, env=cli_env(), timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     (out,) = list((tmp_path / "out").rglob("results*.json"))
     got = json.loads(out.read_text())["results"]["jx_mc"]
     assert got["acc,none"] == ours["results"]["jx_mc"]["acc,none"]
+
+
+def cli_env():
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    env.pop("XLA_FLAGS", None)
+    return env
+
+
+def test_registering_jaxpt_keeps_every_harness_model():
+    """A fresh process (this module's HFLM import fills the registry and would hide the bug): after
+    our module registers "jaxpt", every model of the harness's catalogue still resolves by name."""
+    # The lookups come before the catalogue's import: importing lm_eval.models registers it.
+    probe = ("import model.evals.harness\n"
+             "from lm_eval.api.registry import get_model, model_registry\n"
+             "found = [get_model(name).__name__ for name in ('dummy', 'jaxpt')]\n"
+             "names = set(model_registry)\n"
+             "from lm_eval.models import MODEL_MAPPING\n"
+             "print(sorted(set(MODEL_MAPPING) - names), *found)\n")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=cli_env(),
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["[]", "DummyLM", "JaxptLM"]
+
+
+def test_cli_wrapper_runs_the_harness_hf_backend(setup, both, tmp_path):
+    """`run_lm_eval.py --model hf` is the `lm_eval` command: the exported model through HFLM gives
+    the in-process HFLM's accuracy."""
+    _, hf_dir, task_dir, _ = setup
+    hf, _ = both
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "run_lm_eval.py"), "--model", "hf", "--model_args",
+         f"pretrained={hf_dir},dtype=float32", "--device", "cpu", "--batch_size", "4", "--tasks", "jx_mc",
+         "--include_path", str(task_dir), "--output_path", str(tmp_path / "out")],
+        capture_output=True, text=True, env=cli_env(), timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (out,) = list((tmp_path / "out").rglob("results*.json"))
+    got = json.loads(out.read_text())["results"]["jx_mc"]
+    assert got["acc,none"] == hf["results"]["jx_mc"]["acc,none"]
+    assert got["acc_norm,none"] == hf["results"]["jx_mc"]["acc_norm,none"]
 
 
 def test_bad_model_args_and_generation_are_one_line(setup):

@@ -39,6 +39,17 @@ PART_SUFFIX = ".array_record"
 # the unit of a read-ahead read and of what a restore re-reads.
 BLOCK_ROWS = 64
 MAX_BLOCK_DOCS = 4096
+# How a record stores token ids, and how many ids each dtype holds: uint16 for vocabularies of up
+# to 65,536 ids (Llama 2, Mistral), uint32 above (Llama 3's 128,256, Qwen's 151,665).
+TOKEN_DTYPES = {"uint16": 1 << 16, "uint32": 1 << 32}
+
+
+def token_dtype(n_ids: int) -> str:
+    """The narrowest stored dtype for a tokenizer of `n_ids` ids (0 .. n_ids - 1)."""
+    for name, holds in TOKEN_DTYPES.items():
+        if n_ids <= holds:
+            return name
+    raise ValueError(f"a tokenizer of {n_ids:,} ids: no stored dtype holds them")
 
 
 # ---------------------------------------------------------------- the converted directory
@@ -106,18 +117,27 @@ class RecordsInfo:
         self.docs = [int(p["documents"]) for p in self.parts]
         self.documents = sum(self.docs)
         self.tokens = sum(int(p["tokens"]) for p in self.parts)
-        self.dtype = manifest["dtype"]
+        self.dtype = manifest.get("dtype")
+        if self.dtype not in TOKEN_DTYPES:
+            raise ValueError(f"{os.path.join(root, MANIFEST)}: dtype {self.dtype!r} is not one of "
+                             f"{', '.join(TOKEN_DTYPES)}; convert again with scripts/prepare_data.py")
         self.hash = manifest_hash(manifest)
 
-    def check(self, tokenizer_hash: str, tokenizer_path: str) -> None:
-        """The files are those the manifest describes, written with the run's tokenizer: one
-        stat per file, no read."""
+    def check(self, tokenizer_hash: str, tokenizer_path: str, tokenizer_ids: int) -> None:
+        """The files are those the manifest describes, written with the run's tokenizer (of
+        `tokenizer_ids` ids) in a dtype that holds its ids: one stat per file, no read."""
         where = os.path.join(self.root, MANIFEST)
         if self.manifest["tokenizer"] != tokenizer_hash:
             raise ValueError(
                 f"data.paths: {self.root} was converted with another tokenizer (hash "
                 f"{self.manifest['tokenizer']} in {where}) than tokenizer.path={tokenizer_path} "
                 f"(hash {tokenizer_hash}): convert again or use that tokenizer")
+        if tokenizer_ids > TOKEN_DTYPES[self.dtype]:
+            raise ValueError(
+                f"data.paths: {where} stores token ids as {self.dtype} (ids below "
+                f"{TOKEN_DTYPES[self.dtype]:,}) but tokenizer.path={tokenizer_path} has "
+                f"{tokenizer_ids:,} ids: its ids would not read back; convert again with "
+                "scripts/prepare_data.py")
         for f, p in zip(self.files, self.parts, strict=True):
             try:
                 size = os.path.getsize(f)

@@ -20,6 +20,10 @@ import logging
 import os
 
 try:
+    # lm_eval.models first: it fills the registry with the harness's own models (lazy entries, no
+    # backend imported). get_model() does that only while the registry is empty, so registering
+    # "jaxpt" into an empty one would hide "hf", "vllm", "dummy"... from the same process.
+    import lm_eval.models  # noqa: F401
     from lm_eval.api.model import TemplateLM
     from lm_eval.api.registry import register_model
 except ImportError as e:  # pragma: no cover - the message is the point

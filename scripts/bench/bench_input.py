@@ -9,6 +9,9 @@ Figures:
                     only the encode calls timed): the floor of what the pipeline can reach.
   pipeline_vs_tokenizer  per worker count: pipeline rate / tokenizer alone measured around
                     the same runs (interleaved rounds: the machine's speed drifts).
+  cpu_efficiency_paired  per worker count: the pipeline's tokens per CPU-second (whole process
+                    tree) / the tokenizer alone's, paired the same way: readable on a host
+                    whose other jobs make the wall-clock rates swing.
   pipeline_tok_s    per worker count: steady-state non-padding tokens/s out of the host
                     iterator (after the first batch), over one epoch or --max-batches.
   first_batch_s     per worker count: iterator creation -> first batch.
@@ -321,6 +324,14 @@ def main():
                     help="pipeline runs per worker count, interleaved with tokenizer-alone runs")
     ap.add_argument("--pair-chars", type=float, default=30e6,
                     help="corpus characters for each tokenizer-alone run between pipeline runs")
+    ap.add_argument("--warmup-s", type=float, default=0.0,
+                    help="seconds of batches after the first left out of each run's rate: the workers' "
+                    "start (imports, the tokenizer parsed: ~1 s quiet, several under load) is not "
+                    "the steady state a long run sees")
+    ap.add_argument("--worker-nice", type=int, default=None,
+                    help="data.worker_nice (default: the config's, 10). On a host shared with other "
+                    "jobs, niced workers yield to them while the tokenizer alone does not: 0 compares "
+                    "the two at the same priority")
     args = ap.parse_args()
 
     import data
@@ -330,6 +341,9 @@ def main():
                 global_batch_size=args.batch_size, num_shards=args.num_shards,
                 packing=args.packing, shuffle_window=args.shuffle_window,
                 files_per_stream=args.files_per_stream, text_key=args.text_key)
+    if args.worker_nice is not None:
+        base["worker_nice"] = args.worker_nice
+    load_start = os.getloadavg()[0]
     data.validate(data.DataConfig(**base, num_workers=max(workers)), 1, 1)
 
     texts = load_texts(files, args.text_key, args.max_chars)
@@ -353,24 +367,33 @@ def main():
     # every two pipeline runs (on the same documents), each pipeline run is paired with the
     # mean of the measurements just before and after it, and the rounds go over all worker
     # counts in turn, so a slow spell does not land on one worker count only.
+    # The same pairing in CPU time (tokens per CPU-second of the pipeline's process tree over the
+    # tokenizer alone's): what the pipeline spends beyond tokenizing, which a host whose other
+    # jobs take the cores in bursts leaves readable when the wall-clock rates are not.
     runs = {n: [] for n in workers}
     pair = {n: [] for n in workers}
+    pair_cpu = {n: [] for n in workers}
+
     def tok_now():
-        return tokenizer_alone(pair_texts, args.tokenizer, method)[0]
-    before = tok_now()
+        rate, _, per_cpu = tokenizer_alone(pair_texts, args.tokenizer, method)
+        return rate, per_cpu
+    before, before_cpu = tok_now()
     for rnd in range(args.rounds):
         for n in workers:
             cfg = data.DataConfig(**base, num_workers=n)
-            r = run_pipeline(cfg, min(corpus_tokens, args.max_chars / 3.0), args.max_batches)
-            after = tok_now()
+            r = run_pipeline(cfg, min(corpus_tokens, args.max_chars / 3.0), args.max_batches,
+                             warmup_s=args.warmup_s)
+            after, after_cpu = tok_now()
             runs[n].append(r)
             pair[n].append((before + after) / 2)
+            pair_cpu[n].append((before_cpu + after_cpu) / 2)
             print(f"round {rnd + 1}, workers={n}: {r['tok_s'] / 1e6:.3f} M tok/s "
                   f"({r['tok_s'] / pair[n][-1]:.2f} x tokenizer alone around it: "
-                  f"{before / 1e6:.3f} / {after / 1e6:.3f} M tok/s), first batch "
-                  f"{r['first_batch_s']:.2f} s, {r['batches']} batches in {r['seconds']:.1f} s",
-                  flush=True)
-            before = after
+                  f"{before / 1e6:.3f} / {after / 1e6:.3f} M tok/s; per CPU-second "
+                  f"{r['tok_per_cpu_s'] / pair_cpu[n][-1]:.2f} x), first batch "
+                  f"{r['first_batch_s']:.2f} s, {r['batches']} batches in {r['seconds']:.1f} s, "
+                  f"load {os.getloadavg()[0]:.1f}", flush=True)
+            before, before_cpu = after, after_cpu
 
     def mean(xs):
         return sum(xs) / len(xs)
@@ -390,7 +413,7 @@ def main():
           f"stats {json.dumps({k: v for k, v in stats.items() if k not in ('bad_examples', 'stage_s')})}",
           flush=True)
     rss.stop()
-    tok_s_after = tok_now()
+    tok_s_after = tok_now()[0]
     print(f"tokenizer alone again (load check): {tok_s_after / 1e6:.3f} M tok/s", flush=True)
 
     # Where the input time goes: each worker count's last run, then the simulated loop (which
@@ -437,6 +460,10 @@ def main():
         # the tokenizer alone (1.0 = no overhead beyond tokenization)
         "cpu_efficiency": {str(n): round(r["tok_per_cpu_s"] / tok_cpu, 3)
                            for n, r in res.items()},
+        # the same, paired with the tokenizer-alone runs around each pipeline run (per run, then mean)
+        "cpu_efficiency_paired": {str(n): round(mean([r["tok_per_cpu_s"] / c for r, c in
+                                                      zip(runs[n], pair_cpu[n], strict=True)]), 3)
+                                  for n in workers},
         "first_batch_s": {str(n): round(r["first_batch_s"], 3) for n, r in res.items()},
         "restore_s": round(restore_s, 3),
         "peak_rss_mb": round(rss.peak / 2**20, 1),
@@ -452,7 +479,8 @@ def main():
         "timer_ns": {"line": round(per_line * 1e9), "other": round(per_other * 1e9)},
         "timer_overhead_frac": {str(n): round(v, 6) for n, v in overhead.items()},
         "tokenizer_tok_s_after": round(tok_s_after),
-        "load_avg_1m": round(os.getloadavg()[0], 2),
+        "load_avg_1m": round(os.getloadavg()[0], 2), "load_avg_1m_start": round(load_start, 2),
+        "worker_nice": cfg.worker_nice, "warmup_s": args.warmup_s,
         "seq_len": args.seq_len, "batch_size": args.batch_size, "workers": workers,
         "num_shards": args.num_shards, "files": len(files), "cores": os.cpu_count(),
     }
