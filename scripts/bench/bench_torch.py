@@ -42,6 +42,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_input import tree_cpu_s  # noqa: E402 - this directory's sibling: CPU-s of this process and its children
 
 
 def overrides(args) -> list[str]:
@@ -49,22 +51,6 @@ def overrides(args) -> list[str]:
             f"data.seq_len={args.seq_len}", f"data.global_batch_size={args.batch_size}",
             f"data.num_workers={args.workers}", f"data.num_shards={args.num_shards}", "data.eval.holdout_files=0",
             f"data.worker_nice={args.worker_nice}"]
-
-
-def tree_cpu_s() -> float:
-    """CPU seconds of this process and its children (reader processes, DataLoader workers)."""
-    import psutil
-
-    procs = [psutil.Process()]
-    procs += procs[0].children(recursive=True)
-    total = 0.0
-    for p in procs:
-        try:
-            t = p.cpu_times()
-            total += t.user + t.system
-        except psutil.Error:
-            pass
-    return total
 
 
 def steady(it, tokens_per_batch: int, budget: int, warmup_s: float) -> dict:
