@@ -26,6 +26,10 @@ mesh through jax.distributed: the same code path a TPU pod takes, minus the TPUs
   JAXPT_EXIT_PREEMPTED=1 and exit 76 (model/runtime/distributed.py EXIT_PREEMPTED) once they have saved,
   the launcher waits up to --grace-period for all of them and starts the job again, which resumes
   from the step just saved. A SIGTERM or Ctrl-C to the launcher itself is a stop: no restart.
+* --slices S: a multislice job rehearsed on this machine: the P processes form S simulated slices of
+  P/S consecutive processes each (process i in slice i // (P/S), told by distributed.slice_index,
+  as CPU devices carry no slice_index). The mesh groups the devices by slice exactly as a real
+  multislice job's (model/sharding.py: mesh.dcn_data/dcn_fsdp across slices).
 * Overrides are passed as argv lists (never through a shell), so any value is safe.
 """
 from __future__ import annotations
@@ -45,7 +49,7 @@ from model.runtime.distributed import EXIT_PREEMPTED, EXIT_PREEMPTED_ENV
 from model.runtime.watchdog import EXIT_HANG
 from train import PROJECT_ROOT as REPO_ROOT  # the repo root (the project is installed)
 
-DISTRIBUTED_KEYS = ("coordinator_address", "num_processes", "process_id", "local_device_count")
+DISTRIBUTED_KEYS = ("coordinator_address", "num_processes", "process_id", "local_device_count", "slice_index")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -58,12 +62,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def distributed_overrides(port: int, num_processes: int, process_id: int, devices: int) -> list[str]:
+def distributed_overrides(port: int, num_processes: int, process_id: int, devices: int,
+                          slices: int = 1) -> list[str]:
+    """The process's distributed.* settings; over several simulated slices also its slice (the
+    processes split into `slices` runs of consecutive ids)."""
+    told = [f"distributed.slice_index={process_id // (num_processes // slices)}"] if slices > 1 else []
     return [
         f"distributed.coordinator_address=localhost:{port}",
         f"distributed.num_processes={num_processes}",
         f"distributed.process_id={process_id}",
         f"distributed.local_device_count={devices}",
+        *told,
     ]
 
 
@@ -292,6 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--processes", "-p", type=int, required=True, help="number of processes (P)")
     p.add_argument("--devices-per-process", "-d", type=int, required=True,
                    help="fake CPU devices per process (D); the mesh has P*D devices")
+    p.add_argument("--slices", type=int, default=1,
+                   help="simulated slices (S): the processes form S slices of P/S processes each, joined as a "
+                        "multislice job's slices are (default 1)")
     p.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
     p.add_argument("--log-dir", type=Path, default=None,
                    help="per-process logs go here (default: <hydra.run.dir>/logs, i.e. runs/<name>/logs)")
@@ -322,6 +334,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error("--processes must be >= 1")
     if args.devices_per_process < 1:
         parser.error("--devices-per-process must be >= 1")
+    if args.slices < 1 or args.processes % args.slices:
+        parser.error(f"--slices {args.slices} must be >= 1 and divide --processes {args.processes}")
     for ov in args.overrides:
         key = ov.partition("=")[0].lstrip("+~")
         if key in {f"distributed.{k}" for k in DISTRIBUTED_KEYS}:
@@ -362,9 +376,10 @@ def main(argv: list[str] | None = None) -> int:
             port = free_port()      # the last life's coordinator may still hold its port
             why = "hang" if rc == EXIT_HANG else "preempted"
             log(f"a process exited with code {rc} ({why}): restart {life} of {args.restarts}")
-        commands = [[sys.executable, program, *args.overrides, *distributed_overrides(port, P, i, D)]
+        commands = [[sys.executable, program, *args.overrides, *distributed_overrides(port, P, i, D, args.slices)]
                     for i in range(P)]
-        log(f"{P} processes x {D} CPU devices, coordinator localhost:{port}, logs in {log_dir}/")
+        layout = f"{args.slices} slices x {P // args.slices} processes" if args.slices > 1 else f"{P} processes"
+        log(f"{layout} x {D} CPU devices, coordinator localhost:{port}, logs in {log_dir}/")
         launcher = Launcher(commands, log_paths, env, args.grace_period, args.failure_grace,
                             append=life > 0)
         rc = launcher.run()

@@ -565,3 +565,14 @@ def test_local_rejects_distributed_overrides(tmp_path):
                                  "distributed.process_id=3"])
     a = launch_local.parse_args(["-p", "2", "-d", "4", "--", "name=x", "+foo=bar"])
     assert a.overrides == ["name=x", "+foo=bar"]
+
+
+def test_local_slices_tell_each_process_its_slice():
+    # 4 processes as 2 simulated slices: consecutive processes share a slice
+    told = [launch_local.distributed_overrides(1234, 4, i, 2, slices=2)[-1] for i in range(4)]
+    assert told == ["distributed.slice_index=0"] * 2 + ["distributed.slice_index=1"] * 2
+    assert not any("slice_index" in o for o in launch_local.distributed_overrides(1234, 4, 3, 2))
+    with pytest.raises(SystemExit):   # 3 processes do not split into 2 slices
+        launch_local.parse_args(["-p", "3", "-d", "1", "--slices", "2"])
+    with pytest.raises(SystemExit):   # the launcher tells the slices
+        launch_local.parse_args(["-p", "2", "-d", "1", "--slices", "2", "--", "distributed.slice_index=0"])
