@@ -100,12 +100,12 @@ def set_process_slices(slices: Sequence[int] | None) -> None:
 
 
 def slice_of(device) -> int:
-    """The device's slice: its own `slice_index` (TPU), else its process's told slice, else 0."""
-    own = getattr(device, "slice_index", None)
-    if own is not None:
-        return int(own)
+    """The device's slice: its process's told slice in a simulated multislice run, else its own
+    `slice_index` (TPU; CPU devices of a multi-process job report 0), else 0."""
     told = _PROCESS_SLICES[0]
-    return told[device.process_index] if told is not None else 0
+    if told is not None:
+        return told[device.process_index]
+    return int(getattr(device, "slice_index", None) or 0)
 
 
 def make_mesh(mesh_cfg: Mapping[str, Any], devices: Sequence[jax.Device] | None = None,
@@ -134,10 +134,11 @@ def make_mesh(mesh_cfg: Mapping[str, Any], devices: Sequence[jax.Device] | None 
         raise ValueError(f"slices hold different device counts {counts}: every slice must be the same size")
     from jax.experimental import mesh_utils
 
-    told = [d if getattr(d, "slice_index", None) is not None else _SliceDevice(d, s)
-            for d, s in zip(devices, slices, strict=True)]
+    # Every device seen with the slice found above (on TPU its own), so a told slice wins over the
+    # 0 that CPU devices of a multi-process job report.
+    told = [_SliceDevice(d, s) for d, s in zip(devices, slices, strict=True)]
     grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, told, allow_split_physical_axes=True)
-    grid = np.vectorize(lambda d: d.device if isinstance(d, _SliceDevice) else d, otypes=[object])(grid)
+    grid = np.vectorize(lambda d: d.device, otypes=[object])(grid)
     return Mesh(grid, MESH_AXES, axis_types=axis_types)
 
 
