@@ -140,7 +140,8 @@ def test_sync_run_logs_stop_resume_on_simulated_pod(pod, tmp_path):
 
 def test_tpu_slice_from_the_vm_environment(monkeypatch):
     """What the run reads to start jax.distributed on a pod (model/runtime/distributed.py), and its one-line errors."""
-    for name in ("MEGASCALE_COORDINATOR_ADDRESS", "JAX_COORDINATOR_PORT"):
+    for name in ("MEGASCALE_COORDINATOR_ADDRESS", "MEGASCALE_NUM_SLICES", "MEGASCALE_SLICE_ID",
+                 "JAX_COORDINATOR_PORT"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "10.0.0.2,10.0.0.3,10.0.0.4,10.0.0.5")
     monkeypatch.setenv("TPU_WORKER_ID", "2")
@@ -152,9 +153,21 @@ def test_tpu_slice_from_the_vm_environment(monkeypatch):
         monkeypatch.setenv("TPU_WORKER_ID", bad)
         with pytest.raises(ValueError, match="TPU_WORKER_ID"):
             distributed.tpu_slice_from_env()
-    monkeypatch.setenv("MEGASCALE_COORDINATOR_ADDRESS", "10.0.0.2")    # multislice: jax's own detection
-    assert distributed.tpu_slice_from_env() is None
-    monkeypatch.delenv("MEGASCALE_COORDINATOR_ADDRESS")
+    monkeypatch.setenv("MEGASCALE_COORDINATOR_ADDRESS", "10.0.0.2")    # multislice, settings in the VM's
+    assert distributed.tpu_slice_from_env() is None                     # metadata: jax's own detection
+    # Multislice settings in the environment (scripts/tpu.py run --slices): one job over all slices'
+    # hosts, numbered slice by slice, coordinated on the Megascale coordinator's host.
+    monkeypatch.setenv("TPU_WORKER_ID", "1")
+    monkeypatch.setenv("MEGASCALE_COORDINATOR_ADDRESS", "10.0.1.2:8081")
+    monkeypatch.setenv("MEGASCALE_NUM_SLICES", "2")
+    monkeypatch.setenv("MEGASCALE_SLICE_ID", "1")
+    assert distributed.tpu_slice_from_env() == {"coordinator_address": "10.0.1.2:9999", "num_processes": 8,
+                                               "process_id": 5}
+    monkeypatch.setenv("MEGASCALE_SLICE_ID", "2")
+    with pytest.raises(ValueError, match="MEGASCALE_SLICE_ID='2' is not a slice of MEGASCALE_NUM_SLICES='2'"):
+        distributed.tpu_slice_from_env()
+    for name in ("MEGASCALE_COORDINATOR_ADDRESS", "MEGASCALE_NUM_SLICES", "MEGASCALE_SLICE_ID"):
+        monkeypatch.delenv(name)
     monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "10.0.0.2")             # one host: no jax.distributed
     assert distributed.tpu_slice_from_env() is None
 

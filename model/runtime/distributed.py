@@ -49,7 +49,12 @@ def init_distributed(dcfg, heartbeat_timeout_s: int = 100) -> None:
                 raise                   # certainly a multi-host slice: never run hosts apart
             print(f"warning: automatic jax.distributed.initialize() failed ({e}); running as one "
                   "process (set distributed.coordinator_address for a multi-host run)", file=sys.stderr)
-    tell_slices(dcfg.get("slice_index"))
+    told = dcfg.get("slice_index")
+    if told is None and os.environ.get("MEGASCALE_SLICE_ID", "").isdigit() and jax.default_backend() == "cpu":
+        # A simulated multislice pod (tests/pod_sim.py): CPU devices cannot carry the slice the
+        # Megascale settings give this host; TPU devices carry it themselves.
+        told = int(os.environ["MEGASCALE_SLICE_ID"])
+    tell_slices(told)
 
 
 def tell_slices(slice_index) -> list[int] | None:
@@ -106,11 +111,31 @@ def tpu_slice_from_env() -> dict | None:
 
     jax reads the same variables itself, but only once a TPU backend is present; reading them
     here makes the start-up independent of the backend, so a simulated pod (CPU workers given a
-    TPU VM's environment, tests/pod_sim.py) starts exactly as a real one. Multislice runs
-    (MEGASCALE_*) are left to jax.
+    TPU VM's environment, tests/pod_sim.py) starts exactly as a real one.
+
+    Several slices (MEGASCALE_COORDINATOR_ADDRESS, MEGASCALE_NUM_SLICES and MEGASCALE_SLICE_ID in
+    the environment, as scripts/tpu.py run --slices exports them where the VM lacks them): one job
+    over every host of every slice, numbered slice by slice, its coordinator on the Megascale
+    coordinator's host, as jax's own Cloud TPU cluster does. Where the settings live only in the
+    VM's metadata, None: jax reads them there.
     """
     hosts = [h for h in os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]
-    if len(hosts) < 2 or os.environ.get("MEGASCALE_COORDINATOR_ADDRESS"):
+    megascale = [os.environ.get(k, "") for k in ("MEGASCALE_COORDINATOR_ADDRESS", "MEGASCALE_NUM_SLICES",
+                                                  "MEGASCALE_SLICE_ID")]
+    if os.environ.get("MEGASCALE_COORDINATOR_ADDRESS") and not all(megascale):
+        return None
+    if all(megascale) and hosts:
+        address, slices, slice_id = megascale
+        if not (slices.isdigit() and slice_id.isdigit() and int(slice_id) < int(slices)):
+            raise ValueError(f"MEGASCALE_SLICE_ID={slice_id!r} is not a slice of MEGASCALE_NUM_SLICES={slices!r}")
+        worker_id = os.environ.get("TPU_WORKER_ID", "")
+        if not worker_id.isdigit() or int(worker_id) >= len(hosts):
+            raise ValueError(f"TPU_WORKER_ID={worker_id!r} is not a worker of TPU_WORKER_HOSTNAMES "
+                             f"({len(hosts)} hosts): cannot tell this host's place in the slice")
+        port = os.environ.get("JAX_COORDINATOR_PORT") or TPU_COORDINATOR_PORT
+        return {"coordinator_address": f"{address.split(':')[0]}:{port}", "num_processes": len(hosts) * int(slices),
+                "process_id": int(slice_id) * len(hosts) + int(worker_id)}
+    if len(hosts) < 2:
         return None
     worker_id = os.environ.get("TPU_WORKER_ID", "")
     if not worker_id.isdigit() or int(worker_id) >= len(hosts):
