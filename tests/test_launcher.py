@@ -635,3 +635,33 @@ def test_slices_megascale_settings_only_where_the_vm_has_none(tmp_path):
     r = subprocess.run(["bash", "-c", "; ".join([*tpu.megascale_exports(args, 1), show])], capture_output=True,
                        text=True, env=env, timeout=60)
     assert r.returncode == 2 and "--megascale-coordinator" in r.stderr and not r.stdout
+
+
+@pytest.mark.slow
+def test_local_lost_slice_waits_for_the_others_and_restarts(tmp_path):
+    """--restarts: a process killed from outside (its slice lost) is named with its slice; the others
+    leave on their own (here process 0 exits 75 as its hang watchdog would) and the job starts
+    again. Without --restarts the job fails with the killed process's code, the others stopped."""
+    prog = write_program(tmp_path, """
+        life_file = os.path.join(out, f"life_{pid}")
+        life = int(open(life_file).read()) + 1 if os.path.exists(life_file) else 1
+        open(life_file, "w").write(str(life))
+        if life == 1 and pid == 1:
+            os.kill(os.getpid(), signal.SIGKILL)     # slice 1's only host goes away
+        if life == 1:
+            time.sleep(2.0)                         # process 0 stalls on its dead peer, then its watchdog
+            sys.exit(75)
+    """)
+    p = launch(tmp_path, prog, "--log-dir", str(tmp_path / "logs"), "--slices", "2", "--restarts", "1")
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    assert "process 1 (slice 1) lost first (killed by signal 9)" in err
+    assert "restart 1 of 1" in err and not (tmp_path / "term_0").exists()   # process 0 left on its own
+    assert [(tmp_path / f"life_{i}").read_text() for i in range(2)] == ["2", "2"]
+
+    for i in range(2):
+        (tmp_path / f"life_{i}").unlink()
+    p = launch(tmp_path, prog, "--log-dir", str(tmp_path / "logs"), "--slices", "2")
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 128 + signal.SIGKILL and "process 1 exited with code 137" in err, err
+    assert (tmp_path / "term_0").exists()       # no restarts: the survivor is stopped at once
