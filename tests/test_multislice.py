@@ -58,3 +58,49 @@ def test_checkpoint_of_two_slices_resumes_on_other_layouts(one_by_four, two_by_t
     # The same global batch over the same rows: the continued run's losses are the 1 x 4 run's.
     np.testing.assert_allclose([got[s] for s in range(K + 1, N + 1)], [want[s] for s in range(K + 1, N + 1)],
                                rtol=1e-5)
+
+
+def test_a_lost_slice_brings_the_job_back_and_is_named(tmp_path):
+    """scripts/launch_local.py --slices 2 --restarts 1: both processes of slice 1 killed (SIGKILL, as a
+    lost slice) after a checkpoint; slice 0 leaves through its watchdog, the launcher names slice 1
+    and starts the job again, which resumes and finishes; its goodput log names slice 1."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from tests.run_helpers import COMMON, ROOT
+
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, str(ROOT / "scripts" / "launch_local.py"), "--processes", "4", "--devices-per-process",
+           "2", "--slices", "2", "--restarts", "1", "--lost-host-wait", "240", "--log-dir", str(tmp_path / "logs"),
+           "--", f"hydra.run.dir={run_dir}", *COMMON, "data.num_workers=0", "train.steps=40", "checkpoint.every=2",
+           "train.hang_timeout_s=15"]
+    launcher = subprocess.Popen(cmd, env={**os.environ, "JAX_PLATFORMS": "cpu"}, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 400
+        while not (run_dir / "metrics.jsonl").exists() or len(read_jsonl(run_dir / "metrics.jsonl")) < 5:
+            assert time.time() < deadline and launcher.poll() is None, launcher.communicate()
+            time.sleep(0.5)
+        slice_1 = [p for p in psutil.Process(launcher.pid).children()
+                   if any(a in ("distributed.process_id=2", "distributed.process_id=3") for a in p.cmdline())]
+        assert len(slice_1) == 2
+        for p in slice_1:
+            os.killpg(p.pid, signal.SIGKILL)
+        out, err = launcher.communicate(timeout=600)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert launcher.returncode == 0, err[-4000:]
+    assert "(slice 1) lost first (killed by signal 9)" in err and "restart 1 of 1" in err, err[-3000:]
+    steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
+    assert max(steps) == 40 and set(range(1, 41)) <= set(steps)
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    named = [e["line"] for e in events if e["event"] == "last_hang"]
+    assert len(named) == 1 and "slice 1 (process 2, 3) wrote no hang report" in named[0], named
+    assert [e["event"] for e in events].count("start") == 2

@@ -118,6 +118,9 @@ def test_the_next_start_names_the_slice_that_stopped_first(tmp_path, monkeypatch
     line = announce_last_hang(reports, 4)
     assert "slice 1 (process 2, 3) wrote no hang report" in line and "stopped first" in line, line
     assert "process 0 (h0, slice 0) last completed step 9" in line
+    (reports / "p1.json").write_text(json.dumps({"process": 1, "slice": 0, "host": "h1", "last_step": 9}))
+    line = announce_last_hang(reports, 4)      # process 0 crashed on the broken collectives, no report
+    assert "slice 1 (process 2, 3) wrote no hang report" in line and "(process 0 of another slice wrote none" in line
     (reports / "p0.json").write_text(json.dumps({"process": 0, "slice": 0, "host": "h0", "last_step": 9}))
     (reports / "p2.json").write_text(json.dumps({"process": 2, "slice": 1, "host": "h2", "last_step": 9}))
     line = announce_last_hang(reports, 4)      # one host of each slice silent: named as processes

@@ -301,9 +301,14 @@ def announce_last_hang(reports_dir: Path, process_count: int) -> str | None:
     frozen = [r for r in hung if float(r.get("late_s", 0.0)) > 2 * float(r.get("poll_s", 5.0)) + 1.0]
     lost_slices = sorted({slices[p] for p in silent if p in slices} if multislice else set())
     whole = [s for s in lost_slices if all(p in silent for p, q in slices.items() if q == s)]
-    if silent and whole and all(slices.get(p) in whole for p in silent):
-        first = (f"slice {', '.join(map(str, whole))} (process {', '.join(map(str, silent))}) wrote no hang "
-                 f"report (all its hosts frozen or lost together): it stopped first")
+    if whole:
+        # A slice none of whose hosts reported went first (a lost slice); a host of another slice
+        # may have crashed on the broken collectives without a report.
+        in_whole = [p for p in silent if slices.get(p) in whole]
+        rest = [p for p in silent if p not in in_whole]
+        first = (f"slice {', '.join(map(str, whole))} (process {', '.join(map(str, in_whole))}) wrote no hang "
+                 f"report (all its hosts frozen or lost together): it stopped first"
+                 + (f" (process {', '.join(map(str, rest))} of another slice wrote none either)" if rest else ""))
     elif silent:
         first = (f"process {', '.join(map(str, silent))} wrote no hang report (frozen, or lost with its "
                  f"VM): it stopped first")
