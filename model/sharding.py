@@ -58,16 +58,11 @@ def _fill(mesh_cfg: Mapping[str, Any], axes: Sequence[str], total: int, what: st
     return tuple(sizes)
 
 
-# Mesh axes that may also span slices (over the data-center network, DCN): `mesh.dcn_data` and
-# `mesh.dcn_fsdp` multiply `data` and `fsdp`. Tensor parallelism never leaves a slice: it needs
-# the fast links (ICI) at every layer.
-DCN_AXES = {"data": "dcn_data", "fsdp": "dcn_fsdp"}
-
-
 def hybrid_shape(mesh_cfg: Mapping[str, Any], n_devices: int, n_slices: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(per-slice shape, across-slices shape), both over MESH_AXES: `mesh.data/fsdp/tensor` split a
     slice's devices, `mesh.dcn_data/dcn_fsdp` the slices (defaults: -1 and 1, data parallel across
-    slices). The run's mesh is their product per axis. Raises one line naming mesh.* on a mismatch."""
+    slices). The run's mesh is their product per axis. Tensor parallelism never leaves a slice: it
+    needs the fast links (ICI) at every layer. Raises one line naming mesh.* on a mismatch."""
     if n_devices % n_slices:
         raise ValueError(f"{n_devices} devices do not split into {n_slices} equal slices")
     dcn_cfg = {"dcn_data": mesh_cfg.get("dcn_data", -1), "dcn_fsdp": mesh_cfg.get("dcn_fsdp", 1)}
@@ -124,14 +119,14 @@ def make_mesh(mesh_cfg: Mapping[str, Any], devices: Sequence[jax.Device] | None 
     """
     devices = list(jax.devices() if devices is None else devices)
     slices = [(device_slice or slice_of)(d) for d in devices]
-    n_slices = len(set(slices))
+    counts = {s: slices.count(s) for s in sorted(set(slices))}
+    if len(set(counts.values())) > 1:
+        raise ValueError(f"slices hold different device counts {counts}: every slice must be the same size")
+    n_slices = len(counts)
     ici, dcn = hybrid_shape(mesh_cfg, len(devices), n_slices)
     axis_types = (AxisType.Auto,) * len(MESH_AXES)
     if n_slices == 1:
         return jax.make_mesh(ici, MESH_AXES, axis_types=axis_types, devices=devices)
-    counts = {s: slices.count(s) for s in sorted(set(slices))}
-    if len(set(counts.values())) > 1:
-        raise ValueError(f"slices hold different device counts {counts}: every slice must be the same size")
     from jax.experimental import mesh_utils
 
     # Every device seen with the slice found above (on TPU its own), so a told slice wins over the
