@@ -138,6 +138,7 @@ def run(cfg: DictConfig) -> dict:
         hang_reports = epath.Path(ckpt.directory) / REPORTS_DIR    # checkpoint.dir may be gs://
         if is_main and (line := announce_last_hang(hang_reports, process_count)):
             print(line, flush=True)
+            events.add("last_hang", line=line)     # the goodput log names who stopped first
         watchdog = Watchdog(s.hang_timeout_s, run_dir=s.run_dir, reports_dir=hang_reports,
                             process_index=process_index, on_hang=lambda last_step: events.exit("hang", step=last_step))
         cleanup.callback(watchdog.close)

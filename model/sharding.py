@@ -10,12 +10,14 @@ configs/mesh/*.yaml maps each to a mesh axis, a list of mesh axes, or null (repl
 
 Mesh axes: `data` (pure data parallel: parameters replicated), `fsdp` (batch split and
 parameters/optimizer state sharded, ZeRO-3 style), `tensor` (Megatron-style heads/MLP split).
+Over several slices `mesh.dcn_data` and `mesh.dcn_fsdp` say how the slices extend `data` and
+`fsdp` across the data-center network (make_mesh).
 """
 from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -30,36 +32,114 @@ Rules = tuple[tuple[str, tuple[str, ...]], ...]
 
 def mesh_shape(mesh_cfg: Mapping[str, Any], n_devices: int) -> tuple[int, ...]:
     """Resolve one -1 axis to fill the device count; raise naming mesh.* on mismatch."""
-    sizes = [int(mesh_cfg[a]) for a in MESH_AXES]
-    fill = [a for a, s in zip(MESH_AXES, sizes, strict=True) if s == -1]
+    return _fill(mesh_cfg, MESH_AXES, n_devices, "devices")
+
+
+def _fill(mesh_cfg: Mapping[str, Any], axes: Sequence[str], total: int, what: str) -> tuple[int, ...]:
+    """The sizes of `axes` (config keys, one of them may be -1) whose product is `total`."""
+    sizes = [int(mesh_cfg.get(a, 1)) for a in axes]
+    named = dict(zip(axes, sizes, strict=True))
+    fill = [a for a, s in named.items() if s == -1]
     if len(fill) > 1:
-        raise ValueError(f"only one of mesh.data/fsdp/tensor may be -1, got {dict(zip(MESH_AXES, sizes, strict=True))}")
+        raise ValueError(f"only one of {', '.join('mesh.' + a for a in axes)} may be -1, got {named}")
     if any(s == 0 or s < -1 for s in sizes):
-        raise ValueError(f"mesh sizes must be positive or -1, got {dict(zip(MESH_AXES, sizes, strict=True))}")
+        raise ValueError(f"mesh sizes must be positive or -1, got {named}")
     known = math.prod(s for s in sizes if s != -1)
     if fill:
-        if n_devices % known:
+        if total % known:
             raise ValueError(
-                f"mesh.{fill[0]}=-1 cannot fill {n_devices} devices: the other axes "
-                f"({dict(zip(MESH_AXES, sizes, strict=True))}) multiply to {known}, which does not divide it")
-        sizes[MESH_AXES.index(fill[0])] = n_devices // known
-    if math.prod(sizes) != n_devices:
+                f"mesh.{fill[0]}=-1 cannot fill {total} {what}: the other axes "
+                f"({named}) multiply to {known}, which does not divide it")
+        sizes[axes.index(fill[0])] = total // known
+    if math.prod(sizes) != total:
         raise ValueError(
-            f"mesh.data*mesh.fsdp*mesh.tensor = {math.prod(sizes)} ({dict(zip(MESH_AXES, sizes, strict=True))}) "
-            f"but there are {n_devices} devices; set one axis to -1 to fill")
+            f"{'*'.join('mesh.' + a for a in axes)} = {math.prod(sizes)} ({named}) "
+            f"but there are {total} {what}; set one axis to -1 to fill")
     return tuple(sizes)
 
 
-def make_mesh(mesh_cfg: Mapping[str, Any], devices: Sequence[jax.Device] | None = None) -> Mesh:
+def hybrid_shape(mesh_cfg: Mapping[str, Any], n_devices: int, n_slices: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(per-slice shape, across-slices shape), both over MESH_AXES: `mesh.data/fsdp/tensor` split a
+    slice's devices, `mesh.dcn_data/dcn_fsdp` the slices (defaults: -1 and 1, data parallel across
+    slices). The run's mesh is their product per axis. Tensor parallelism never leaves a slice: it
+    needs the fast links (ICI) at every layer. Raises one line naming mesh.* on a mismatch."""
+    if n_devices % n_slices:
+        raise ValueError(f"{n_devices} devices do not split into {n_slices} equal slices")
+    dcn_cfg = {"dcn_data": mesh_cfg.get("dcn_data", -1), "dcn_fsdp": mesh_cfg.get("dcn_fsdp", 1)}
+    dcn = _fill(dcn_cfg, ("dcn_data", "dcn_fsdp"), n_slices, "slices")
+    ici = _fill(mesh_cfg, MESH_AXES, n_devices // n_slices, "devices per slice" if n_slices > 1 else "devices")
+    return ici, (dcn[0], dcn[1], 1)
+
+
+class _SliceDevice:
+    """A device seen with the slice it is told to belong to: CPU devices have no `slice_index`, so a
+    simulated multislice run (scripts/launch_local.py --slices) lends them one, and JAX's hybrid mesh
+    groups them exactly as it groups a real multislice job's TPU devices."""
+
+    def __init__(self, device, slice_index: int):
+        self.device, self.slice_index = device, slice_index
+
+    def __getattr__(self, name):
+        return getattr(self.device, name)
+
+
+# Each process's slice where the devices do not say (CPU): set by model/runtime/distributed.py from
+# `distributed.slice_index` once every process has reported its own; None: devices carry their own
+# `slice_index` (a TPU multislice job) or there is one slice.
+_PROCESS_SLICES: list[tuple[int, ...] | None] = [None]
+
+
+def set_process_slices(slices: Sequence[int] | None) -> None:
+    """Slice of each process (index = process_index), for devices without a `slice_index`."""
+    _PROCESS_SLICES[0] = None if slices is None else tuple(int(s) for s in slices)
+
+
+def slice_of(device) -> int:
+    """The device's slice: its process's told slice in a simulated multislice run, else its own
+    `slice_index` (TPU; CPU devices of a multi-process job report 0), else 0."""
+    told = _PROCESS_SLICES[0]
+    if told is not None:
+        return told[device.process_index]
+    return int(getattr(device, "slice_index", None) or 0)
+
+
+def make_mesh(mesh_cfg: Mapping[str, Any], devices: Sequence[jax.Device] | None = None,
+              device_slice: Callable[[Any], int] | None = None) -> Mesh:
     """Mesh over all processes' devices (jax.devices() is global after jax.distributed).
 
     jax.make_mesh orders devices by the physical topology (TPU torus, hosts), so the
     innermost axis (tensor) lands on the fastest links. Auto axes: GSPMD propagates
     shardings from the jit boundaries and the with_sharding_constraint annotations.
+
+    Over several slices (devices' `slice_index`, or the slices processes were told): JAX's hybrid
+    mesh, each slice's devices laid out as one slice's mesh (per-slice shape) and the slices in
+    blocks along `data`/`fsdp` (the across-slices shape), so only what those axes reduce crosses
+    the DCN (by default the gradients' data-parallel reduction). device_slice: a device's slice in
+    place of slice_of (tests that split one process's devices into slices).
     """
     devices = list(jax.devices() if devices is None else devices)
-    shape = mesh_shape(mesh_cfg, len(devices))
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+    slices = [(device_slice or slice_of)(d) for d in devices]
+    counts = {s: slices.count(s) for s in sorted(set(slices))}
+    if len(set(counts.values())) > 1:
+        raise ValueError(f"slices hold different device counts {counts}: every slice must be the same size")
+    n_slices = len(counts)
+    ici, dcn = hybrid_shape(mesh_cfg, len(devices), n_slices)
+    axis_types = (AxisType.Auto,) * len(MESH_AXES)
+    if n_slices == 1:
+        return jax.make_mesh(ici, MESH_AXES, axis_types=axis_types, devices=devices)
+    from jax.experimental import mesh_utils
+
+    # Every device seen with the slice found above (on TPU its own), so a told slice wins over the
+    # 0 that CPU devices of a multi-process job report.
+    told = [_SliceDevice(d, s) for d, s in zip(devices, slices, strict=True)]
+    grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, told, allow_split_physical_axes=True)
+    grid = np.vectorize(lambda d: d.device, otypes=[object])(grid)
+    return Mesh(grid, MESH_AXES, axis_types=axis_types)
+
+
+def mesh_slices(mesh: Mesh) -> int:
+    """How many slices the mesh's devices span."""
+    return len({slice_of(d) for d in mesh.devices.flat})
 
 
 def rules_from_cfg(mesh_cfg: Mapping[str, Any]) -> Rules:
@@ -163,4 +243,6 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
 
 
 def describe(mesh: Mesh) -> str:
-    return " × ".join(f"{k}={v}" for k, v in mesh.shape.items()) + f" ({np.prod(list(mesh.shape.values()))} devices)"
+    n_slices = mesh_slices(mesh)
+    return (" × ".join(f"{k}={v}" for k, v in mesh.shape.items()) + f" ({np.prod(list(mesh.shape.values()))} devices"
+            + (f", {n_slices} slices)" if n_slices > 1 else ")"))

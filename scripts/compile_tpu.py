@@ -4,6 +4,7 @@
     python scripts/compile_tpu.py experiment=v4_32_llama_1b
     python scripts/compile_tpu.py experiment=v4_32_llama_1b --topology v5e-16 model.remat=dots --json plan.json
     python scripts/compile_tpu.py experiment=v4_32_llama_1b --quick model.remat=full   # ~3x faster, +-9%
+    python scripts/compile_tpu.py experiment=v4_32_llama_1b tpu.slices=2 --dcn-gbps 100   # 2 x v4-32
 
 The topology is the experiment's `tpu.topology` (e.g. v4-32) or `--topology`; the rest are the
 same Hydra overrides train.py takes. libtpu describes the slice's devices
@@ -16,6 +17,13 @@ to donated arguments, generated code, total) against the chip's usable HBM, "fit
 margin or "does not fit" with the compiler's own statement of what overflows, and the compile
 time; `--json` writes the same figures. Memory only: XLA's cost analysis counts a scanned layer
 once and misses the Pallas kernels, so no speed figure is derived from it.
+
+Several slices (`tpu.slices=N`, a multislice job over the data-center network): libtpu describes N
+copies of the slice, the mesh spans them (`mesh.dcn_data`/`mesh.dcn_fsdp`, model/sharding.py), and
+the report adds, per step, the bytes each chip hands over to the DCN (the compiled program's
+Megascale transfers: the parts of collectives whose groups span slices, model/dcn.py), what a host
+sends for its chips and the seconds that takes at `--dcn-gbps` per host, beside the step's compute
+at the chips' peak FLOP/s (the least it can take).
 
 `--quick` tells the compiler to spend no effort on the program's speed
 (jax_exec_time_optimization_effort=-1): a 1B plan compiles in ~20 CPU-s instead of ~70-110, for
@@ -94,13 +102,19 @@ def parse_slice(name: str) -> Slice:
     return Slice(name.strip(), gen, chips, tuple(torus))
 
 
-def slice_devices(tpu: Slice):
-    """The slice's devices as libtpu describes them (not attached: compile only)."""
+def chips_per_host(tpu: Slice) -> int:
+    """Cloud TPU hosts drive 4 chips (2x2), or the whole slice when it is smaller."""
+    return 4 if tpu.chips >= 4 else tpu.chips
+
+
+def slice_devices(tpu: Slice, num_slices: int = 1):
+    """The devices of `num_slices` copies of the slice as libtpu describes them (not attached:
+    compile only); over several slices each carries its `slice_index`."""
     from jax.experimental import topologies
 
     desc = topologies.get_topology_desc(
         platform="tpu", topology_name=tpu.libtpu_name, chip_config_name=tpu.generation.chip_config,
-        chips_per_host_bounds=(2, 2, 1) if tpu.chips >= 4 else (1, 1, 1), num_slices=1)
+        chips_per_host_bounds=(2, 2, 1) if tpu.chips >= 4 else (1, 1, 1), num_slices=int(num_slices))
     return desc.devices
 
 
@@ -126,8 +140,9 @@ def require_libtpu() -> None:
 # ----------------------------------------------------------------------------- compile
 
 
-def _compile_one(fn, args, capacity: int) -> dict:
-    """Compile `fn` at `args`; XLA's per-chip memory figures, or the compiler's out-of-memory report."""
+def _compile_one(fn, args, capacity: int, n_slices: int = 1) -> dict:
+    """Compile `fn` at `args`; XLA's per-chip memory figures, or the compiler's out-of-memory report.
+    Over several slices also what each chip sends over the DCN per step (model/dcn.py)."""
     t0 = time.perf_counter()
     try:
         compiled = fn.lower(*args).compile()
@@ -143,7 +158,13 @@ def _compile_one(fn, args, capacity: int) -> dict:
     # Outputs aliased to donated arguments (the new train state) reuse the arguments' buffers.
     total = (m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
              + m.generated_code_size_in_bytes)
+    dcn = {}
+    if n_slices > 1:
+        from model.dcn import dcn_bytes_per_chip, megascale_transfers
+
+        dcn = {"dcn": dcn_bytes_per_chip(megascale_transfers(compiled.as_text()), n_slices)}
     return {
+        **dcn,
         "fits": total <= capacity, "compile_s": compile_s,
         "arguments_gib": m.argument_size_in_bytes / GIB, "temporaries_gib": m.temp_size_in_bytes / GIB,
         "outputs_gib": m.output_size_in_bytes / GIB, "aliased_gib": m.alias_size_in_bytes / GIB,
@@ -156,31 +177,59 @@ def _compile_one(fn, args, capacity: int) -> dict:
 QUICK_EXEC_TIME_EFFORT = -1.0
 
 
-def compile_plan(cfg, tpu: Slice, quick: bool = False) -> dict:
-    """Compile the run `cfg` describes for `tpu`: {"train_step": figures, "eval_step": figures, ...}.
-    quick: the least compiler effort on execution time (see the module doc); the memory fitting
-    effort stays XLA's default."""
+# What --dcn-gbps states when not given: the DCN bandwidth of one host, Gbit/s. A stated figure to
+# price the transfers, not a measured one: pass what your hosts get.
+DEFAULT_DCN_GBPS = 100.0
+
+
+def slices_from_cfg(cfg) -> int:
+    """`tpu.slices` (default 1) as a count; ValueError naming it otherwise."""
+    value = cfg.tpu.get("slices", 1)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"tpu.slices={value!r}: expected a whole number of slices, 1 or more")
+    return value
+
+
+def compile_plan(cfg, tpu: Slice, quick: bool = False, dcn_gbps: float = DEFAULT_DCN_GBPS) -> dict:
+    """Compile the run `cfg` describes for `tpu` (times `tpu.slices`): {"train_step": figures,
+    "eval_step": figures, ...}. quick: the least compiler effort on execution time (see the module
+    doc); the memory fitting effort stays XLA's default. dcn_gbps: the DCN bandwidth per host the
+    transfers between slices are priced at."""
     import jax
 
     import train
-    from model.flops import recompute_factor
+    from model import sharding
+    from model.flops import flops_per_token, peak_flops, recompute_factor
 
+    n_slices = slices_from_cfg(cfg)
     model_cfg, tx, _ = train.model_and_optimizer(cfg)
     if cfg.data.seq_len > model_cfg.max_seq_len:
         raise ValueError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={model_cfg.max_seq_len}")
-    program = train.build_program(cfg, model_cfg, tx, devices=slice_devices(tpu))
+    program = train.build_program(cfg, model_cfg, tx, devices=slice_devices(tpu, n_slices))
     batch = program.abstract_batch(int(cfg.data.global_batch_size), int(cfg.data.seq_len))
     capacity = int(tpu.generation.usable_gib * GIB)
+    device_kind = program.mesh.devices.flat[0].device_kind
+    seq_len, global_batch = int(cfg.data.seq_len), int(cfg.data.global_batch_size)
+    factor = recompute_factor(model_cfg, seq_len, int(cfg.train.loss_chunk))
+    peak = peak_flops(device_kind)
+    step_flops = flops_per_token(model_cfg, seq_len, causal=True) * global_batch * seq_len * factor
     plan = {
-        "topology": tpu.name, "libtpu_topology": tpu.libtpu_name, "chips": tpu.chips,
-        "device_kind": program.mesh.devices.flat[0].device_kind, "hbm_gib_per_chip": tpu.generation.hbm_gib,
+        "topology": tpu.name, "libtpu_topology": tpu.libtpu_name, "chips": tpu.chips * n_slices,
+        "slices": n_slices, "chips_per_slice": tpu.chips, "chips_per_host": chips_per_host(tpu),
+        "mesh_slices": sharding.mesh_slices(program.mesh),
+        "mesh_dcn": dict(zip(sharding.MESH_AXES, sharding.hybrid_shape(cfg.mesh, tpu.chips * n_slices, n_slices)[1],
+                             strict=True)),
+        "dcn_gbps_per_host": float(dcn_gbps),
+        # the train step's executed FLOPs at every chip's peak: the least time the step can take
+        "compute_s_at_peak": step_flops / (tpu.chips * n_slices * peak) if peak else None,
+        "device_kind": device_kind, "hbm_gib_per_chip": tpu.generation.hbm_gib,
         "usable_hbm_gib_per_chip": tpu.generation.usable_gib,
         "mesh": dict(program.mesh.shape), "model": {k: cfg.model[k] for k in ("attention", "remat")},
         "microbatches": int(cfg.train.microbatches), "loss_chunk": int(cfg.train.loss_chunk),
         "seq_len": int(cfg.data.seq_len),
         "global_batch_size": int(cfg.data.global_batch_size),
         # executed / useful FLOPs: what rematerialisation and a chunked loss cost in compute
-        "recompute_factor": recompute_factor(model_cfg, int(cfg.data.seq_len), int(cfg.train.loss_chunk)),
+        "recompute_factor": factor,
         "quick": quick,
     }
     # A process-wide setting, read when each program compiles: put back after, as a test process
@@ -189,19 +238,28 @@ def compile_plan(cfg, tpu: Slice, quick: bool = False) -> dict:
     if quick:
         jax.config.update("jax_exec_time_optimization_effort", QUICK_EXEC_TIME_EFFORT)
     try:
-        plan["train_step"] = _compile_one(program.train_step, (program.abstract_state, batch), capacity)
-        plan["eval_step"] = _compile_one(program.eval_step, (program.abstract_state["params"], batch), capacity)
+        plan["train_step"] = _compile_one(program.train_step, (program.abstract_state, batch), capacity, n_slices)
+        plan["eval_step"] = _compile_one(program.eval_step, (program.abstract_state["params"], batch), capacity,
+                                         n_slices)
     finally:
         jax.config.update("jax_exec_time_optimization_effort", effort)
+    for step in ("train_step", "eval_step"):
+        dcn = plan[step].get("dcn")
+        if dcn is not None:
+            dcn["sent_bytes_per_host"] = dcn["sent_bytes"] * plan["chips_per_host"]
+            dcn["seconds_at_dcn_gbps"] = dcn["sent_bytes_per_host"] * 8 / (dcn_gbps * 1e9)
     return plan
 
 
 def report(plan: dict) -> str:
     """The plan's figures as the console shows them."""
     cap = plan["usable_hbm_gib_per_chip"]
-    lines = [f"{plan['topology']} ({plan['chips']} x {plan['device_kind']}, {plan['hbm_gib_per_chip']:g} GiB HBM "
+    slices = plan.get("slices", 1)
+    lines = [(f"{slices} x " if slices > 1 else "")
+             + f"{plan['topology']} ({plan['chips']} x {plan['device_kind']}, {plan['hbm_gib_per_chip']:g} GiB HBM "
              f"each, {cap:g} usable), "
-             f"mesh {plan['mesh']}, attention {plan['model']['attention']}, remat {plan['model']['remat']}, "
+             f"mesh {plan['mesh']}" + (f" (across slices {plan['mesh_dcn']})" if slices > 1 else "")
+             + f", attention {plan['model']['attention']}, remat {plan['model']['remat']}, "
              f"microbatches {plan['microbatches']}, loss_chunk {plan['loss_chunk']}, "
              f"batch {plan['global_batch_size']} x {plan['seq_len']}; recompute factor {plan['recompute_factor']:.3f}"
              + ("; QUICK compile (no effort on speed): memory figures within a few per cent of the run's"
@@ -217,6 +275,16 @@ def report(plan: dict) -> str:
                      f"{r['arguments_gib']:.2f}, temporaries {r['temporaries_gib']:.2f}, outputs "
                      f"{r['outputs_gib']:.2f} (aliased {r['aliased_gib']:.2f}), code {r['code_gib']:.2f} GiB; "
                      f"{verdict}; compiled in {r['compile_s']:.1f} s")
+        if "dcn" in r:
+            d = r["dcn"]
+            compute = plan.get("compute_s_at_peak")
+            beside = (f"; the train step's compute at peak {compute * 1e3:.1f} ms" if compute and step == "train_step"
+                      else "")
+            lines.append(f"    over the DCN ({slices} slices): per chip {d['payload_bytes'] / 2**20:.1f} MiB handed to "
+                         f"Megascale in {d['transfers']} transfers ({', '.join(sorted(d['payload_by_kind']))}), "
+                         f"{d['sent_bytes'] / 2**20:.1f} MiB sent; per host ({plan['chips_per_host']} chips) "
+                         f"{d['sent_bytes_per_host'] / 2**20:.1f} MiB = {d['seconds_at_dcn_gbps'] * 1e3:.1f} ms at "
+                         f"{plan['dcn_gbps_per_host']:g} Gbit/s{beside}")
     return "\n".join(lines)
 
 
@@ -242,22 +310,28 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help="~3x faster compile with no effort on the program's speed; memory figures within a "
                              "few per cent of the full compile's (to compare variants, not to quote)")
+    parser.add_argument("--dcn-gbps", type=float, default=DEFAULT_DCN_GBPS,
+                        help="over several slices (tpu.slices=N): the DCN bandwidth of one host in Gbit/s that the "
+                             f"transfers between slices are priced at (default {DEFAULT_DCN_GBPS:g}, a stated figure)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py (experiment=...)")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)   # overrides before and after the options
 
     cfg = compose(args.overrides)
     name = args.topology or cfg.tpu.topology
     if not name:
         raise SystemExit("compile_tpu: no TPU topology: pass --topology (e.g. v4-32) or set tpu.topology "
                          "in the experiment")
+    if args.dcn_gbps <= 0:
+        raise SystemExit(f"compile_tpu: --dcn-gbps {args.dcn_gbps:g}: expected a bandwidth above 0")
     try:
         tpu = parse_slice(name)
+        slices_from_cfg(cfg)
     except ValueError as e:
         raise SystemExit(f"compile_tpu: {e}") from None
     require_libtpu()
     libtpu_env(tpu)
     try:
-        plan = compile_plan(cfg, tpu, quick=args.quick)
+        plan = compile_plan(cfg, tpu, quick=args.quick, dcn_gbps=args.dcn_gbps)
     except ValueError as e:     # a config mistake (mesh, batch, microbatches): one line
         raise SystemExit(f"compile_tpu: config error: {e}") from None
     print(report(plan), flush=True)

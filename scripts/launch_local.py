@@ -26,6 +26,15 @@ mesh through jax.distributed: the same code path a TPU pod takes, minus the TPUs
   JAXPT_EXIT_PREEMPTED=1 and exit 76 (model/runtime/distributed.py EXIT_PREEMPTED) once they have saved,
   the launcher waits up to --grace-period for all of them and starts the job again, which resumes
   from the step just saved. A SIGTERM or Ctrl-C to the launcher itself is a stop: no restart.
+* A lost host under --restarts N: a process killed by a signal from outside (its VM gone: SIGKILL)
+  while the others run. The launcher names it (and its slice: a lost slice is all its processes
+  killed together), leaves the others to leave on their own, through their hang watchdog (75,
+  train.hang_timeout_s) or the preemption path, up to --lost-host-wait seconds, then starts the job
+  again as after a hang; the next start names who stopped first (train.py, events.jsonl).
+* --slices S: a multislice job rehearsed on this machine: the P processes form S simulated slices of
+  P/S consecutive processes each (process i in slice i // (P/S), told by distributed.slice_index,
+  as CPU devices carry no slice_index). The mesh groups the devices by slice exactly as a real
+  multislice job's (model/sharding.py: mesh.dcn_data/dcn_fsdp across slices).
 * Overrides are passed as argv lists (never through a shell), so any value is safe.
 """
 from __future__ import annotations
@@ -45,7 +54,7 @@ from model.runtime.distributed import EXIT_PREEMPTED, EXIT_PREEMPTED_ENV
 from model.runtime.watchdog import EXIT_HANG
 from train import PROJECT_ROOT as REPO_ROOT  # the repo root (the project is installed)
 
-DISTRIBUTED_KEYS = ("coordinator_address", "num_processes", "process_id", "local_device_count")
+DISTRIBUTED_KEYS = ("coordinator_address", "num_processes", "process_id", "local_device_count", "slice_index")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -58,12 +67,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def distributed_overrides(port: int, num_processes: int, process_id: int, devices: int) -> list[str]:
+def distributed_overrides(port: int, num_processes: int, process_id: int, devices: int,
+                          slices: int = 1) -> list[str]:
+    """The process's distributed.* settings; over several simulated slices also its slice (the
+    processes split into `slices` runs of consecutive ids)."""
+    told = [f"distributed.slice_index={process_id // (num_processes // slices)}"] if slices > 1 else []
     return [
         f"distributed.coordinator_address=localhost:{port}",
         f"distributed.num_processes={num_processes}",
         f"distributed.process_id={process_id}",
         f"distributed.local_device_count={devices}",
+        *told,
     ]
 
 
@@ -144,7 +158,8 @@ def _set_parent_death_signal() -> None:
 # ----------------------------------------------------------------------------------------------
 class Launcher:
     def __init__(self, commands: list[list[str]], log_paths: list[Path], env: dict[str, str],
-                 grace_period: float, failure_grace: float, echo=sys.stdout.buffer, append: bool = False):
+                 grace_period: float, failure_grace: float, echo=sys.stdout.buffer, append: bool = False,
+                 lost_host_wait: float | None = None, slice_of=lambda i: 0):
         self.commands = commands
         self.log_paths = log_paths
         self.env = env
@@ -156,6 +171,8 @@ class Launcher:
         self.threads: list[threading.Thread] = []
         self.signals: list[int] = []
         self.append = append            # a restart appends to the logs of the lives before
+        self.lost_host_wait = lost_host_wait    # None: a lost host fails the job (no --restarts)
+        self.slice_of = slice_of        # process -> its (simulated) slice, for the messages
 
     # -- process control ---------------------------------------------------------------------
     def start(self) -> None:
@@ -234,6 +251,7 @@ class Launcher:
 
     def _watch(self) -> int:
         preempted_since = None
+        lost_since = None
         while True:
             if self.signals:
                 sig = self.signals[0]
@@ -243,6 +261,22 @@ class Launcher:
                 return 128 + sig
             codes = [p.poll() for p in self.procs]
             failed = [i for i, c in enumerate(codes) if c not in (None, 0, EXIT_PREEMPTED)]
+            lost = [i for i in failed if codes[i] < 0]     # killed by a signal from outside: a lost host
+            if lost and self.lost_host_wait is not None and (lost_since is not None or len(lost) < len(codes)):
+                if lost_since is None:
+                    lost_since = time.monotonic()
+                    slices = sorted({self.slice_of(i) for i in lost})
+                    log(f"process {', '.join(map(str, lost))} (slice {', '.join(map(str, slices))}) lost first "
+                        f"(killed by signal {-codes[lost[0]]}); the others leave through their watchdog or "
+                        f"preemption (up to {self.lost_host_wait:g}s)")
+                if all(c is not None for c in codes):
+                    return EXIT_HANG        # every host gone: start the job again, as after a hang
+                if time.monotonic() - lost_since > self.lost_host_wait:
+                    log(f"others still running {self.lost_host_wait:g}s after a lost host; stopping them")
+                    self.stop_all(self.failure_grace)
+                    return EXIT_HANG
+                time.sleep(0.1)
+                continue
             if failed:
                 # A hang anywhere decides the exit code: the others fail because of it.
                 hung = [i for i in failed if exit_code(codes[i]) == EXIT_HANG]
@@ -292,6 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--processes", "-p", type=int, required=True, help="number of processes (P)")
     p.add_argument("--devices-per-process", "-d", type=int, required=True,
                    help="fake CPU devices per process (D); the mesh has P*D devices")
+    p.add_argument("--slices", type=int, default=1,
+                   help="simulated slices (S): the processes form S slices of P/S processes each, joined as a "
+                        "multislice job's slices are (default 1)")
     p.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
     p.add_argument("--log-dir", type=Path, default=None,
                    help="per-process logs go here (default: <hydra.run.dir>/logs, i.e. runs/<name>/logs)")
@@ -305,6 +342,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"start the job again, up to N times in all, when a process exits with code {EXIT_HANG} "
                         f"(train.py's hang watchdog) or the processes were preempted (exit code {EXIT_PREEMPTED} "
                         f"with ${EXIT_PREEMPTED_ENV}=1, which N > 0 sets); default 0")
+    p.add_argument("--lost-host-wait", type=float, default=300.0,
+                   help="with --restarts: seconds the other processes get to leave on their own (watchdog, "
+                        "preemption) after one was killed from outside, before they are stopped and the job "
+                        "starts again (default 300)")
     p.add_argument("overrides", nargs="*", help=argparse.SUPPRESS)
     return p
 
@@ -322,6 +363,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error("--processes must be >= 1")
     if args.devices_per_process < 1:
         parser.error("--devices-per-process must be >= 1")
+    if args.slices < 1 or args.processes % args.slices:
+        parser.error(f"--slices {args.slices} must be >= 1 and divide --processes {args.processes}")
     for ov in args.overrides:
         key = ov.partition("=")[0].lstrip("+~")
         if key in {f"distributed.{k}" for k in DISTRIBUTED_KEYS}:
@@ -360,13 +403,15 @@ def main(argv: list[str] | None = None) -> int:
     for life in range(args.restarts + 1):
         if life:
             port = free_port()      # the last life's coordinator may still hold its port
-            why = "hang" if rc == EXIT_HANG else "preempted"
+            why = "hang or lost host" if rc == EXIT_HANG else "preempted"
             log(f"a process exited with code {rc} ({why}): restart {life} of {args.restarts}")
-        commands = [[sys.executable, program, *args.overrides, *distributed_overrides(port, P, i, D)]
+        commands = [[sys.executable, program, *args.overrides, *distributed_overrides(port, P, i, D, args.slices)]
                     for i in range(P)]
-        log(f"{P} processes x {D} CPU devices, coordinator localhost:{port}, logs in {log_dir}/")
+        layout = f"{args.slices} slices x {P // args.slices} processes" if args.slices > 1 else f"{P} processes"
+        log(f"{layout} x {D} CPU devices, coordinator localhost:{port}, logs in {log_dir}/")
         launcher = Launcher(commands, log_paths, env, args.grace_period, args.failure_grace,
-                            append=life > 0)
+                            append=life > 0, lost_host_wait=args.lost_host_wait if args.restarts > 0 else None,
+                            slice_of=lambda i: i // (P // args.slices))
         rc = launcher.run()
         if rc not in (EXIT_HANG, EXIT_PREEMPTED) or launcher.signals:
             break

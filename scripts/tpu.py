@@ -10,6 +10,17 @@
     python scripts/tpu.py stop   --name my-pod --zone us-central2-b
     python scripts/tpu.py delete --name my-pod --zone us-central2-b
 
+Several slices (a multislice job over the data-center network): --slices N on every subcommand.
+`create` asks for the N slices as one queued resource (`gcloud compute tpus queued-resources create
+NAME --node-count N --node-prefix NAME`: slices NAME-0 .. NAME-{N-1}, granted all together or not at
+all); setup/sync/run/stop act on every worker of every slice, `logs --slice i` reads slice i, and
+`delete` removes the queued resource with its slices. `run` gives each worker the Megascale
+settings the TPU VM does not already provide (MEGASCALE_NUM_SLICES, MEGASCALE_SLICE_ID,
+MEGASCALE_PORT, and MEGASCALE_COORDINATOR_ADDRESS from --megascale-coordinator): one
+jax.distributed job over all hosts of all slices. --restarts restarts every slice together: when a
+host of one slice dies the others leave through the hang watchdog (75) or the preemption path (76)
+and every worker's loop starts train.py again; the processes meet at jax.distributed's start.
+
 Every subcommand takes --dry-run: the gcloud commands are printed (one per line, shell-quoted)
 instead of run; secrets passed with --env-from-local are shown as ***.
 --name/--zone/--project default to $JAXPT_TPU_NAME/$JAXPT_TPU_ZONE/$JAXPT_TPU_PROJECT.
@@ -208,7 +219,33 @@ def train_wrapper(restarts: int) -> str:
             'exit $rc; done')
 
 
-def run_script(args: argparse.Namespace, env: Sequence[EnvVar], reveal: bool) -> str:
+# Where a TPU VM keeps its own settings (jax reads MEGASCALE_* from the environment, then from here).
+TPU_ENV_URL = "http://metadata.google.internal/computeMetadata/v1/instance/attributes/tpu-env"
+MEGASCALE_PORT = 8081
+
+
+def megascale_exports(args: argparse.Namespace, slice_id: int) -> list[str]:
+    """Shell lines giving a worker of slice `slice_id` the Megascale settings of an N-slice job, each
+    only where neither its environment nor its TPU VM's metadata (tpu-env) already has it. Without
+    --megascale-coordinator and with no address from the VM, the worker stops in one line."""
+    if args.slices == 1:
+        return []
+    values = {"MEGASCALE_NUM_SLICES": str(args.slices), "MEGASCALE_SLICE_ID": str(slice_id),
+              "MEGASCALE_PORT": str(MEGASCALE_PORT)}
+    if args.megascale_coordinator:
+        values["MEGASCALE_COORDINATOR_ADDRESS"] = args.megascale_coordinator
+    lines = [f"tpu_env=$(curl -sf -m 5 -H 'Metadata-Flavor: Google' {shlex.quote(TPU_ENV_URL)} 2>/dev/null || true)"]
+    for key, value in values.items():
+        lines.append(f'if [ -z "${{{key}:-}}" ]; then case "$tpu_env" in *{key}*) ;; '
+                     f"*) export {key}={shlex.quote(value)};; esac; fi")
+    lines.append('if [ -z "${MEGASCALE_COORDINATOR_ADDRESS:-}" ]; then case "$tpu_env" in '
+                 "*MEGASCALE_COORDINATOR_ADDRESS*) ;; *) echo \"$(hostname): this TPU VM does not name the "
+                 "Megascale coordinator: pass --megascale-coordinator (the address of worker 0 of slice 0)\" >&2; "
+                 "exit 2;; esac; fi")
+    return lines
+
+
+def run_script(args: argparse.Namespace, env: Sequence[EnvVar], reveal: bool, slice_id: int = 0) -> str:
     overrides = " ".join(shlex.quote(o) for o in (*DETACHED_OVERRIDES, *args.overrides))
     py = shlex.quote(args.python)
     parts = [
@@ -216,6 +253,7 @@ def run_script(args: argparse.Namespace, env: Sequence[EnvVar], reveal: bool) ->
         "mkdir -p logs",
         _stop_function(args.stale_grace),
         "stop_training",
+        *megascale_exports(args, slice_id),
         *[e.export(reveal) for e in env],
         'log="logs/worker_$(hostname).log"',
         'echo "=== $(date -u +%Y-%m-%dT%H:%M:%SZ) start ===" >> "$log"',
@@ -298,17 +336,39 @@ def _base(args: argparse.Namespace, verb: str, *rest: str) -> list[str]:
     return cmd
 
 
-def ssh_cmd(args: argparse.Namespace, command: str, worker: str = "all") -> list[str]:
-    return _base(args, "ssh", args.name) + [f"--worker={worker}", "--command", command]
+def slice_names(args: argparse.Namespace) -> list[str]:
+    """The TPU VMs of the job: the one named --name, or with --slices N the queued resource's N
+    slices, NAME-0 .. NAME-{N-1} (the names --node-prefix NAME gives them)."""
+    n = int(getattr(args, "slices", 1))
+    return [args.name] if n == 1 else [f"{args.name}-{i}" for i in range(n)]
 
 
-def scp_cmd(args: argparse.Namespace, local: str, remote: str) -> list[str]:
-    return _base(args, "scp", local, f"{args.name}:{remote}") + ["--worker=all"]
+def ssh_cmd(args: argparse.Namespace, command: str, worker: str = "all", node: str | None = None) -> list[str]:
+    return _base(args, "ssh", node or args.name) + [f"--worker={worker}", "--command", command]
+
+
+def scp_cmd(args: argparse.Namespace, local: str, remote: str, node: str | None = None) -> list[str]:
+    return _base(args, "scp", local, f"{node or args.name}:{remote}") + ["--worker=all"]
+
+
+def _queued(args: argparse.Namespace, verb: str, *rest: str) -> list[str]:
+    cmd = ["gcloud", "compute", "tpus", "queued-resources", verb, *rest]
+    if args.zone:
+        cmd += ["--zone", args.zone]
+    if args.project:
+        cmd += ["--project", args.project]
+    return cmd
 
 
 def create_cmd(args: argparse.Namespace) -> list[str]:
-    cmd = _base(args, "create", args.name) + ["--accelerator-type", args.accelerator_type,
-                                              "--version", args.version]
+    if args.slices > 1:
+        # A multislice job is a queued resource: its slices are granted together or not at all.
+        cmd = _queued(args, "create", args.name) + [
+            "--node-count", str(args.slices), "--node-prefix", args.name,
+            "--accelerator-type", args.accelerator_type, "--runtime-version", args.version]
+    else:
+        cmd = _base(args, "create", args.name) + ["--accelerator-type", args.accelerator_type,
+                                                  "--version", args.version]
     if args.spot:
         cmd.append("--spot")
     if args.preemptible:
@@ -317,6 +377,8 @@ def create_cmd(args: argparse.Namespace) -> list[str]:
 
 
 def delete_cmd(args: argparse.Namespace) -> list[str]:
+    if args.slices > 1:   # the queued resource and, --force, the slices it holds
+        return _queued(args, "delete", args.name) + ["--force", "--quiet"]
     return _base(args, "delete", args.name) + ["--quiet"]
 
 
@@ -392,10 +454,14 @@ def do_sync(args: argparse.Namespace, ex: Executor) -> int:
         else:
             n = make_tarball(root, tarball, args.exclude)
             log(f"packed {n} files from {root} ({tarball.stat().st_size / 1e6:.1f} MB)")
-        rc = ex(scp_cmd(args, str(tarball), REMOTE_TARBALL), retry="any")
-        if rc:
-            return rc
-        return ex(ssh_cmd(args, extract_script(args)), retry="ssh")
+        for node in slice_names(args):
+            rc = ex(scp_cmd(args, str(tarball), REMOTE_TARBALL, node), retry="any")
+            if rc:
+                return rc
+            rc = ex(ssh_cmd(args, extract_script(args), node=node), retry="ssh")
+            if rc:
+                return rc
+        return 0
     finally:
         if tarball.exists():
             tarball.unlink()
@@ -411,7 +477,16 @@ def cmd_setup(args, ex):
         rc = do_sync(args, ex)
         if rc:
             return rc
-    return ex(ssh_cmd(args, setup_script(args)), retry="ssh")
+    return on_every_slice(args, ex, lambda node, i: ssh_cmd(args, setup_script(args), node=node))
+
+
+def on_every_slice(args, ex, make, shown=None) -> int:
+    """make(node, slice index) on every slice in turn; the first failure's exit code."""
+    for i, node in enumerate(slice_names(args)):
+        rc = ex(make(node, i), shown=shown(node, i) if shown else None, retry="ssh")
+        if rc:
+            return rc
+    return 0
 
 
 def cmd_sync(args, ex):
@@ -421,20 +496,21 @@ def cmd_sync(args, ex):
 def cmd_run(args, ex):
     env = collect_env(args, ex.dry_run)
     ex.secrets += [e.value for e in env if e.secret and e.value]
-    real = ssh_cmd(args, run_script(args, env, reveal=True))
-    shown = ssh_cmd(args, run_script(args, env, reveal=False))
-    rc = ex(real, shown=shown, retry="ssh")
+    rc = on_every_slice(args, ex, lambda node, i: ssh_cmd(args, run_script(args, env, True, i), node=node),
+                        shown=lambda node, i: ssh_cmd(args, run_script(args, env, False, i), node=node))
     if rc == 0 and not ex.dry_run:
         log(f"started; follow with: python scripts/tpu.py logs --name {shlex.quote(args.name)} --follow")
     return rc
 
 
 def cmd_logs(args, ex):
-    return ex(ssh_cmd(args, logs_script(args), worker=str(args.worker)), retry=None if args.follow else "ssh")
+    node = slice_names(args)[args.slice]
+    return ex(ssh_cmd(args, logs_script(args), worker=str(args.worker), node=node),
+              retry=None if args.follow else "ssh")
 
 
 def cmd_stop(args, ex):
-    return ex(ssh_cmd(args, stop_script(args)), retry="ssh")
+    return on_every_slice(args, ex, lambda node, i: ssh_cmd(args, stop_script(args), node=node))
 
 
 def cmd_delete(args, ex):
@@ -461,6 +537,9 @@ def _add_common(p: argparse.ArgumentParser, top: bool) -> None:
                    help="zone, e.g. us-central2-b (default $JAXPT_TPU_ZONE, else gcloud's config)")
     g.add_argument("--project", default=d(os.environ.get("JAXPT_TPU_PROJECT")),
                    help="GCP project (default $JAXPT_TPU_PROJECT, else gcloud's config)")
+    g.add_argument("--slices", type=int, default=d(int(os.environ.get("JAXPT_TPU_SLICES", "1"))),
+                   help="slices of the job (a multislice queued resource NAME-0..NAME-{N-1}; default "
+                        "$JAXPT_TPU_SLICES, else 1)")
     g.add_argument("--remote-dir", default=d("~/jaxpt"), help="code directory on every worker (default ~/jaxpt)")
     g.add_argument("--python", default=d("python3"), help="python on the workers (default python3)")
     g.add_argument("--retries", type=int, default=d(2), help="retries for failed ssh/scp (default 2)")
@@ -517,12 +596,16 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(the hang watchdog: train.hang_timeout_s) or {EXIT_PREEMPTED} (preempted after "
                         f"saving: with N > 0, ${EXIT_PREEMPTED_ENV}=1 asks train.py for that code instead "
                         "of 0); it resumes from the newest checkpoint. Never after `stop`; default 0")
+    p.add_argument("--megascale-coordinator", default=None, metavar="HOST[:PORT]",
+                   help="with --slices N: the Megascale coordinator (worker 0 of slice 0) for workers whose TPU "
+                        "VM does not name one")
     p.add_argument("--startup-check", type=int, default=5,
                    help="seconds to wait before checking train.py is still alive (0: don't; default 5)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides (put them after --)")
 
     p = add("logs", "tail a worker's training log")
     p.add_argument("--worker", default="0", help="worker index, or 'all' (default 0)")
+    p.add_argument("--slice", type=int, default=0, help="with --slices N: which slice's worker (default 0)")
     p.add_argument("--lines", "-n", type=int, default=100)
     p.add_argument("--follow", "-f", action="store_true")
 
@@ -561,6 +644,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
             parser.error(f"{flags[0]!r} after --: tpu.py options go before --, Hydra overrides after it")
     if not args.name:
         parser.error("--name is required (or set $JAXPT_TPU_NAME)")
+    if args.slices < 1:
+        parser.error(f"--slices {args.slices}: expected 1 or more")
+    if args.command == "create" and args.slices > 1 and args.preemptible:
+        parser.error("--preemptible: a queued resource (--slices > 1) takes --spot instead")
+    if args.command == "logs" and not 0 <= args.slice < args.slices:
+        parser.error(f"--slice {args.slice}: the job has slices 0..{args.slices - 1}")
     return args
 
 

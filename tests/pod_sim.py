@@ -37,16 +37,30 @@ def _free_port() -> int:
 
 
 class SimPod:
-    def __init__(self, root: Path, workers: int = 2, devices_per_worker: int = 2, name: str = "pod-sim"):
-        self.root, self.name, self.workers = root, name, workers
+    def __init__(self, root: Path, workers: int = 2, devices_per_worker: int = 2, name: str = "pod-sim",
+                 slices: int = 1):
+        """slices > 1: a multislice job's slices, TPU VMs <name>-0 .. <name>-{slices-1} (the names a
+        queued resource with --node-prefix <name> gives them), `workers` each; like a TPU VM that
+        a queued resource did not give the Megascale settings, they carry none (tpu.py run does)."""
+        self.root, self.name, self.workers, self.slices = root, name, workers, slices
         port = _free_port()
+        nodes = {}
+        for i in range(slices):
+            node = name if slices == 1 else f"{name}-{i}"
+            nodes[node] = {"worker_env": self._workers(node, i, workers, devices_per_worker, port)}
+        pod = {"name": name, "workers": workers, **nodes[name if slices == 1 else f"{name}-0"]}
+        if slices > 1:
+            pod["nodes"] = nodes
+        (root / "pod.json").write_text(json.dumps(pod))
+
+    def _workers(self, node: str, slice_id: int, workers: int, devices_per_worker: int, port: int) -> list[dict]:
         python_bin = os.path.dirname(sys.executable)
         worker_env = []
         for w in range(workers):
-            home = self.home(w)
+            home = self.home(w, slice_id)
             (home / "bin").mkdir(parents=True)
             hostname = home / "bin" / "hostname"
-            hostname.write_text(f"#!/bin/sh\necho t1v-n-{name}-w-{w}\n")
+            hostname.write_text(f"#!/bin/sh\necho t1v-n-{node}-w-{w}\n")
             hostname.chmod(0o755)
             worker_env.append({
                 "HOME": str(home), "USER": "sim", "LOGNAME": "sim", "SHELL": shutil.which("bash"),
@@ -56,17 +70,17 @@ class SimPod:
                 "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(devices_per_worker),
                 "JAX_COORDINATOR_PORT": str(port),
             })
-        (root / "pod.json").write_text(json.dumps({"name": name, "workers": workers, "worker_env": worker_env}))
+        return worker_env
 
-    def home(self, worker: int) -> Path:
-        return self.root / f"worker_{worker}"
+    def home(self, worker: int, slice_id: int = 0) -> Path:
+        return self.root / (f"worker_{worker}" if self.slices == 1 else f"slice_{slice_id}_worker_{worker}")
 
     def tpu(self, command: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
         """`python scripts/tpu.py COMMAND --name <pod> ARGS` against this pod; output captured."""
         env = dict(os.environ, POD_SIM_DIR=str(self.root), PATH=f"{FAKE_GCLOUD_DIR}:{os.environ['PATH']}")
         return subprocess.run([sys.executable, str(REPO / "scripts" / "tpu.py"), command, "--name", self.name,
-                               "--zone", "sim-zone-a", *args], env=env, capture_output=True, text=True,
-                              timeout=timeout)
+                               "--zone", "sim-zone-a", "--slices", str(self.slices), *args], env=env,
+                              capture_output=True, text=True, timeout=timeout)
 
 
 if __name__ == "__main__":

@@ -112,9 +112,10 @@ def free_port():
         return s.getsockname()[1]
 
 
-def start(run_dir, *overrides, processes=0):
+def start(run_dir, *overrides, processes=0, slices=1):
     """processes=0: one plain process (the suite's 8 fake devices); P>0: P processes joined by
-    jax.distributed on localhost, 2 fake devices each."""
+    jax.distributed on localhost, 2 fake devices each; slices > 1: they form that many simulated
+    slices of consecutive processes (scripts/launch_local.py --slices)."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     base = [sys.executable, str(TRAIN), f"hydra.run.dir={run_dir}", *COMMON, *overrides]
@@ -128,7 +129,8 @@ def start(run_dir, *overrides, processes=0):
         log = open(run_dir / f"log_{time.time_ns()}_p{i}.txt", "w")
         procs.append(subprocess.Popen(
             base + [f"distributed.coordinator_address=localhost:{port}", f"distributed.num_processes={processes}",
-                    f"distributed.process_id={i}", "distributed.local_device_count=2"],
+                    f"distributed.process_id={i}", "distributed.local_device_count=2",
+                    *([f"distributed.slice_index={i // (processes // slices)}"] if slices > 1 else [])],
             cwd=run_dir, env=env_for(processes), stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
     return procs
 
@@ -150,8 +152,8 @@ def finish(procs, run_dir, timeout=240):
     return rcs
 
 
-def run(run_dir, *overrides, processes=0):
-    finish(start(run_dir, *overrides, processes=processes), run_dir)
+def run(run_dir, *overrides, processes=0, slices=1):
+    finish(start(run_dir, *overrides, processes=processes, slices=slices), run_dir)
 
 
 def run_until(run_dir, condition, sig, *overrides, group=True, processes=0):

@@ -151,8 +151,87 @@ def _compile_and_check(experiment):
     for step in ("train_step", "eval_step"):
         r = plan[step]
         assert r["fits"], f"{experiment}: {step} does not fit on {tpu.name}: {r}"
+        assert "dcn" not in r   # one slice: nothing crosses a data-center network
         assert r["hbm_fraction"] <= limit, (
             f"{experiment}: {step} needs {r['total_gib']:.2f} GiB per chip (quick compile), {r['hbm_fraction']:.0%} "
             f"of the {tpu.generation.usable_gib} GiB usable on {tpu.name} (limit {limit:.1%}: "
             f"{MAX_HBM_FRACTION:.0%} less the quick compile's gap); check with the full compile: "
             f"python scripts/compile_tpu.py experiment={experiment}")
+
+
+# ---------------------------------------------------------------- several slices (tpu.slices=N)
+# A compiled multislice program as libtpu prints it, cut to what model/dcn.py reads: a counted loop
+# (one trip peeled off before it: counter 1..4) holding one Megascale all-reduce, one outside it,
+# and an instruction whose metadata runs over two lines ("}" opening the second).
+MULTISLICE_HLO = """HloModule jit_step, is_scheduled=true
+
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[]{:T(128)}, f32[8]{0}) parameter(0)
+  %after-all.1 = token[] after-all(), frontend_attributes={MegascaleRendezvousKeyName="all-reduce.1_0"}
+  %odd = f32[8]{0} add(%x, %x), metadata={op_name="splash
+}}, stack_frame_id=3"}
+  %send.1 = (bf16[704,8,128]{2,1,0}, u32[], token[]) send(%x, %after-all.1), frontend_attributes={@MS@="ALL_REDUCE"}
+  %recv.1 = (bf16[704,8,128]{2,1,0}, u32[], token[]) recv(%after-all.1), frontend_attributes={@MS@="ALL_REDUCE"}
+}
+
+%cond (q: (s32[], f32[8])) -> pred[] {
+  %q = (s32[]{:T(128)}, f32[8]{0}) parameter(0)
+  %limit = s32[]{:T(128)} constant(4)
+  %i = s32[]{:T(128)} get-tuple-element(%q), index=0
+  ROOT %lt = pred[]{:T(512)} compare(%i, %limit), direction=LT
+}
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %one = s32[]{:T(128)} constant(1)
+  %start = s32[]{:T(128)} copy(%one)
+  %tuple.1 = (s32[]{:T(128)}, f32[8]{0}) tuple(%start, %a)
+  %while.1 = (s32[]{:T(128)}, f32[8]{0}) while(%tuple.1), condition=%cond, body=%body
+  %send.2 = (f32[1000,8,128]{2,1,0}, u32[], token[]) send(%y, %after-all.2), frontend_attributes={@MS@="ALL_GATHER"}
+}
+""".replace("@MS@", "_xla_megascale_transfer_type")
+
+
+def test_dcn_transfers_are_read_from_the_compiled_program():
+    from model import dcn
+
+    transfers = sorted(dcn.megascale_transfers(MULTISLICE_HLO), key=lambda t: t.kind)
+    assert transfers == [dcn.Transfer("ALL_GATHER", 1000 * 8 * 128 * 4, 1),
+                         dcn.Transfer("ALL_REDUCE", 704 * 8 * 128 * 2, 3)]   # recvs are not counted
+    four = dcn.dcn_bytes_per_chip(transfers, 4)
+    assert four["payload_bytes"] == 704 * 8 * 128 * 2 * 3 + 1000 * 8 * 128 * 4
+    # a ring over 4 slices: an all-reduce sends 2*3/4 of its buffer, an all-gather 3/4
+    assert four["sent_bytes"] == pytest.approx(1.5 * 704 * 8 * 128 * 2 * 3 + 0.75 * 1000 * 8 * 128 * 4)
+    assert dcn.megascale_transfers(MULTISLICE_HLO.replace("megascale", "other")) == []
+
+
+@pytest.mark.slow
+@needs_libtpu
+@pytest.mark.parametrize("experiment,slices", [("v4_32_llama2_7b", 2), ("v5e_16_llama_1b", 2)])
+def test_experiment_compiles_for_two_slices_with_its_dcn_traffic(tmp_path, experiment, slices):
+    out = tmp_path / "plan.json"
+    result = run_script(f"experiment={experiment}", "--quick", f"tpu.slices={slices}", "--dcn-gbps", "50",
+                        "--json", str(out))
+    assert result.returncode == 0, result.stdout + result.stderr
+    plan = json.loads(out.read_text())
+    tpu = ct.parse_slice(plan["topology"])
+    assert plan["slices"] == plan["mesh_slices"] == slices and plan["chips"] == slices * tpu.chips
+    # data parallel across the slices (mesh.dcn_data=-1), FSDP over each slice's chips
+    assert plan["mesh"] == {"data": slices, "fsdp": tpu.chips, "tensor": 1}
+    assert plan["mesh_dcn"] == {"data": slices, "fsdp": 1, "tensor": 1}
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose("train", overrides=[f"experiment={experiment}"])
+    from model.llama import LlamaConfig
+
+    params = LlamaConfig.from_mapping(cfg.model).num_params()
+    train, evals = plan["train_step"], plan["eval_step"]
+    assert train["fits"] and evals["fits"]
+    # The gradients' reduction is what crosses: each chip's FSDP shard of every gradient, in the
+    # backward's bf16 or in fp32, once per microbatch (XLA reduces inside the accumulation loop).
+    shard_bytes = params / tpu.chips * plan["microbatches"]
+    assert 2 * shard_bytes * 0.95 <= train["dcn"]["payload_bytes"] <= 4 * shard_bytes * 1.05, train["dcn"]
+    assert evals["dcn"]["payload_bytes"] < 2**20      # evaluation sends only its loss sums
+    d = train["dcn"]
+    assert d["sent_bytes_per_host"] == d["sent_bytes"] * 4
+    assert d["seconds_at_dcn_gbps"] == pytest.approx(d["sent_bytes_per_host"] * 8 / 50e9)
+    assert f"over the DCN ({slices} slices)" in result.stdout and "at 50 Gbit/s" in result.stdout
+    assert plan["compute_s_at_peak"] > 0

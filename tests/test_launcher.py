@@ -565,3 +565,103 @@ def test_local_rejects_distributed_overrides(tmp_path):
                                  "distributed.process_id=3"])
     a = launch_local.parse_args(["-p", "2", "-d", "4", "--", "name=x", "+foo=bar"])
     assert a.overrides == ["name=x", "+foo=bar"]
+
+
+def test_local_slices_tell_each_process_its_slice():
+    # 4 processes as 2 simulated slices: consecutive processes share a slice
+    told = [launch_local.distributed_overrides(1234, 4, i, 2, slices=2)[-1] for i in range(4)]
+    assert told == ["distributed.slice_index=0"] * 2 + ["distributed.slice_index=1"] * 2
+    assert not any("slice_index" in o for o in launch_local.distributed_overrides(1234, 4, 3, 2))
+    with pytest.raises(SystemExit):   # 3 processes do not split into 2 slices
+        launch_local.parse_args(["-p", "3", "-d", "1", "--slices", "2"])
+    with pytest.raises(SystemExit):   # the launcher tells the slices
+        launch_local.parse_args(["-p", "2", "-d", "1", "--slices", "2", "--", "distributed.slice_index=0"])
+
+
+# ------------------------------------------------------------------------------------------------
+# tpu.py: several slices (--slices N: one queued resource, every worker of every slice)
+# ------------------------------------------------------------------------------------------------
+def test_slices_create_one_queued_resource_and_delete_it(capsys):
+    cmds, _ = dry(capsys, "create", *POD, "--slices", "2", "--spot")
+    assert cmds == [["gcloud", "compute", "tpus", "queued-resources", "create", "pod-1", "--zone", "us-central2-b",
+                     "--node-count", "2", "--node-prefix", "pod-1", "--accelerator-type", "v4-32",
+                     "--runtime-version", "tpu-ubuntu2204-base", "--spot"]]
+    cmds, _ = dry(capsys, "--slices", "2", "delete", *POD)
+    assert cmds == [["gcloud", "compute", "tpus", "queued-resources", "delete", "pod-1", "--zone", "us-central2-b",
+                     "--force", "--quiet"]]
+    with pytest.raises(SystemExit):     # queued resources know --spot, not the legacy --preemptible
+        tpu.parse_args(["create", *POD, "--slices", "2", "--preemptible"])
+    with pytest.raises(SystemExit):
+        tpu.parse_args(["logs", *POD, "--slices", "2", "--slice", "2"])
+
+
+def test_slices_every_command_reaches_every_worker_of_every_slice(capsys):
+    cmds, _ = dry(capsys, "sync", *POD, "--slices", "3")
+    assert [(c[4], c[5] if c[4] == "ssh" else c[6].split(":")[0]) for c in cmds] == [
+        (verb, f"pod-1-{i}") for i in range(3) for verb in ("scp", "ssh")]
+    assert all("--worker=all" in c for c in cmds)
+    for verb in ("stop", "setup"):
+        cmds, _ = dry(capsys, verb, *POD, "--slices", "3", *(["--no-sync"] if verb == "setup" else []))
+        assert [c[5] for c in cmds] == ["pod-1-0", "pod-1-1", "pod-1-2"] and all("--worker=all" in c for c in cmds)
+    cmds, _ = dry(capsys, "logs", *POD, "--slices", "3", "--slice", "2", "--worker", "1")
+    assert cmds[0][5] == "pod-1-2" and "--worker=1" in cmds[0]
+
+
+def test_slices_run_gives_each_slice_its_megascale_settings_quoted(capsys):
+    cmds, _ = dry(capsys, "run", *POD, "--slices", "2", "--megascale-coordinator", "10.0.0.2; touch PWNED",
+                  "--restarts", "3", "--", *NASTY)
+    assert [c[5] for c in cmds] == ["pod-1-0", "pod-1-1"]
+    for i, c in enumerate(cmds):
+        script = remote_command(c)
+        assert f"export MEGASCALE_SLICE_ID={i};" in script and "export MEGASCALE_NUM_SLICES=2;" in script
+        assert "export MEGASCALE_COORDINATOR_ADDRESS='10.0.0.2; touch PWNED';" in script
+        words = shlex.split(script)
+        j = words.index("train.py")
+        assert words[j + 2:j + 2 + len(NASTY)] == NASTY
+        assert subprocess.run(["bash", "-n", "-c", script], capture_output=True).returncode == 0
+    assert not any("MEGASCALE" in remote_command(c) for c in dry(capsys, "run", *POD, "--", "name=x")[0])
+
+
+def test_slices_megascale_settings_only_where_the_vm_has_none(tmp_path):
+    """The generated lines run in bash: a value the worker's environment already has is kept, the
+    others are set; with no coordinator anywhere the worker stops in one line."""
+    args = tpu.parse_args(["run", *POD, "--slices", "2", "--megascale-coordinator", "10.0.0.2", "--", "x=1"])
+    show = 'echo "$MEGASCALE_NUM_SLICES $MEGASCALE_SLICE_ID $MEGASCALE_PORT $MEGASCALE_COORDINATOR_ADDRESS"'
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "MEGASCALE_SLICE_ID": "7"}
+    script = "; ".join([*tpu.megascale_exports(args, 1), show])
+    r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, timeout=60)
+    assert r.stdout.split() == ["2", "7", "8081", "10.0.0.2"], r.stderr
+    args.megascale_coordinator = None
+    r = subprocess.run(["bash", "-c", "; ".join([*tpu.megascale_exports(args, 1), show])], capture_output=True,
+                       text=True, env=env, timeout=60)
+    assert r.returncode == 2 and "--megascale-coordinator" in r.stderr and not r.stdout
+
+
+@pytest.mark.slow
+def test_local_lost_slice_waits_for_the_others_and_restarts(tmp_path):
+    """--restarts: a process killed from outside (its slice lost) is named with its slice; the others
+    leave on their own (here process 0 exits 75 as its hang watchdog would) and the job starts
+    again. Without --restarts the job fails with the killed process's code, the others stopped."""
+    prog = write_program(tmp_path, """
+        life_file = os.path.join(out, f"life_{pid}")
+        life = int(open(life_file).read()) + 1 if os.path.exists(life_file) else 1
+        open(life_file, "w").write(str(life))
+        if life == 1 and pid == 1:
+            os.kill(os.getpid(), signal.SIGKILL)     # slice 1's only host goes away
+        if life == 1:
+            time.sleep(2.0)                         # process 0 stalls on its dead peer, then its watchdog
+            sys.exit(75)
+    """)
+    p = launch(tmp_path, prog, "--log-dir", str(tmp_path / "logs"), "--slices", "2", "--restarts", "1")
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    assert "process 1 (slice 1) lost first (killed by signal 9)" in err
+    assert "restart 1 of 1" in err and not (tmp_path / "term_0").exists()   # process 0 left on its own
+    assert [(tmp_path / f"life_{i}").read_text() for i in range(2)] == ["2", "2"]
+
+    for i in range(2):
+        (tmp_path / f"life_{i}").unlink()
+    p = launch(tmp_path, prog, "--log-dir", str(tmp_path / "logs"), "--slices", "2")
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 128 + signal.SIGKILL and "process 1 exited with code 137" in err, err
+    assert (tmp_path / "term_0").exists()       # no restarts: the survivor is stopped at once

@@ -140,7 +140,8 @@ def test_sync_run_logs_stop_resume_on_simulated_pod(pod, tmp_path):
 
 def test_tpu_slice_from_the_vm_environment(monkeypatch):
     """What the run reads to start jax.distributed on a pod (model/runtime/distributed.py), and its one-line errors."""
-    for name in ("MEGASCALE_COORDINATOR_ADDRESS", "JAX_COORDINATOR_PORT"):
+    for name in ("MEGASCALE_COORDINATOR_ADDRESS", "MEGASCALE_NUM_SLICES", "MEGASCALE_SLICE_ID",
+                 "JAX_COORDINATOR_PORT"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "10.0.0.2,10.0.0.3,10.0.0.4,10.0.0.5")
     monkeypatch.setenv("TPU_WORKER_ID", "2")
@@ -152,9 +153,21 @@ def test_tpu_slice_from_the_vm_environment(monkeypatch):
         monkeypatch.setenv("TPU_WORKER_ID", bad)
         with pytest.raises(ValueError, match="TPU_WORKER_ID"):
             distributed.tpu_slice_from_env()
-    monkeypatch.setenv("MEGASCALE_COORDINATOR_ADDRESS", "10.0.0.2")    # multislice: jax's own detection
-    assert distributed.tpu_slice_from_env() is None
-    monkeypatch.delenv("MEGASCALE_COORDINATOR_ADDRESS")
+    monkeypatch.setenv("MEGASCALE_COORDINATOR_ADDRESS", "10.0.0.2")    # multislice, settings in the VM's
+    assert distributed.tpu_slice_from_env() is None                     # metadata: jax's own detection
+    # Multislice settings in the environment (scripts/tpu.py run --slices): one job over all slices'
+    # hosts, numbered slice by slice, coordinated on the Megascale coordinator's host.
+    monkeypatch.setenv("TPU_WORKER_ID", "1")
+    monkeypatch.setenv("MEGASCALE_COORDINATOR_ADDRESS", "10.0.1.2:8081")
+    monkeypatch.setenv("MEGASCALE_NUM_SLICES", "2")
+    monkeypatch.setenv("MEGASCALE_SLICE_ID", "1")
+    assert distributed.tpu_slice_from_env() == {"coordinator_address": "10.0.1.2:9999", "num_processes": 8,
+                                               "process_id": 5}
+    monkeypatch.setenv("MEGASCALE_SLICE_ID", "2")
+    with pytest.raises(ValueError, match="MEGASCALE_SLICE_ID='2' is not a slice of MEGASCALE_NUM_SLICES='2'"):
+        distributed.tpu_slice_from_env()
+    for name in ("MEGASCALE_COORDINATOR_ADDRESS", "MEGASCALE_NUM_SLICES", "MEGASCALE_SLICE_ID"):
+        monkeypatch.delenv(name)
     monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "10.0.0.2")             # one host: no jax.distributed
     assert distributed.tpu_slice_from_env() is None
 
@@ -211,3 +224,38 @@ def test_a_frozen_worker_ends_in_a_hang_and_run_restarts_resumes(pod, tmp_path):
     assert resumed_at >= 4 and resumed_at % 4 == 0 and set(range(1, 31)) <= set(by_step), (resumed_at, by_step)
     twice = [s for s, losses in by_step.items() if len(losses) == 2]
     assert all(s > resumed_at and by_step[s][0] == by_step[s][1] for s in twice), {s: by_step[s] for s in twice}
+
+
+@pytest.mark.slow
+def test_two_slices_train_as_one_job_on_a_simulated_multislice_pod(tmp_path):
+    """scripts/tpu.py --slices 2 against two simulated TPU VMs (pod-sim-0, pod-sim-1, one worker of 2
+    fake chips each, no Megascale settings of their own): setup and run reach every worker of every
+    slice, run gives each its slice's Megascale settings, and the two train.py form one 2-process
+    job over a 2-slice mesh (the rows name the slowest host's slice) that saves one checkpoint."""
+    pod = SimPod(tmp_path / "pod", workers=1, devices_per_worker=2, slices=2)
+    bucket = tmp_path / "bucket" / "ckpt"
+    try:
+        out = ok(pod.tpu("setup", "--no-install"))
+        for i in range(2):
+            assert f"t1v-n-pod-sim-{i}-w-0: jax " in out
+        ok(pod.tpu("run", "--megascale-coordinator", "127.0.0.1", "--", *TINY, "train.steps=4", "checkpoint.every=4",
+                   f"checkpoint.dir={bucket}", ODD_NAME))
+        deadline = time.time() + 300
+        logs = lambda: [(pod.home(0, i) / "jaxpt" / "logs" / "worker_t1v-n-pod-sim-{}-w-0.log".format(i))  # noqa: E731
+                        for i in range(2)]
+        while not all(p.exists() and "train.py exited with code" in p.read_text() for p in logs()):
+            assert time.time() < deadline, [p.read_text()[-3000:] for p in logs() if p.exists()]
+            time.sleep(1)
+        texts = [p.read_text() for p in logs()]
+        assert all(EXIT_0 in t for t in texts), [t[-3000:] for t in texts]
+        assert "Done: steps 0->4" in texts[0]
+        assert EXIT_0 in ok(pod.tpu("logs", "--slice", "1"))
+        run_dir = pod.home(0, 0) / "jaxpt" / "runs" / ODD_NAME_VALUE
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert {r["host/slowest_step_slice"] for r in rows if "loss" in r} <= {0, 1}
+        assert all(r["host/slowest_step_slice"] == r["host/slowest_step"] for r in rows if "loss" in r)
+        assert sorted(f.name for f in (bucket / "4" / "data").glob("*.json")) == \
+            ["process_0-of-2.json", "process_1-of-2.json"]
+        assert not list(tmp_path.rglob("PWNED"))
+    finally:
+        pod.tpu("stop", "--grace-period", "10")

@@ -83,12 +83,13 @@ def _batch(b=8, t=32):
             "segment_ids": seg, "positions": pos, "loss_mask": (seg > 0)}
 
 
-def _run(mesh_sizes, steps=2, microbatches=1):
-    """Loss, grad norm and params after `steps` SGD steps on a mesh (1 device when sizes is None)."""
+def _run(mesh_sizes, steps=2, microbatches=1, slices=1):
+    """Loss, grad norm and params after `steps` SGD steps on a mesh (1 device when sizes is None);
+    slices > 1: the 8 devices split into that many slices of consecutive ids."""
     if mesh_sizes is None:
         mesh = shd.make_mesh(mesh_cfg(data=1, fsdp=1, tensor=1), devices=jax.devices()[:1])
     else:
-        mesh = shd.make_mesh(mesh_cfg(**mesh_sizes))
+        mesh = shd.make_mesh(mesh_cfg(**mesh_sizes), device_slice=lambda d: d.id * slices // 8)
     rules = shd.rules_from_cfg(mesh_cfg())
     tx = optax.sgd(0.5)  # large lr: a wrong gradient shows in the params after a step
     state, shardings = step.init_train_state(CFG, tx, mesh, rules, seed=0)
@@ -121,6 +122,41 @@ def test_train_step_matches_single_device(single_device, sizes):
         for k in ("loss", "z_loss", "grad_norm", "param_norm"):
             np.testing.assert_allclose(m[k], r[k], rtol=1e-5, err_msg=k)
     # params after 2 steps of SGD(0.5) = init - 0.5 * (g1 + g2): gradients agree elementwise
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), params, ref_params)
+
+
+def test_hybrid_mesh_over_told_slices():
+    by_id = lambda d: d.id // 4   # noqa: E731  (two slices of 4 devices)
+    mesh = shd.make_mesh(mesh_cfg("default"), device_slice=by_id)
+    # data = 4 in each slice x 2 slices; the slices are blocks along data, so only `data` spans them
+    assert dict(mesh.shape) == {"data": 8, "fsdp": 1, "tensor": 1}
+    assert [by_id(d) for d in mesh.devices[:, 0, 0]] == [0, 0, 0, 0, 1, 1, 1, 1]
+    mesh = shd.make_mesh(mesh_cfg("fsdp_tp", dcn_data=1, dcn_fsdp=-1), device_slice=by_id)
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 4, "tensor": 2}
+    assert {by_id(d) for d in mesh.devices[0, :2].flat} == {0} and {by_id(d) for d in mesh.devices[0, 2:].flat} == {1}
+    # tensor pairs never span slices
+    assert all(by_id(a) == by_id(b) for a, b in mesh.devices[0])
+    # wrong products fail in one line naming the keys, before anything compiles
+    with pytest.raises(ValueError, match=r"mesh\.dcn_data\*mesh\.dcn_fsdp = 4 .* but there are 2 slices"):
+        shd.make_mesh(mesh_cfg("default", dcn_data=2, dcn_fsdp=2), device_slice=by_id)
+    with pytest.raises(ValueError, match=r"mesh\.data\*mesh\.fsdp\*mesh\.tensor = 8 .* 4 devices per slice"):
+        shd.make_mesh(mesh_cfg(data=8), device_slice=by_id)
+    with pytest.raises(ValueError, match="different device counts"):
+        shd.make_mesh(mesh_cfg("default", dcn_data=-1), devices=jax.devices()[:6], device_slice=by_id)
+    # one slice: exactly today's mesh, whatever the DCN keys say when they fill 1
+    assert (shd.make_mesh(mesh_cfg("fsdp")).devices == jax.make_mesh((1, 8, 1), shd.MESH_AXES).devices).all()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sizes", [dict(data=4, fsdp=1, tensor=1), dict(data=1, fsdp=2, tensor=2, dcn_data=1,
+                                                                        dcn_fsdp=2)],
+                         ids=["dcn_data2", "dcn_fsdp2_tp2"])
+def test_train_step_over_two_slices_matches_single_device(single_device, sizes):
+    ref_metrics, ref_params = single_device
+    metrics, params = _run(dict(sizes), slices=2)
+    for m, r in zip(metrics, ref_metrics, strict=True):
+        for k in ("loss", "grad_norm", "param_norm"):
+            np.testing.assert_allclose(m[k], r[k], rtol=1e-5, err_msg=k)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), params, ref_params)
 
 

@@ -103,6 +103,30 @@ def test_the_next_start_names_the_host_that_stopped_first(tmp_path):
     assert "process 0 (h0) stopped first (it was frozen: its own watchdog ran 40 s late)" in line
 
 
+def test_the_next_start_names_the_slice_that_stopped_first(tmp_path, monkeypatch):
+    """A 2 x 2 multislice job (processes 2 and 3 are slice 1): a whole slice that wrote no report is
+    named as that slice; reports carry their slice. The layout is the running job's (one process
+    here, so the job's layout is given)."""
+    from model.runtime import watchdog
+
+    monkeypatch.setattr(watchdog, "_slices_of_processes", lambda: {0: 0, 1: 0, 2: 1, 3: 1})
+    reports = tmp_path / "hang_reports"
+    reports.mkdir()
+    for p in (0, 1):
+        (reports / f"p{p}.json").write_text(json.dumps({"process": p, "slice": 0, "host": f"h{p}", "last_step": 9,
+                                                        "last_step_time": 1000.0, "peer": True}))
+    line = announce_last_hang(reports, 4)
+    assert "slice 1 (process 2, 3) wrote no hang report" in line and "stopped first" in line, line
+    assert "process 0 (h0, slice 0) last completed step 9" in line
+    (reports / "p1.json").write_text(json.dumps({"process": 1, "slice": 0, "host": "h1", "last_step": 9}))
+    line = announce_last_hang(reports, 4)      # process 0 crashed on the broken collectives, no report
+    assert "slice 1 (process 2, 3) wrote no hang report" in line and "(process 0 of another slice wrote none" in line
+    (reports / "p0.json").write_text(json.dumps({"process": 0, "slice": 0, "host": "h0", "last_step": 9}))
+    (reports / "p2.json").write_text(json.dumps({"process": 2, "slice": 1, "host": "h2", "last_step": 9}))
+    line = announce_last_hang(reports, 4)      # one host of each slice silent: named as processes
+    assert "process 1, 3 wrote no hang report" in line, line
+
+
 def _planted_hang_env(spec):
     from data.pipeline import SLOW_STAGE_ENV
 

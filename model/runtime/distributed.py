@@ -33,8 +33,8 @@ def init_distributed(dcfg, heartbeat_timeout_s: int = 100) -> None:
         # backend starts, which is why launch_local.py passes it per process.
         jax.config.update("jax_num_cpu_devices", int(dcfg.local_device_count))
     if jax.distributed.is_initialized():
-        return
-    if dcfg.coordinator_address:
+        pass
+    elif dcfg.coordinator_address:
         jax.distributed.initialize(coordinator_address=dcfg.coordinator_address,
                                    num_processes=dcfg.num_processes, process_id=dcfg.process_id,
                                    heartbeat_timeout_seconds=int(heartbeat_timeout_s))
@@ -49,6 +49,48 @@ def init_distributed(dcfg, heartbeat_timeout_s: int = 100) -> None:
                 raise                   # certainly a multi-host slice: never run hosts apart
             print(f"warning: automatic jax.distributed.initialize() failed ({e}); running as one "
                   "process (set distributed.coordinator_address for a multi-host run)", file=sys.stderr)
+    told = dcfg.get("slice_index")
+    if told is None and os.environ.get("MEGASCALE_SLICE_ID", "").isdigit() and jax.default_backend() == "cpu":
+        # A simulated multislice pod (tests/pod_sim.py): CPU devices cannot carry the slice the
+        # Megascale settings give this host; TPU devices carry it themselves.
+        told = int(os.environ["MEGASCALE_SLICE_ID"])
+    tell_slices(told)
+
+
+def tell_slices(slice_index) -> list[int] | None:
+    """A simulated multislice job (scripts/launch_local.py --slices): every process reports the slice
+    it was told (`distributed.slice_index`), all learn everyone's (one small all-gather), and the
+    mesh groups the CPU devices by it (model/sharding.py) as it groups a real job's TPU devices by
+    their `slice_index`. None (the default, and every real TPU job): nothing to do. Raises one line
+    when the processes' slices do not form 0..S-1 of equal size, or only some processes were told.
+    Returns the slice of each process (index = process_index)."""
+    import jax
+
+    from model import sharding
+
+    told = -1 if slice_index is None else int(slice_index)
+    slices = [int(row[0]) for row in gather_over_hosts([told])]
+    if all(s == -1 for s in slices):
+        sharding.set_process_slices(None)
+        return None
+    if told < 0 and slice_index is not None:
+        raise ValueError(f"distributed.slice_index={slice_index} must be 0 or more")
+    counts = {s: slices.count(s) for s in sorted(set(slices))}
+    if -1 in counts or sorted(counts) != list(range(len(counts))) or len(set(counts.values())) > 1:
+        raise ValueError(f"distributed.slice_index of processes 0..{jax.process_count() - 1} is {slices}: "
+                         "every process must be told its slice, slices numbered 0..S-1, each with as many processes")
+    sharding.set_process_slices(slices)
+    return slices
+
+
+def slice_of_this_process() -> int:
+    """This process's slice: its devices' `slice_index` (a TPU multislice job), the slice it was told
+    (a simulated one), else 0. For logs and metrics that name host and slice."""
+    import jax
+
+    from model import sharding
+
+    return sharding.slice_of(jax.local_devices()[0])
 
 
 def use_compile_cache(path) -> None:
@@ -69,11 +111,31 @@ def tpu_slice_from_env() -> dict | None:
 
     jax reads the same variables itself, but only once a TPU backend is present; reading them
     here makes the start-up independent of the backend, so a simulated pod (CPU workers given a
-    TPU VM's environment, tests/pod_sim.py) starts exactly as a real one. Multislice runs
-    (MEGASCALE_*) are left to jax.
+    TPU VM's environment, tests/pod_sim.py) starts exactly as a real one.
+
+    Several slices (MEGASCALE_COORDINATOR_ADDRESS, MEGASCALE_NUM_SLICES and MEGASCALE_SLICE_ID in
+    the environment, as scripts/tpu.py run --slices exports them where the VM lacks them): one job
+    over every host of every slice, numbered slice by slice, its coordinator on the Megascale
+    coordinator's host, as jax's own Cloud TPU cluster does. Where the settings live only in the
+    VM's metadata, None: jax reads them there.
     """
     hosts = [h for h in os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]
-    if len(hosts) < 2 or os.environ.get("MEGASCALE_COORDINATOR_ADDRESS"):
+    megascale = [os.environ.get(k, "") for k in ("MEGASCALE_COORDINATOR_ADDRESS", "MEGASCALE_NUM_SLICES",
+                                                  "MEGASCALE_SLICE_ID")]
+    if os.environ.get("MEGASCALE_COORDINATOR_ADDRESS") and not all(megascale):
+        return None
+    if all(megascale) and hosts:
+        address, slices, slice_id = megascale
+        if not (slices.isdigit() and slice_id.isdigit() and int(slice_id) < int(slices)):
+            raise ValueError(f"MEGASCALE_SLICE_ID={slice_id!r} is not a slice of MEGASCALE_NUM_SLICES={slices!r}")
+        worker_id = os.environ.get("TPU_WORKER_ID", "")
+        if not worker_id.isdigit() or int(worker_id) >= len(hosts):
+            raise ValueError(f"TPU_WORKER_ID={worker_id!r} is not a worker of TPU_WORKER_HOSTNAMES "
+                             f"({len(hosts)} hosts): cannot tell this host's place in the slice")
+        port = os.environ.get("JAX_COORDINATOR_PORT") or TPU_COORDINATOR_PORT
+        return {"coordinator_address": f"{address.split(':')[0]}:{port}", "num_processes": len(hosts) * int(slices),
+                "process_id": int(slice_id) * len(hosts) + int(worker_id)}
+    if len(hosts) < 2:
         return None
     worker_id = os.environ.get("TPU_WORKER_ID", "")
     if not worker_id.isdigit() or int(worker_id) >= len(hosts):

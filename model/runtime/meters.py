@@ -16,6 +16,16 @@ from pathlib import Path
 from typing import Callable
 
 
+def _this_slice() -> int:
+    """This process's slice (0 on one slice): its devices' slice_index, or the slice a simulated
+    multislice run told it (model/sharding.py slice_of)."""
+    import jax
+
+    from model import sharding
+
+    return sharding.slice_of(jax.local_devices()[0])
+
+
 class IntervalMeter:
     """One log row per interval from the steps' device metrics and the input's statistics
     (data/pipeline.py DevicePrefetcher.stats). `over_hosts(values)` returns every host's values
@@ -38,6 +48,7 @@ class IntervalMeter:
         self.device_count = device_count
         self.stop_on_nan = stop_on_nan
         self.over_hosts = over_hosts
+        self.slice = _this_slice()       # named beside the host in the rows of a multislice job
         self.step_history = []          # the last intervals' step times (data wait and saves left out)
         self.pending = []               # device metrics of the steps since the last row, fetched lazily
         self.paused_s = 0.0             # evaluations and saves since the start, never reset
@@ -95,7 +106,7 @@ class IntervalMeter:
         now = time.perf_counter()
         dt, n = now - self.t, self.steps
         # One small all-gather per interval: (data wait, step time) of every host.
-        hosts = [tuple(v) for v in self.over_hosts([stats["wait_s"] - self.wait, dt / n if n else 0.0])]
+        hosts = [tuple(v) for v in self.over_hosts([stats["wait_s"] - self.wait, dt / n if n else 0.0, self.slice])]
         wait = max(h[0] for h in hosts)
         tokens_per_s = n * self.tokens_per_step / dt if n and dt > 0 else None
         documents = stats.get("documents", 0)
@@ -135,6 +146,9 @@ class IntervalMeter:
             row.update({"host/slowest_data_wait": slow_wait, "host/max_data_wait_s": hosts[slow_wait][0],
                         "host/min_data_wait_s": min(h[0] for h in hosts),
                         "host/slowest_step": slow_step, "host/max_step_time_s": hosts[slow_step][1]})
+            if any(h[2] for h in hosts):   # several slices: the slowest hosts' slices
+                row.update({"host/slowest_data_wait_slice": int(hosts[slow_wait][2]),
+                            "host/slowest_step_slice": int(hosts[slow_step][2])})
         if stats.get("stage_s"):
             # Where the input time went in this interval (this host), and the stage bounding it.
             from data import timing

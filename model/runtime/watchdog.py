@@ -89,6 +89,7 @@ class Watchdog:
         # The reports live beside the checkpoints, which may be on a bucket (gs://): epath reads both.
         self.run_dir, self.reports_dir = Path(run_dir), epath.Path(reports_dir)
         self.process_index = process_index
+        self.slice = _this_slice()        # named in the report: a multislice job loses whole slices
         self.on_hang = on_hang            # on_hang(last_step): the run's exit event
         self._lock = threading.Lock()
         self._last = None                 # monotonic time of the last beat; None: not armed
@@ -185,7 +186,8 @@ class Watchdog:
     def _report(self, *, timeout: float, stacks: Path | None, peer: bool, late_s: float = 0.0) -> None:
         with contextlib.suppress(Exception):
             self.reports_dir.mkdir(parents=True, exist_ok=True)
-            report = {"process": self.process_index, "host": socket.gethostname(), "pid": os.getpid(),
+            report = {"process": self.process_index, "slice": self.slice, "host": socket.gethostname(),
+                      "pid": os.getpid(),
                       "last_step": self._step, "last_step_time": self._last_wall, "fired_at": time.time(),
                       "timeout_s": timeout, "late_s": late_s, "poll_s": poll_interval(timeout),
                       "stacks": str(stacks) if stacks else None, "peer": peer}
@@ -219,6 +221,31 @@ class Watchdog:
         os._exit(EXIT_HANG)
 
 
+def _this_slice() -> int:
+    """This process's slice (model/sharding.py slice_of), found at start: the watchdog's thread
+    reports while the main thread is stuck, and asks JAX nothing then."""
+    try:
+        import jax
+
+        from model import sharding
+
+        return sharding.slice_of(jax.local_devices()[0])
+    except Exception:  # noqa: BLE001 - a name in a report, never a reason to fail
+        return 0
+
+
+def _slices_of_processes() -> dict[int, int]:
+    """{process: slice} of the running job (every process's devices), {} when JAX cannot say."""
+    try:
+        import jax
+
+        from model import sharding
+
+        return {d.process_index: sharding.slice_of(d) for d in jax.devices()}
+    except Exception:  # noqa: BLE001
+        return {}
+
+
 def _stop_children() -> None:
     """The input worker processes would outlive an os._exit: they go first."""
     try:
@@ -236,7 +263,9 @@ def announce_last_hang(reports_dir: Path, process_count: int) -> str | None:
     host that stopped first, and the reports moved to `hang_reports/seen-<time>/` so the next
     start does not name them again. The host that stopped first is one that wrote no report
     (frozen, or lost with its VM), else one whose own watchdog fired far later than due (it was
-    frozen itself), else the one whose last step is the earliest."""
+    frozen itself), else the one whose last step is the earliest. Over several slices the line
+    names the slice too, and a whole slice that wrote no report as that slice (all its hosts lost
+    together: a preempted or failed slice); the silent processes' slices are the running job's."""
     reports_dir = epath.Path(reports_dir)
     files = sorted(reports_dir.glob("p*.json"))
     if not files:
@@ -256,23 +285,38 @@ def announce_last_hang(reports_dir: Path, process_count: int) -> str | None:
         return None
     reported = {int(r["process"]) for r in reports}
     silent = [p for p in range(process_count) if p not in reported]
+    slices = _slices_of_processes()
+    multislice = len(set(slices.values())) > 1 or any(r.get("slice") for r in reports)
+
+    def where(r):
+        return f"{r.get('host', '?')}, slice {r.get('slice', 0)}" if multislice else r.get("host", "?")
 
     def when(r):
         return time.strftime("%H:%M:%S", time.gmtime(r["last_step_time"])) if r.get("last_step_time") else "?"
 
-    others = "; ".join(f"process {r['process']} ({r.get('host', '?')}) last completed step {r.get('last_step')} "
+    others = "; ".join(f"process {r['process']} ({where(r)}) last completed step {r.get('last_step')} "
                        f"at {when(r)} UTC{' (failed when a peer left)' if r.get('peer') else ''}"
                        for r in sorted(reports, key=lambda r: r["process"]))
     hung = [r for r in reports if not r.get("peer")] or reports     # peer: failed because another left
     frozen = [r for r in hung if float(r.get("late_s", 0.0)) > 2 * float(r.get("poll_s", 5.0)) + 1.0]
-    if silent:
+    lost_slices = sorted({slices[p] for p in silent if p in slices} if multislice else set())
+    whole = [s for s in lost_slices if all(p in silent for p, q in slices.items() if q == s)]
+    if whole:
+        # A slice none of whose hosts reported went first (a lost slice); a host of another slice
+        # may have crashed on the broken collectives without a report.
+        in_whole = [p for p in silent if slices.get(p) in whole]
+        rest = [p for p in silent if p not in in_whole]
+        first = (f"slice {', '.join(map(str, whole))} (process {', '.join(map(str, in_whole))}) wrote no hang "
+                 f"report (all its hosts frozen or lost together): it stopped first"
+                 + (f" (process {', '.join(map(str, rest))} of another slice wrote none either)" if rest else ""))
+    elif silent:
         first = (f"process {', '.join(map(str, silent))} wrote no hang report (frozen, or lost with its "
                  f"VM): it stopped first")
     elif frozen:
         r = max(frozen, key=lambda r: float(r["late_s"]))
-        first = (f"process {r['process']} ({r.get('host', '?')}) stopped first (it was frozen: its own "
+        first = (f"process {r['process']} ({where(r)}) stopped first (it was frozen: its own "
                  f"watchdog ran {float(r['late_s']):.0f} s late)")
     else:
         r = min(hung, key=lambda r: (r.get("last_step") or 0, r.get("last_step_time") or 0.0))
-        first = f"process {r['process']} ({r.get('host', '?')}) stopped first (the earliest last step)"
+        first = f"process {r['process']} ({where(r)}) stopped first (the earliest last step)"
     return f"The last start ended in a hang: {first}; {others}. Reports and stacks: {seen}"

@@ -1,0 +1,106 @@
+"""A multislice job rehearsed on this machine: processes told their slice (distributed.slice_index,
+as scripts/launch_local.py --slices tells them; CPU devices carry no slice_index) form the hybrid
+mesh of model/sharding.py, data parallel across the slices.
+
+    pytest tests/test_multislice.py -q -n0      (~5 min on 2 cores: four runs of real processes)
+
+- 2 slices x 2 processes train exactly as 1 slice x 4 processes with the same global batch
+  (losses within 1e-5 relative), and the rows name the slowest hosts' slices;
+- the 2 x 2 run's checkpoint resumes on 1 slice x 2 processes and on 4 slices x 1 process with
+  every virtual shard continuing exactly (no row lost or repeated), as a host-count change does.
+"""
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.run_helpers import K, N, assert_every_shard_continues_exactly, read_jsonl, resumed_at, run
+
+pytestmark = pytest.mark.slow
+
+
+def losses(run_dir) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_jsonl(Path(run_dir) / "metrics.jsonl")}
+
+
+@pytest.fixture(scope="module")
+def one_by_four(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("one_by_four")
+    run(run_dir, "data.num_workers=0", processes=4)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def two_by_two(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("two_by_two")
+    run(run_dir, "data.num_workers=0", f"checkpoint.every={K}", processes=4, slices=2)
+    return run_dir
+
+
+def test_two_slices_train_as_one(one_by_four, two_by_two):
+    want, got = losses(one_by_four), losses(two_by_two)
+    assert sorted(got) == sorted(want) == list(range(1, N + 1))
+    np.testing.assert_allclose([got[s] for s in sorted(got)], [want[s] for s in sorted(want)], rtol=1e-5)
+    rows = read_jsonl(two_by_two / "metrics.jsonl")
+    # Per-host figures name the slice of the slowest host; one slice names none.
+    assert all(r["host/slowest_step_slice"] == r["host/slowest_step"] // 2 for r in rows if "loss" in r), rows[-1]
+    assert not any("host/slowest_step_slice" in r for r in read_jsonl(one_by_four / "metrics.jsonl"))
+
+
+@pytest.mark.parametrize("processes,slices", [(2, 1), (4, 4)], ids=["1_slice_x_2", "4_slices_x_1"])
+def test_checkpoint_of_two_slices_resumes_on_other_layouts(one_by_four, two_by_two, tmp_path, processes, slices):
+    run(tmp_path, "data.num_workers=0", f"checkpoint.resume_from={two_by_two / 'checkpoints' / str(K)}",
+        "checkpoint.every=0", processes=processes, slices=slices)
+    assert resumed_at(tmp_path) == K
+    assert_every_shard_continues_exactly([(two_by_two, range(1, K + 1)), (tmp_path, range(K + 1, N + 1))],
+                                         one_by_four)
+    got, want = losses(tmp_path), losses(one_by_four)
+    # The same global batch over the same rows: the continued run's losses are the 1 x 4 run's.
+    np.testing.assert_allclose([got[s] for s in range(K + 1, N + 1)], [want[s] for s in range(K + 1, N + 1)],
+                               rtol=1e-5)
+
+
+def test_a_lost_slice_brings_the_job_back_and_is_named(tmp_path):
+    """scripts/launch_local.py --slices 2 --restarts 1: both processes of slice 1 killed (SIGKILL, as a
+    lost slice) after a checkpoint; slice 0 leaves through its watchdog, the launcher names slice 1
+    and starts the job again, which resumes and finishes; its goodput log names slice 1."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from tests.run_helpers import COMMON, ROOT
+
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, str(ROOT / "scripts" / "launch_local.py"), "--processes", "4", "--devices-per-process",
+           "2", "--slices", "2", "--restarts", "1", "--lost-host-wait", "240", "--log-dir", str(tmp_path / "logs"),
+           "--", f"hydra.run.dir={run_dir}", *COMMON, "data.num_workers=0", "train.steps=40", "checkpoint.every=2",
+           "train.hang_timeout_s=15"]
+    launcher = subprocess.Popen(cmd, env={**os.environ, "JAX_PLATFORMS": "cpu"}, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 400
+        while not (run_dir / "metrics.jsonl").exists() or len(read_jsonl(run_dir / "metrics.jsonl")) < 5:
+            assert time.time() < deadline and launcher.poll() is None, launcher.communicate()
+            time.sleep(0.5)
+        slice_1 = [p for p in psutil.Process(launcher.pid).children()
+                   if any(a in ("distributed.process_id=2", "distributed.process_id=3") for a in p.cmdline())]
+        assert len(slice_1) == 2
+        for p in slice_1:
+            os.killpg(p.pid, signal.SIGKILL)
+        out, err = launcher.communicate(timeout=600)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert launcher.returncode == 0, err[-4000:]
+    assert "(slice 1) lost first (killed by signal 9)" in err and "restart 1 of 1" in err, err[-3000:]
+    steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
+    assert max(steps) == 40 and set(range(1, 41)) <= set(steps)
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    named = [e["line"] for e in events if e["event"] == "last_hang"]
+    assert len(named) == 1 and "slice 1 (process 2, 3) wrote no hang report" in named[0], named
+    assert [e["event"] for e in events].count("start") == 2
