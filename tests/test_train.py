@@ -99,7 +99,7 @@ def test_multihost_gpu_form_takes_its_coordinator_from_the_launcher(tmp_path, mo
     cfg = make_cfg(tmp_path, *overrides, "distributed.num_processes=2", "distributed.process_id=1")
     resolved = train_mod.OmegaConf.to_container(cfg, resolve=True)
     assert resolved["distributed"] == {"coordinator_address": "host0:12345", "num_processes": 2, "process_id": 1,
-                                       "local_device_count": None}
+                                       "local_device_count": None, "slice_index": None}
     # The single-host recipe underneath: the same model, mesh, kernel and rows per GPU.
     model, mesh = resolved["model"], resolved["mesh"]
     assert (model["d_model"], mesh["fsdp"], model["attention"]) == (2048, -1, "cudnn")
