@@ -327,13 +327,18 @@ def extract_script(args: argparse.Namespace) -> str:
 # ----------------------------------------------------------------------------------------------
 # gcloud commands
 # ----------------------------------------------------------------------------------------------
-def _base(args: argparse.Namespace, verb: str, *rest: str) -> list[str]:
-    cmd = ["gcloud", "compute", "tpus", "tpu-vm", verb, *rest]
+def _gcloud_tpus(args: argparse.Namespace, kind: str, verb: str, *rest: str) -> list[str]:
+    """`gcloud compute tpus KIND VERB ...` with the zone and project when given."""
+    cmd = ["gcloud", "compute", "tpus", kind, verb, *rest]
     if args.zone:
         cmd += ["--zone", args.zone]
     if args.project:
         cmd += ["--project", args.project]
     return cmd
+
+
+def _base(args: argparse.Namespace, verb: str, *rest: str) -> list[str]:
+    return _gcloud_tpus(args, "tpu-vm", verb, *rest)
 
 
 def slice_names(args: argparse.Namespace) -> list[str]:
@@ -352,12 +357,7 @@ def scp_cmd(args: argparse.Namespace, local: str, remote: str, node: str | None 
 
 
 def _queued(args: argparse.Namespace, verb: str, *rest: str) -> list[str]:
-    cmd = ["gcloud", "compute", "tpus", "queued-resources", verb, *rest]
-    if args.zone:
-        cmd += ["--zone", args.zone]
-    if args.project:
-        cmd += ["--project", args.project]
-    return cmd
+    return _gcloud_tpus(args, "queued-resources", verb, *rest)
 
 
 def create_cmd(args: argparse.Namespace) -> list[str]:
