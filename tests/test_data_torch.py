@@ -154,7 +154,7 @@ def test_config_mistakes_fail_in_one_line(corpus):
 
 def test_dataloader_and_stateful_dataloader(corpus):
     from torch.utils.data import DataLoader
-    from torchdata.stateful_dataloader import StatefulDataLoader
+    StatefulDataLoader = pytest.importorskip("torchdata.stateful_dataloader").StatefulDataLoader  # .[torch]
 
     root, _ = corpus
     ov = overrides(root)
@@ -218,6 +218,7 @@ def test_import_starts_no_jax_and_iteration_no_backend(corpus):
 
 @pytest.mark.slow
 def test_two_gloo_ranks_with_stateful_dataloader_then_world_one(corpus, tmp_path):
+    pytest.importorskip("torchdata.stateful_dataloader")     # the .[torch] extra
     root, _ = corpus
     ov = overrides(root, **{"data.num_workers": 1})      # the pipeline's own reader processes
     env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
