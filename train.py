@@ -153,7 +153,7 @@ def run(cfg: DictConfig) -> dict:
                 saved_data_states = resume_lib.accept_data(
                     start, fingerprint, mixture_change=data_cfg.mixture_change,
                     allow_data_change=cfg.checkpoint.allow_data_change, announce=is_main)
-        batches = data_lib.start_feed(
+        batches = data_lib.Feed(
             data_cfg, process_index, process_count, saved_data_states, files=train_files, tokenizer=tokenizer,
             sharding=program.batch_sharding, debug=bool(cfg.train.get("debug_batches", False)),
             saved_workers=start.meta.get("num_workers") if start.point is not None else None,

@@ -30,7 +30,7 @@ _EXPORTS = {
     "data.batch_log": ["BatchLog"],
     "data.config": ["DataConfig", "SourceConfig", "check_files", "check_shards", "list_files", "validate",
                     "validate_settings"],
-    "data.feed": ["Feed", "start_feed"],
+    "data.feed": ["Feed"],
     "data.heldout": ["HeldOutSet", "data_settings", "eval_settings", "split_eval", "valid_eval_files"],
     "data.host": ["find_shard_states"],
     "data.listing": ["Listing", "all_files", "list_paths", "run_listing"],

@@ -1,4 +1,4 @@
-"""The run's batches, started in one call: a host's iterator from the saved data position behind
+"""The run's batches, started in one call (`Feed(...)`): a host's iterator from the saved data position behind
 the device prefetcher, and data.num_workers=auto's switch of the worker count while the run goes on.
 
 train.py starts the feed before the model restores (worker processes spawn and the first batches
@@ -13,7 +13,12 @@ from data.pipeline import DevicePrefetcher, make_host_iterator, restore_host_ite
 
 
 class Feed:
-    """Iterates a host's share of each global batch as global jax.Arrays (`start_feed`)."""
+    """The run's input, started: this host's share of each global batch, as global arrays laid out
+    by `sharding`, from `data_states` (every host's saved data position; None: the data's start)
+    over `files` (the run's listing). debug: batches keep their document ids
+    (train.debug_batches). saved_workers: the worker count a resumed auto run chose before;
+    agree: the max over hosts (model/runtime/distributed.py max_over_hosts), so every host
+    switches to one count."""
 
     def __init__(self, cfg: DataConfig, process_index: int, process_count: int, data_states: list | None, *,
                  files, tokenizer, sharding, debug: bool, saved_workers: int | None, agree, announce: bool):
@@ -76,15 +81,3 @@ class Feed:
     def close(self) -> None:
         for p in [self.prefetcher, *self._replaced]:
             p.close()
-
-
-def start_feed(cfg: DataConfig, process_index: int, process_count: int, data_states: list | None, *,
-               files, tokenizer, sharding, debug: bool = False, saved_workers: int | None = None, agree=max,
-               announce: bool = False) -> Feed:
-    """The run's input, started: this host's batches from `data_states` (every host's saved data
-    position; None: the data's start) over `files` (the run's listing) as global arrays laid out
-    by `sharding`. debug: batches keep their document ids (train.debug_batches). saved_workers:
-    the worker count a resumed auto run chose before; agree: the max over hosts
-    (model/runtime/distributed.py max_over_hosts) so every host switches to one count."""
-    return Feed(cfg, process_index, process_count, data_states, files=files, tokenizer=tokenizer,
-                sharding=sharding, debug=debug, saved_workers=saved_workers, agree=agree, announce=announce)
