@@ -210,6 +210,9 @@ def run_pipeline(cfg, max_tokens, max_batches, warmup_s=0.0):
     times = sub_times(it.stage_times(), times0)
     if hasattr(it, "close"):
         it.close()
+    if n_tok <= 0 or cpu <= 0:
+        raise SystemExit(f"bench_input: no tokens counted after the {warmup_s:g} s warm-up ({n} batches): "
+                         "a corpus too small for the run; raise --max-batches or lower --warmup-s")
     return {"tok_s": n_tok / dt, "tok_per_cpu_s": n_tok / cpu, "first_batch_s": first,
             "cores_main": cpu_main / dt, "cores_workers": (cpu - cpu_main) / dt,
             "batches": n, "seconds": dt, "cpu_s": cpu,

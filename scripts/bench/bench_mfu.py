@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 
 BENCH_STEP = Path(__file__).resolve().parent / "bench_step.py"
+# Whose kernels a try's profile sums: the GPU's (the CPU plan reads the host's XLA threads).
+DEVICE_PREFIX = os.environ.get("BENCH_MFU_DEVICE_PREFIX", "/device:GPU")
 
 # XLA's GPU flags worth a try for a dense transformer step (XLA_FLAGS of the try's process).
 LHS = "--xla_gpu_enable_latency_hiding_scheduler=true"
@@ -36,27 +38,33 @@ def _try(name, args, xla_flags=""):
     return {"name": name, "args": args, "xla_flags": xla_flags}
 
 
+def _gpu_args(preset, seq, batch, attention, remat, *extra, steps=8):
+    return ["--preset", preset, "--seq", str(seq), "--batch", str(batch), "--attention", attention,
+            "--remat", remat, "--steps", str(steps), "--warmup", "2", "--matmul-probe", "8192", *extra]
+
+
 def gpu_plan() -> list[dict]:
     """One GPU (H100 80 GB / H200 141 GB), in the order that answers the issue first: the 1b at seq
-    2048 (the goal: >= 50% MFU), the lightest remat that fits, cuDNN vs XLA attention, the flags,
-    the chunked loss, then 125m and seq 1024."""
-    def args(preset, seq, batch, attention, remat, *extra):
-        return ["--preset", preset, "--seq", str(seq), "--batch", str(batch), "--attention", attention,
-                "--remat", remat, "--steps", "10", "--warmup", "2", "--matmul-probe", "8192", *extra]
-
-    base = args("1b", 2048, 16, "cudnn", "dots")
+    2048 (the goal: >= 50% MFU) without and with remat, cuDNN vs XLA attention, the Llama-3-shaped
+    1b (128k vocabulary), then seq 1024 and the 125m; then the second round's variants of the 1b
+    (bigger batches, the flags, the chunked loss), worth running once the first round says which
+    remat and batch fit."""
+    a = _gpu_args
     return [
-        _try("1b_s2048_cudnn_dots_b16", base),
-        _try("1b_s2048_cudnn_none_b8", args("1b", 2048, 8, "cudnn", "none")),
-        _try("1b_s2048_cudnn_full_b32", args("1b", 2048, 32, "cudnn", "full")),
-        _try("1b_s2048_xla_dots_b16", args("1b", 2048, 16, "xla", "dots")),
-        _try("1b_s2048_cudnn_dots_b16_lhs", base, LHS),
-        _try("1b_s2048_cudnn_dots_b16_notriton", base, NO_TRITON_GEMM),
-        _try("1b_s2048_cudnn_dots_b16_tritonany", base, TRITON_GEMM_ANY),
-        _try("1b_s2048_cudnn_dots_b32_chunk512", args("1b", 2048, 32, "cudnn", "dots", "--loss-chunk", "512")),
-        _try("1b_s1024_cudnn_dots_b32", args("1b", 1024, 32, "cudnn", "dots")),
-        _try("125m_s2048_cudnn_none_b32", args("125m", 2048, 32, "cudnn", "none")),
-        _try("125m_s1024_cudnn_none_b64", args("125m", 1024, 64, "cudnn", "none")),
+        _try("1b_s2048_cudnn_none_b16", a("1b", 2048, 16, "cudnn", "none")),
+        _try("1b_s2048_cudnn_dots_b16", a("1b", 2048, 16, "cudnn", "dots")),
+        _try("1b_s2048_xla_dots_b16", a("1b", 2048, 16, "xla", "dots")),
+        _try("llama3_2_1b_s2048_cudnn_none_b8", a("llama3_2_1b", 2048, 8, "cudnn", "none")),
+        _try("1b_s1024_cudnn_none_b32", a("1b", 1024, 32, "cudnn", "none")),
+        _try("125m_s2048_cudnn_none_b32", a("125m", 2048, 32, "cudnn", "none")),
+        _try("125m_s1024_cudnn_none_b64", a("125m", 1024, 64, "cudnn", "none")),
+        # second round
+        _try("1b_s2048_cudnn_none_b24", a("1b", 2048, 24, "cudnn", "none")),
+        _try("1b_s2048_cudnn_none_b16_lhs", a("1b", 2048, 16, "cudnn", "none"), LHS),
+        _try("1b_s2048_cudnn_none_b16_notriton", a("1b", 2048, 16, "cudnn", "none"), NO_TRITON_GEMM),
+        _try("1b_s2048_cudnn_none_b16_tritonany", a("1b", 2048, 16, "cudnn", "none"), TRITON_GEMM_ANY),
+        _try("1b_s2048_cudnn_none_b32_chunk512", a("1b", 2048, 32, "cudnn", "none", "--loss-chunk", "512")),
+        _try("1b_s2048_cudnn_full_b32", a("1b", 2048, 32, "cudnn", "full")),
     ]
 
 
@@ -102,6 +110,21 @@ def run_try(t: dict, timeout_s: float) -> dict:
             "args": t["args"]}
 
 
+def profile_of(path: Path, name: str) -> dict | None:
+    """The try's traced steps summed by kernel (profile_top.py), printed and returned for its row."""
+    sys.path.insert(0, str(BENCH_STEP.parent))
+    import profile_top
+
+    try:
+        summary = profile_top.summarize(profile_top.newest_trace(str(path)), top=12, steps=3,
+                                        device_prefix=DEVICE_PREFIX)
+    except SystemExit as e:   # no trace, or no device process in it: the row says so
+        return {"error": str(e)}
+    print(f"--- profile of {name}", flush=True)
+    profile_top.print_table(summary)
+    return summary
+
+
 def table_row(r: dict) -> str:
     if r["status"] != "ok":
         return f"{r['name']:<36} {r['status']}: {r['error']}"
@@ -119,16 +142,30 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--plan", choices=sorted(PLANS), default="gpu")
     p.add_argument("--only", default="", help="run only the tries whose name contains this")
+    p.add_argument("--names", default="", help="run only these tries (comma-separated full names, in this order)")
+    p.add_argument("--profile-dir", type=Path, default=None,
+                   help="trace 3 steps of each try after its timed ones into DIR/<name> and add where the "
+                        "device time went (scripts/bench/profile_top.py) to its row")
     p.add_argument("--out", type=Path, help="append each try's JSON here (one line a try)")
     p.add_argument("--timeout-s", type=float, default=240.0, help="per try (compile included)")
     args = p.parse_args(argv)
 
     tries = [t for t in PLANS[args.plan]() if args.only in t["name"]]
+    if args.names:
+        by_name = {t["name"]: t for t in tries}
+        unknown = [n for n in args.names.split(",") if n not in by_name]
+        if unknown:
+            raise SystemExit(f"bench_mfu: plan {args.plan!r} has no try named {', '.join(unknown)}")
+        tries = [by_name[n] for n in args.names.split(",")]
     if not tries:
         raise SystemExit(f"bench_mfu: no try of plan {args.plan!r} matches --only {args.only!r}")
     results = []
     for t in tries:
+        if args.profile_dir:
+            t = {**t, "args": [*t["args"], "--profile", str(args.profile_dir / t["name"])]}
         r = run_try(t, args.timeout_s)
+        if args.profile_dir and r["status"] == "ok":
+            r["profile"] = profile_of(args.profile_dir / t["name"], t["name"])
         results.append(r)
         print(table_row(r), flush=True)
         if args.out:

@@ -91,6 +91,9 @@ def main(argv=None):
     p.add_argument("--matmul-probe", type=int, default=0, metavar="N",
                    help="also time an N x N x N matmul in the model's dtype on one device (e.g. 8192 on a GPU): "
                         "MFU against the rate this device reaches, beside the datasheet's")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="after the timed steps, trace 3 more with the JAX profiler into DIR "
+                        "(scripts/bench/profile_top.py DIR names where the step's time goes)")
     args = p.parse_args(argv)
 
     overrides = {k: v for k, v in dict(dtype=args.dtype, remat=args.remat, attention=args.attention).items() if v}
@@ -126,6 +129,12 @@ def main(argv=None):
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - t0)
     step_s = float(np.median(times))
+    if args.profile:
+        # Outside the timed steps: tracing slows the host side, and its write takes seconds.
+        with jax.profiler.trace(args.profile):
+            for _ in range(3):
+                state, metrics = train_step(state, batch)
+            jax.block_until_ready(metrics)
     tokens_per_s = args.batch * args.seq / step_s
     fpt = flops.flops_per_token(cfg, args.seq)
     fpt_causal = flops.flops_per_token(cfg, args.seq, causal=True)

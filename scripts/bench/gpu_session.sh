@@ -1,0 +1,176 @@
+#!/usr/bin/env bash
+# Issue #38's measurements on one lent GPU host (16 cores), in one command: the train step's MFU
+# (profiled), cuDNN attention's tests, the whole app on a RedPajama-v2-shaped corpus, and the
+# input pipeline on the host's cores. Every part writes under $OUT as it goes; a part that fails
+# leaves a line saying so and the others run.
+#
+#   bash scripts/bench/gpu_session.sh                      # on the GPU host, from the repo root
+#   SMOKE=1 OUT=/tmp/gs bash scripts/bench/gpu_session.sh  # the same steps at toy sizes on a CPU
+#
+# Needs, beside the checkout: .gpu/ holding ../shared/bench's make_corpus.py, pool_en.txt.gz and
+# llama_style_tokenizer.json (the corpus is written on the host: 4 x 150 MB of text), and, where
+# the host lacks grain/hydra/..., .whl/ (../shared/device/prepare.sh). Knobs (environment):
+#   BUDGET=480        seconds the whole script may take; later parts are skipped when short
+#   ROUND=1|2         the MFU tries: 1 = the first round, 2 = the variants (bench_mfu.py's plan)
+#   TRIES=a,b         the MFU tries by name (overrides ROUND)
+#   APP_REMAT=...     the app's model.remat (default: the faster of the 1b seq-2048 tries that ran)
+#   SKIP=input,app,cudnn,mfu   parts to leave out
+set -u
+OUT=${OUT:-/tmp/gpu_session}
+mkdir -p "$OUT"
+T0=$(date +%s)
+BUDGET=${BUDGET:-480}
+SKIP=${SKIP:-}
+left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
+say() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/session.log"; }
+skip() { [[ ",$SKIP," == *",$1,"* ]]; }
+export PYTHONUNBUFFERED=1
+
+if [ "${SMOKE:-0}" != 1 ] && ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || { echo "wheels did not install"; exit 1; }
+    export PYTHONPATH=/tmp/site:$PWD
+else
+    export PYTHONPATH=$PWD
+fi
+PY=${PY:-python3}
+TOK=$PWD/.gpu/llama_style_tokenizer.json
+NCPU=$(nproc)
+
+if [ "${SMOKE:-0}" = 1 ]; then
+    DOCS=300; SMALL_DOCS=200; PLAN=cpu; TRIES=${TRIES:-tiny_b16}; SEQ=256; APP_STEPS=30; APP_MODEL="model=tiny model.vocab_size=32000"
+    IN_ARGS_A="--workers 1,2 --max-batches 20"; IN_ARGS_B="--workers 2 --max-batches 20"; IN_ARGS_C=""
+    CONVERT_THREADS="1 2"; IN_BATCH=8; GPU_CORES=""; IN_CORES=""; WARMUP_S=0
+    export BENCH_MFU_DEVICE_PREFIX=/host:CPU
+else
+    DOCS=36000; SMALL_DOCS=4000; PLAN=gpu; SEQ=2048; APP_STEPS=60; APP_MODEL=""
+    if [ "${ROUND:-1}" = 2 ]; then
+        TRIES=${TRIES:-1b_s2048_cudnn_none_b24,1b_s2048_cudnn_none_b16_lhs,1b_s2048_cudnn_none_b16_notriton,1b_s2048_cudnn_none_b16_tritonany,1b_s2048_cudnn_none_b32_chunk512}
+    else
+        TRIES=${TRIES:-1b_s2048_cudnn_none_b16,1b_s2048_cudnn_dots_b16,1b_s2048_xla_dots_b16,llama3_2_1b_s2048_cudnn_none_b8,1b_s1024_cudnn_none_b32,125m_s2048_cudnn_none_b32,125m_s1024_cudnn_none_b64}
+    fi
+    # 56 rows: a multiple of 1, 2, 4, 8 and 14 workers, so every worker count splits the virtual
+    # shards evenly (one shard per row).
+    IN_BATCH=56
+    # Each count's run long enough past its workers' start (--warmup-s) for a steady rate; the
+    # restore figure is at the largest count of a line: 8 workers (B).
+    IN_ARGS_A="--workers 1,2 --max-batches 150"; IN_ARGS_B="--workers 4,8 --max-batches 600"; IN_ARGS_C="--workers 14 --max-batches 1000"
+    WARMUP_S=3
+    CONVERT_THREADS="1 4 14"
+    # The GPU's process keeps 2 cores (its loop, launch threads and compiles); the input runs on the
+    # other 14 while the GPU part runs, as a training host shares them.
+    if [ "$NCPU" -ge 16 ]; then GPU_CORES="taskset -c 0,1"; IN_CORES="taskset -c 2-$((NCPU - 1))"; else GPU_CORES=""; IN_CORES=""; fi
+fi
+
+say "host: $NCPU cores, $(free -g | awk '/Mem:/{print $2}') GB; $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo 'no nvidia-smi')"
+$PY -c "import jax, jaxlib, flax, optax, orbax.checkpoint as o, grain, tokenizers; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, 'orbax', o.__version__, 'grain', getattr(grain, '__version__', '?'), 'tokenizers', tokenizers.__version__, jax.devices())" 2>&1 | tee -a "$OUT/session.log"
+
+# Nothing below can run without the project importing: stop at once (a cold start is the cost).
+$PY -c "import train, model.llama, model.step, data" 2>&1 | tail -3 | tee -a "$OUT/session.log"
+[ "${PIPESTATUS[0]}" = 0 ] || { say "the project does not import here; stopping"; exit 1; }
+# JAX takes 75% of the GPU by default; the plans are sized to 90% (bench_mfu.py does the same).
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}
+
+# ---- input side (background): the corpus, then the input benchmarks on the input cores ----
+input_part() {
+    local t=$(date +%s)
+    for i in 0 1 2 3; do $PY .gpu/make_corpus.py /tmp/rp_$i --shards 1 --docs $DOCS --seed $i >/dev/null & done
+    $PY .gpu/make_corpus.py /tmp/rp_small --shards 2 --docs $SMALL_DOCS --seed 9 >/dev/null &
+    wait
+    mkdir -p /tmp/rp && for i in 0 1 2 3; do mv /tmp/rp_$i/0000 /tmp/rp/000$i; done
+    say "corpus: $(du -sh /tmp/rp | cut -f1) in 4 shards, written in $(( $(date +%s) - t )) s"
+    touch /tmp/rp.ready
+    skip input && return
+    local common="--paths /tmp/rp/*/en_head.json.gz --tokenizer $TOK --seq-len $SEQ --batch-size $IN_BATCH --num-shards $IN_BATCH --rounds 1 --max-chars 40e6 --pair-chars 10e6 --sim-steps 200 --warmup-s $WARMUP_S --worker-nice 0"
+    for part in A B C; do
+        local a_var="IN_ARGS_$part"; [ -z "${!a_var}" ] && continue
+        say "bench_input $part: ${!a_var}"
+        $IN_CORES $PY scripts/bench/bench_input.py $common ${!a_var} > /tmp/input_$part.log 2>&1 \
+            || say "bench_input $part failed: $(tail -1 /tmp/input_$part.log)"
+        { echo "=== bench_input $part: ${!a_var}"; cat /tmp/input_$part.log; } >> "$OUT/input.log"
+        tail -1 /tmp/input_$part.log >> "$OUT/input.jsonl"
+    done
+    for n in $CONVERT_THREADS; do
+        rm -rf /tmp/rp_conv
+        local cores=""; [ -n "$IN_CORES" ] && cores="taskset -c 2-$((1 + n))"
+        say "convert with $n thread(s): $($cores $PY scripts/prepare_data.py --paths '/tmp/rp_small/*/en_head.json.gz' --tokenizer $TOK --out /tmp/rp_conv --no-progress 2>&1 | grep -o 'converted.*tokens/s)')"
+    done
+}
+input_part &
+INPUT_PID=$!
+
+# ---- GPU side: the step's MFU (profiled), cuDNN attention's tests, the app ----
+mfu() {  # mfu NAMES TIMEOUT
+    skip mfu && return
+    [ "$(left)" -lt 90 ] && { say "mfu $1: skipped, $(left) s left"; return; }
+    say "mfu: $1"
+    timeout "$2" $GPU_CORES $PY scripts/bench/bench_mfu.py --plan $PLAN --names "$1" --out "$OUT/mfu.jsonl" \
+        --profile-dir /tmp/prof --timeout-s 170 >> "$OUT/mfu.log" 2>&1 || say "mfu: stopped ($?)"
+    grep -E "step [0-9.]+ s|failed|timeout|out of memory" "$OUT/mfu.log" > /tmp/mfu_table.txt
+}
+IFS=, read -ra ALL <<< "$TRIES"
+FIRST=$(IFS=,; echo "${ALL[*]:0:3}"); REST=$(IFS=,; echo "${ALL[*]:3}")
+mfu "$FIRST" $(( $(left) - 200 ))
+
+if ! skip cudnn && [ "$(left)" -gt 120 ]; then
+    say "cudnn tests"
+    JAX_PLATFORMS=${SMOKE_PLATFORM:-$([ "${SMOKE:-0}" = 1 ] && echo cpu || echo cuda)} timeout 150 $GPU_CORES \
+        $PY -m pytest tests/test_attention_cudnn.py -q -p no:cacheprovider -n 0 -rs > "$OUT/cudnn.log" 2>&1
+    say "cudnn tests: $(tail -1 "$OUT/cudnn.log")"
+fi
+
+app() {  # app NAME STEPS WORKERS
+    skip app && return
+    [ "$(left)" -lt 100 ] && { say "app $1: skipped, $(left) s left"; return; }
+    while [ ! -e /tmp/rp.ready ]; do sleep 2; done
+    if [ -z "${APP_REMAT:-}" ]; then
+        APP_REMAT=$($PY - "$OUT/mfu.jsonl" <<'EOF'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])] if __import__("os").path.exists(sys.argv[1]) else []
+ok = [r for r in rows if r.get("status") == "ok" and r.get("preset") == "1b" and r.get("seq") == 2048]
+print(max(ok, key=lambda r: r["tokens_per_s"])["remat"] if ok else "dots")
+EOF
+)
+    fi
+    say "app $1: steps $2, data.num_workers=$3, model.remat=$APP_REMAT"
+    timeout $(( $(left) - 10 )) $PY train.py experiment=gpu_8_llama_1b $APP_MODEL model.remat=$APP_REMAT name=$1 paths.run_dir=/tmp/$1 \
+        "data.paths=[/tmp/rp/*/en_head.json.gz]" tokenizer.path=$TOK data.global_batch_size=16 data.num_shards=16 \
+        data.seq_len=$SEQ data.eval.holdout_files=0 train.microbatches=1 train.steps=$2 train.log_every=10 \
+        train.eval_every=0 data.num_workers=$3 logger.wandb.mode=disabled logger.progress_bar=false \
+        "profile.steps=[$(( $2 - 12 )),$(( $2 - 10 ))]" > /tmp/$1.log 2>&1 || say "app $1: exit $?"
+    { echo "=== app $1"; cat /tmp/$1.log; } >> "$OUT/app.log"
+    grep -E "^(step|data.num_workers|Goodput|Badput|Done|model.attention)" /tmp/$1.log | tail -12 | tee -a "$OUT/session.log"
+    $PY - "/tmp/$1/metrics.jsonl" <<'EOF' 2>&1 | tee -a "$OUT/session.log"
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+rows = [r for r in rows if "step_time_s" in r]
+for r in rows:
+    print(f"  step {r['step']}: step_time {r['step_time_s']:.4f} s, tok/s {r['tokens_per_s']:,.0f}, mfu {r.get('mfu')}, "
+          f"data_wait_frac {r.get('data_wait_frac', 0):.4f}, workers {r.get('data/auto_num_workers', '-')}, "
+          f"bound {r.get('input/bound')}, checkpoint_save_s {r.get('checkpoint_save_s')}")
+EOF
+    $PY scripts/bench/profile_top.py "/tmp/$1/profile" --steps 3 --top 10 --device-prefix "${BENCH_MFU_DEVICE_PREFIX:-/device:GPU}" \
+        >> "$OUT/profiles.txt" 2>&1
+}
+
+wait $INPUT_PID   # the app's input workers need the cores the input benchmarks use
+app app_auto $APP_STEPS auto
+[ -n "$REST" ] && mfu "$REST" $(( $(left) - 80 ))
+app app_w1 $(( APP_STEPS / 2 )) 1
+
+grep -h -A40 "^--- profile" "$OUT/mfu.log" >> "$OUT/profiles.txt" 2>/dev/null
+say "done; MFU tries:"
+cat /tmp/mfu_table.txt | tee -a "$OUT/session.log"
+$PY - "$OUT/input.jsonl" <<'EOF' 2>&1 | tee -a "$OUT/session.log"
+import json, sys, os
+if not os.path.exists(sys.argv[1]):
+    sys.exit()
+for line in open(sys.argv[1]):
+    try:
+        r = json.loads(line)
+    except ValueError:
+        continue
+    keys = ["tokenizer_tok_s", "pipeline_tok_s", "pipeline_vs_tokenizer", "cpu_efficiency_paired", "first_batch_s",
+            "restore_s", "peak_rss_mb", "sim_wait_frac"]
+    print("input:", json.dumps({k: r.get(k) for k in keys}))
+EOF
