@@ -50,13 +50,16 @@ def recompute_factor(cfg: LlamaConfig, seq_len: int, loss_chunk: int = 0) -> flo
 
     - remat "full" re-runs each layer's forward: its weight matmuls and attention (~4/3 overall);
     - "dots"/"dots_all" keep the weight matmuls and re-run attention (a splash kernel is no dot,
-      so "dots_all" keeps attention only with the XLA einsums);
+      so "dots_all" keeps attention only with the XLA einsums); "dots_attention" also keeps the
+      cuDNN kernel's outputs (no re-run there);
     - loss_chunk > 0 re-runs the output projection.
     Elementwise work (norms, RoPE, softmax) is left out, as in flops_per_token.
     """
     layer_weights = matmul_params(cfg) - cfg.d_model * cfg.vocab_size
     attention_fwd = 4 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
     extra = {"none": 0, "full": 2 * layer_weights + attention_fwd, "dots": attention_fwd,
+             # the cuDNN kernel's outputs are kept; the XLA reference's attention is re-run (= dots)
+             "dots_attention": 0 if cfg.attention == "cudnn" else attention_fwd,
              "dots_all": attention_fwd if cfg.attention == "splash" else 0}[cfg.remat]
     if loss_chunk:
         extra += 2 * cfg.d_model * cfg.vocab_size

@@ -9,6 +9,7 @@ The GPU tests skip elsewhere; the document-isolation test also runs with the XLA
 backend, which checks the test itself.
 """
 import dataclasses
+import re
 from pathlib import Path
 
 import jax
@@ -149,6 +150,30 @@ def test_cudnn_runs_the_kernel_and_matches_the_reference_loss_and_grads(capfd):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         rel = np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-12)
         assert rel < 3e-2, (jax.tree_util.keystr(path), rel)
+
+
+@needs_gpu
+def test_remat_dots_attention_keeps_the_kernels_outputs_instead_of_rerunning_it():
+    """Under remat "dots" the backward pass runs cuDNN's attention forward again; "dots_attention"
+    keeps its outputs, so the compiled step holds one forward kernel fewer, and the same numbers."""
+    batch = _batch(t=256, cuts=(70, 200))
+
+    def forwards(remat):
+        cfg = dataclasses.replace(CFG, attention="cudnn", remat=remat)
+        graphdef, params = nnx.split(Llama(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+        params = nnx.to_pure_dict(params)
+        fn = jax.jit(jax.value_and_grad(lambda p: step.loss_fn(p, graphdef, batch, 0.0)[0]))
+        # The program as JAX hands it to XLA: remat's re-runs are already written out there.
+        targets = re.findall(r"__cudnn\$fmha\w*", fn.lower(params).as_text())
+        n_fwd = sum(not t.endswith("Backward") for t in targets)
+        return n_fwd, fn(params)
+
+    n_dots, (loss_dots, g_dots) = forwards("dots")
+    n_kept, (loss_kept, g_kept) = forwards("dots_attention")
+    assert n_kept < n_dots, (n_kept, n_dots)
+    np.testing.assert_allclose(float(loss_kept), float(loss_dots), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(g_kept), jax.tree.leaves(g_dots), strict=True):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow

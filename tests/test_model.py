@@ -206,7 +206,8 @@ def test_packed_row_equals_documents_one_by_one():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", [dict(remat="full"), dict(remat="dots"), dict(scan_layers=False, remat="full")])
+@pytest.mark.parametrize("variant", [dict(remat="full"), dict(remat="dots"), dict(remat="dots_attention"),
+                                     dict(scan_layers=False, remat="full")])
 def test_scan_and_remat_do_not_change_loss_or_grads(variant):
     docs, inputs, targets, seg, pos = _packed_example(SMALL.vocab_size)
     batch = dict(inputs=inputs, targets=targets, segment_ids=seg, positions=pos, loss_mask=np.ones_like(seg))
@@ -270,3 +271,36 @@ def test_bf16_compute_keeps_fp32_params_and_logits():
     np.testing.assert_allclose(logits, ref, atol=0.1)
 
 
+
+
+def test_the_vocab_projection_backward_runs_in_the_compute_dtype():
+    """project_to_vocab: fp32 logits from bf16 operands, and a backward pass whose two matmuls take
+    the logits' gradient in bf16 (autodiff alone would promote them to fp32 GEMMs). Its gradients
+    equal autodiff's to bf16 rounding (to fp32 rounding in fp32, where the cast is a no-op)."""
+    from model.llama import project_to_vocab
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 16, 32)).astype(np.float32)
+    w = (rng.standard_normal((32, 64)) / 6).astype(np.float32)
+    g = rng.standard_normal((2, 16, 64)).astype(np.float32)
+
+    def grads(fn, dtype):
+        xd, wd = jnp.asarray(x, dtype), jnp.asarray(w, dtype)
+        out, vjp = jax.vjp(fn, xd, wd)
+        return out, vjp(jnp.asarray(g))
+
+    plain = lambda a, b: jnp.einsum("btd,dv->btv", a, b, preferred_element_type=jnp.float32)  # noqa: E731
+    for dtype, tol in ((jnp.float32, 1e-6), (jnp.bfloat16, 2e-2)):
+        out, (dx, dw) = grads(project_to_vocab, dtype)
+        ref_out, (ref_dx, ref_dw) = grads(plain, dtype)
+        assert out.dtype == jnp.float32 and dx.dtype == dtype and dw.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(ref_out))
+        for a, b in ((dx, ref_dx), (dw, ref_dw)):
+            a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+            rel = np.linalg.norm(a - b) / np.linalg.norm(b)
+            assert rel <= tol, (dtype, rel)
+    # In bf16 the backward's matmuls read a bf16 gradient: no fp32 dot in the program.
+    hlo = jax.jit(jax.grad(lambda a, b: project_to_vocab(a, b).sum(), argnums=(0, 1))).lower(
+        jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)).as_text()
+    operands = [line.rsplit(" : (", 1)[1].split(") ->")[0] for line in hlo.splitlines() if "dot_general" in line]
+    assert len(operands) == 2 and not any("f32" in o for o in operands), operands

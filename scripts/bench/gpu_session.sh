@@ -15,6 +15,7 @@
 #   TRIES=a,b         the MFU tries by name (overrides ROUND)
 #   APP_REMAT=...     the app's model.remat (default: the faster of the 1b seq-2048 tries that ran)
 #   SKIP=input,app,cudnn,mfu   parts to leave out
+#   CUDNN_K=expr      only the cuDNN tests matching this pytest -k expression
 set -u
 OUT=${OUT:-/tmp/gpu_session}
 mkdir -p "$OUT"
@@ -45,7 +46,7 @@ if [ "${SMOKE:-0}" = 1 ]; then
 else
     DOCS=36000; SMALL_DOCS=4000; PLAN=gpu; SEQ=2048; APP_STEPS=60; APP_MODEL=""
     if [ "${ROUND:-1}" = 2 ]; then
-        TRIES=${TRIES:-1b_s2048_cudnn_none_b24,1b_s2048_cudnn_none_b16_lhs,1b_s2048_cudnn_none_b16_notriton,1b_s2048_cudnn_none_b16_tritonany,1b_s2048_cudnn_none_b32_chunk512}
+        TRIES=${TRIES:-1b_s2048_cudnn_dotsattn_b16,1b_s2048_cudnn_dots_b16_bf16head,llama3_2_1b_s2048_cudnn_none_b8_bf16head,1b_s2048_cudnn_dotsattn_b16_notriton,125m_s2048_cudnn_none_b32,125m_s1024_cudnn_none_b64,1b_s1024_cudnn_dotsattn_b32,1b_s2048_cudnn_dotsattn_b24}
     else
         TRIES=${TRIES:-1b_s2048_cudnn_none_b16,1b_s2048_cudnn_dots_b16,1b_s2048_xla_dots_b16,llama3_2_1b_s2048_cudnn_none_b8,1b_s1024_cudnn_none_b32,125m_s2048_cudnn_none_b32,125m_s1024_cudnn_none_b64}
     fi
@@ -59,7 +60,7 @@ else
     CONVERT_THREADS="1 4 14"
     # The GPU's process keeps 2 cores (its loop, launch threads and compiles); the input runs on the
     # other 14 while the GPU part runs, as a training host shares them.
-    if [ "$NCPU" -ge 16 ]; then GPU_CORES="taskset -c 0,1"; IN_CORES="taskset -c 2-$((NCPU - 1))"; else GPU_CORES=""; IN_CORES=""; fi
+    if [ "$NCPU" -ge 16 ] && ! skip input; then GPU_CORES="taskset -c 0,1"; IN_CORES="taskset -c 2-$((NCPU - 1))"; else GPU_CORES=""; IN_CORES=""; fi
 fi
 
 say "host: $NCPU cores, $(free -g | awk '/Mem:/{print $2}') GB; $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo 'no nvidia-smi')"
@@ -73,6 +74,7 @@ export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}
 
 # ---- input side (background): the corpus, then the input benchmarks on the input cores ----
 input_part() {
+    skip input && skip app && return
     local t=$(date +%s)
     for i in 0 1 2 3; do $PY .gpu/make_corpus.py /tmp/rp_$i --shards 1 --docs $DOCS --seed $i >/dev/null & done
     $PY .gpu/make_corpus.py /tmp/rp_small --shards 2 --docs $SMALL_DOCS --seed 9 >/dev/null &
@@ -115,7 +117,7 @@ mfu "$FIRST" $(( $(left) - 200 ))
 if ! skip cudnn && [ "$(left)" -gt 120 ]; then
     say "cudnn tests"
     JAX_PLATFORMS=${SMOKE_PLATFORM:-$([ "${SMOKE:-0}" = 1 ] && echo cpu || echo cuda)} timeout 150 $GPU_CORES \
-        $PY -m pytest tests/test_attention_cudnn.py -q -p no:cacheprovider -n 0 -rs > "$OUT/cudnn.log" 2>&1
+        $PY -m pytest tests/test_attention_cudnn.py -q -p no:cacheprovider -n 0 -rs ${CUDNN_K:+-k "$CUDNN_K"} > "$OUT/cudnn.log" 2>&1
     say "cudnn tests: $(tail -1 "$OUT/cudnn.log")"
 fi
 
@@ -155,7 +157,7 @@ EOF
 
 wait $INPUT_PID   # the app's input workers need the cores the input benchmarks use
 app app_auto $APP_STEPS auto
-[ -n "$REST" ] && mfu "$REST" $(( $(left) - 80 ))
+[ -n "$REST" ] && mfu "$REST" $(( $(left) - $(skip app && echo 5 || echo 80) ))
 app app_w1 $(( APP_STEPS / 2 )) 1
 
 grep -h -A40 "^--- profile" "$OUT/mfu.log" >> "$OUT/profiles.txt" 2>/dev/null
