@@ -75,6 +75,9 @@ export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}
 # ---- input side (background): the corpus, then the input benchmarks on the input cores ----
 input_part() {
     skip input && skip app && return
+    # The input's processes import JAX too: left to preallocate, they claimed GPU memory beside the
+    # MFU tries (seen in the first session: their allocator retried down from 71 GB). On demand only.
+    local XLA_PYTHON_CLIENT_PREALLOCATE=false; export XLA_PYTHON_CLIENT_PREALLOCATE
     local t=$(date +%s)
     for i in 0 1 2 3; do $PY .gpu/make_corpus.py /tmp/rp_$i --shards 1 --docs $DOCS --seed $i >/dev/null & done
     $PY .gpu/make_corpus.py /tmp/rp_small --shards 2 --docs $SMALL_DOCS --seed 9 >/dev/null &
