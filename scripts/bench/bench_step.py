@@ -80,7 +80,7 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--dtype", default=None, help="compute dtype override (bfloat16, float32)")
-    p.add_argument("--remat", default=None, help="none | full | dots | dots_all")
+    p.add_argument("--remat", default=None, help="none | full | dots | dots_attention | dots_all")
     p.add_argument("--attention", default=None, help="xla | cudnn | splash")
     p.add_argument("--steps", type=int, default=10, help="timed steps (after warmup)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps (compile + first runs)")
