@@ -57,13 +57,24 @@ def yield_cores(nice: int) -> None:
             pass
 
 
-def make_encoder(spec: StreamSpec, times: dict | None = None) -> BatchEncoder | None:
+def make_encoder(spec: StreamSpec, times: dict | None = None, threads: int | None = None) -> BatchEncoder | None:
     """The tokenizer pool of one input process, as training builds it (scripts/show_step.py
     replays with the same): its share of the cores (data/tokenizer.py encode_threads). Converted
     records hold token ids already: no tokenizer to build (~0.2 s of a 32k-piece tokenizer.json
-    parsed, on the way to the first batch)."""
+    parsed, on the way to the first batch).
+
+    `threads` given: a pool of that size in a process that is not an input process (the
+    trainer's head batch, data/workers.py head_slab), whose tokenizer variables are left as
+    they are: its calls run serially or each on the tokenizer's Rayon pool, as that process has
+    it set; the ids are the same. Setting them there would leak into the trainer's own later
+    encode calls, and the worker processes are spawned meanwhile: a vfork'ed child exec'ing
+    while another thread edits the environment can die before it reads its pipeline, and the
+    spawning thread then blocks forever on the pipe (twice in a dozen runs on 2 cores while the
+    head build put the variables back at its end; none since it leaves them alone)."""
     if spec.kind == "records":
         return None
+    if threads is not None:
+        return BatchEncoder(spec.tokenizer_json, threads, times)
     # Each tokenizer call is serial; this process's share of the cores runs that many calls
     # at once (capped: one shard's read-ahead feeds the pool, and deeper read-ahead costs
     # memory on hosts with many shards; use more workers on large machines).
@@ -152,7 +163,11 @@ class HostIterDataset(grain.IterDataset):
 
 
 class HostIterator(grain.DatasetIterator):
-    def __init__(self, spec: StreamSpec, shard_ids: list[int], shard_states: dict):
+    def __init__(self, spec: StreamSpec, shard_ids: list[int], shard_states: dict,
+                 tokenizer_threads: int | None = None):
+        """tokenizer_threads: the tokenizer pool's size in a process that is not an input
+        process (make_encoder); None, an input process's share of the cores. The rows never
+        depend on it."""
         super().__init__()
         if not shard_ids:
             raise ValueError("an input worker owns no virtual shard: raise data.num_shards or "
@@ -164,6 +179,7 @@ class HostIterator(grain.DatasetIterator):
         self.streams = None   # built lazily: get_state in the main process must stay cheap
         self._fill_pending = False   # streams' read-ahead still to start (after a first slab)
         self._elements = 0    # elements emitted (sets the group size of the next one)
+        self._tokenizer_threads = tokenizer_threads
         # This process's stage timers (data/timing.py): statistics, never in the state.
         self.times = zero_times(reader_threads=1, in_host=spec.num_workers == 0)
 
@@ -171,7 +187,7 @@ class HostIterator(grain.DatasetIterator):
         if multiprocessing.parent_process() is not None:   # an input worker process
             _leave_signals_to_the_trainer()
             yield_cores(self.spec.worker_nice)   # before its tokenizer threads start
-        self.enc = enc = make_encoder(self.spec, self.times)
+        self.enc = enc = make_encoder(self.spec, self.times, self._tokenizer_threads)
         self.times["tokenizer_threads"] = enc.threads if enc is not None else 0
         self.streams = build_streams(self.spec, self.shard_ids, enc, self._states, self.times)
         self._states = None

@@ -14,6 +14,7 @@ import numpy as np
 from data.host import HostIterator, find_shard_states
 from data.streams.shard import STATE_MARK, STATE_VERSION, StreamSpec
 from data.timing import add_times, zero_times
+from data.tokenizer import available_cores
 
 
 class WorkerMergeIterDataset(grain.IterDataset):
@@ -37,6 +38,26 @@ class WorkerMergeIterDataset(grain.IterDataset):
 
     def __str__(self) -> str:
         return f"WorkerMergeIterDataset(num_workers={self.spec.num_workers})"
+
+
+def head_slab(spec: StreamSpec, shards: dict) -> dict:
+    """One host batch of the given shards ({shard: state}) made in this process, on all of its
+    cores: the slab (HostIterator's, one batch) WorkerMergeIterator hands out while its workers
+    start.
+
+    A worker's tokenizer pool is its share of the cores (8 workers on 14 cores: 1 thread each),
+    sized for the steady state, when every worker tokenizes. While the workers spawn and import
+    the cores are mostly idle, and this batch tokenizes the first window of every host shard
+    (56 shards x ~36 rows x 2049 tokens, ~4 M tokens): on one thread (~1 M tok/s) it lost to
+    the workers' start every time. The shards' first windows are built side by side
+    (data/host.py build_streams), so a pool of one thread per core has all their chunks to run.
+    The rows depend only on the shard states, never on the pool's size. The trainer's tokenizer
+    variables are left as they are (data/host.py make_encoder)."""
+    it = HostIterator(spec, [int(v) for v in shards], shards, tokenizer_threads=available_cores())
+    try:
+        return next(it)
+    finally:
+        it.close()
 
 
 class WorkerMergeIterator(grain.DatasetIterator):
@@ -75,17 +96,13 @@ class WorkerMergeIterator(grain.DatasetIterator):
         build its windows faster in its workers). None: the workers' first group came first, or
         the in-process build failed (the workers report the same data's errors themselves)."""
         shards = self._shards if self._shards is not None else find_shard_states(self._group_start)
-        ids = [int(v) for v in shards]
         made = concurrent.futures.Future()
 
         def build():
-            it = HostIterator(self.spec, ids, shards)
             try:
-                made.set_result(next(it))
+                made.set_result(head_slab(self.spec, shards))
             except BaseException as e:  # noqa: BLE001 - reported through the future, never raised here
                 made.set_exception(e)
-            finally:
-                it.close()
 
         threading.Thread(target=build, name="input-head-start", daemon=True).start()
         while not made.done() and not all(f.done() for f in self._pending):

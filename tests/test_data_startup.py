@@ -188,6 +188,79 @@ def test_workers_making_other_rows_than_the_head_batch_is_named(tmp_path, monkey
     it.close()
 
 
+class _GatedWorker(HostIterator):
+    """A worker pipeline in this process (a HostIterator with the worker's share of the
+    cores, as the worker process builds it) that makes its first slab only once released: the
+    head batch is made while it "starts", whichever is faster on the machine at hand."""
+
+    def __init__(self, spec, shard_ids, gate):
+        super().__init__(spec, shard_ids, {})
+        self.gate = gate
+
+    def __next__(self):
+        assert self.gate.wait(timeout=60)
+        return super().__next__()
+
+
+class _RecordingEncoder(BatchEncoder):
+    """The real encoder, noting each one's pool size and whether its calls run serially."""
+    made = []
+
+    def __init__(self, tok_json, threads=1, times=None):
+        super().__init__(tok_json, threads, times)
+        type(self).made.append((self.threads, os.environ.get("TOKENIZERS_PARALLELISM")))
+
+
+def test_head_batch_tokenizes_on_every_core_and_is_the_workers(tmp_path, monkeypatch):
+    """Issue #38: the head batch (fresh, and the one after a restore) is tokenized on a pool of
+    one thread per core, not on a worker's share (1 thread with 2 workers on 3 cores, which lost
+    to the workers' start every time); the trainer's tokenizer variables are left as they are
+    (data/host.py make_encoder); and its rows are those the workers make (checked by
+    WorkerMergeIterator against their first group, and against batches made without it)."""
+    import data.host as host
+    import data.workers as workers
+    from data.workers import WorkerMergeIterator
+    c = _small_worker_cfg(tmp_path)
+    spec = _spec(c)
+    monkeypatch.setattr(host, "available_cores", lambda: 3)      # a worker's share: 3 // 2 = 1
+    monkeypatch.setattr(workers, "available_cores", lambda: 3)
+    monkeypatch.setattr(host, "BatchEncoder", _RecordingEncoder)
+    env = ("RAYON_NUM_THREADS", "RAYON_RS_NUM_CPUS", "TOKENIZERS_PARALLELISM")
+
+    def merged(head_start, state=None):
+        gate = threading.Event()
+        if not head_start:
+            gate.set()
+        ws = [_GatedWorker(spec, [0, 1, 2, 3][i::2], gate) for i in range(2)]
+        it = WorkerMergeIterator(ws, spec, keep_row_shard=True, head_start=head_start)
+        if state is not None:
+            it.set_state(state)
+        return it, gate
+
+    ref, _ = merged(False)                # the workers alone
+    want, states = [], [jround(ref.get_state())]
+    for _ in range(12):
+        want.append(next(ref))
+        states.append(jround(ref.get_state()))
+    ref.close()
+
+    for at in (0, 1, 5):                  # fresh, just after the first batch, inside a group
+        _RecordingEncoder.made = []
+        trainer = dict(zip(env, ("7", "7", "off"), strict=True))   # the workers here set theirs in this process
+        for k, v in trainer.items():
+            monkeypatch.setenv(k, v)
+        it, gate = merged(True, states[at] if at else None)
+        first = next(it)                  # the workers wait at their gate: this is the head batch
+        assert _RecordingEncoder.made == [(3, "off")], (at, _RecordingEncoder.made)
+        assert {k: os.environ[k] for k in env} == trainer
+        gate.set()
+        got = [first] + take(it, 4)       # the workers' first group is checked against the head rows
+        assert [t for t, _ in _RecordingEncoder.made[1:]] == [1, 1]
+        it.close()
+        for j, b in enumerate(got):
+            assert_batches_equal(b, want[at + j], f"from {at}, batch {at + j}")
+
+
 def _children_nice() -> dict[int, set[int]]:
     """{pid: {nice of each of its threads}} of this process's child processes but
     multiprocessing's resource tracker (Linux /proc)."""
