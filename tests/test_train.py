@@ -78,7 +78,8 @@ def test_gpu_experiment_runs_on_8_fake_devices(tmp_path, capfd, monkeypatch):
 
     assert jax.device_count() == 8   # tests/conftest.py: 8 fake CPU devices, one process
     cfg = make_cfg(tmp_path, "experiment=gpu_8_llama_1b", *GPU_SHRUNK)
-    assert (cfg.mesh.fsdp, cfg.model.attention, cfg.model.remat, cfg.train.microbatches) == (-1, "cudnn", "dots_attention", 2)
+    assert (cfg.mesh.fsdp, cfg.model.attention, cfg.model.remat, cfg.train.microbatches) == (
+        -1, "cudnn", "dots_attention", 2)
     summary = train_mod.train(cfg)
     assert summary["steps"] == 4
     rows = read_metrics(tmp_path)

@@ -69,7 +69,8 @@ def gpu_plan() -> list[dict]:
         _try("1b_s2048_cudnn_dotsattn_b24", a("1b", 2048, 24, "cudnn", "dots_attention")),
         _try("1b_s2048_cudnn_none_b8", a("1b", 2048, 8, "cudnn", "none")),
         _try("1b_s2048_cudnn_dotsattn_b16_lhs", a("1b", 2048, 16, "cudnn", "dots_attention"), LHS),
-        _try("1b_s2048_cudnn_dotsattn_b32_chunk512", a("1b", 2048, 32, "cudnn", "dots_attention", "--loss-chunk", "512")),
+        _try("1b_s2048_cudnn_dotsattn_b32_chunk512",
+             a("1b", 2048, 32, "cudnn", "dots_attention", "--loss-chunk", "512")),
     ]
 
 

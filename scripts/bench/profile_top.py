@@ -110,9 +110,10 @@ def print_table(s: dict) -> None:
               f"({d['busy_frac']:.1%} of the span; the rest the device waited), {d['kernels'] // per} kernels/step")
         for kind, v in d["by_kind"].items():
             print(f"  {kind:<16} {v['ms_per_step']:>9.2f} ms/step  {v['frac']:6.1%}")
-        print(f"  top kernels:")
+        print("  top kernels:")
         for t in d["top"]:
-            print(f"    {t['ms_per_step']:>9.2f} ms  {t['frac']:6.1%}  x{t['calls_per_step']:<6g} {t['kind']:<12} {t['name']}")
+            print(f"    {t['ms_per_step']:>9.2f} ms  {t['frac']:6.1%}  x{t['calls_per_step']:<6g} "
+                  f"{t['kind']:<12} {t['name']}")
 
 
 def main(argv=None) -> int:
