@@ -35,6 +35,10 @@ def test_recompute_factor():
         assert flops.recompute_factor(dataclasses.replace(cfg, remat="dots"), 1024) == pytest.approx(
             1 + attention_fwd / fpt)
         assert flops.recompute_factor(dataclasses.replace(cfg, remat="dots_all"), 1024) == pytest.approx(dots_all)
+    # dots_attention keeps the cuDNN kernel's outputs (nothing re-run); with any other attention it is dots
+    for attention, factor in (("cudnn", 1.0), ("xla", 1 + attention_fwd / fpt), ("splash", 1 + attention_fwd / fpt)):
+        cfg = dataclasses.replace(LLAMA2_7B, attention=attention, remat="dots_attention")
+        assert flops.recompute_factor(cfg, 1024) == pytest.approx(factor)
 
 
 def test_tied_head_still_counts_output_projection():
@@ -77,6 +81,47 @@ def test_mfu_sweep_names_why_a_try_failed():
     assert bench_mfu.error_line("") == "no output"
     names = [t["name"] for t in bench_mfu.gpu_plan()]
     assert len(names) == len(set(names)) and names[0].startswith("1b_s2048")   # the issue's goal first
+    with pytest.raises(SystemExit, match="no try named nope"):
+        bench_mfu.main(["--plan", "cpu", "--names", "tiny_b16,nope"])
+
+
+def test_profile_top_sums_a_devices_kernels_by_kind_and_its_busy_time(tmp_path):
+    """scripts/bench/profile_top.py on a trace of known kernels: two streams overlapping for 2 us,
+    an XLA Ops line that repeats them (left out), and a host process (not the device)."""
+    import gzip
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench" / "profile_top.py"
+    spec = importlib.util.spec_from_file_location("profile_top", path)
+    profile_top = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(profile_top)
+
+    meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/host:CPU"}},
+            {"ph": "M", "pid": 1, "tid": 7, "name": "thread_name", "args": {"name": "Stream #7"}},
+            {"ph": "M", "pid": 1, "tid": 8, "name": "thread_name", "args": {"name": "Stream #8"}},
+            {"ph": "M", "pid": 1, "tid": 9, "name": "thread_name", "args": {"name": "XLA Ops"}}]
+    kernels = [(7, 0, 10, "nvjet_sm90_tst_128x160_NNT"), (7, 10, 6, "cudnn_generated_fort_native_sdpa_flash_fprop"),
+               (8, 14, 4, "loop_add_fusion"), (7, 30, 10, "nvjet_sm90_tst_128x160_NNT"),
+               (9, 0, 40, "fusion.1"), (8, 40, 0, "memcpy128")]
+    events = meta + [{"ph": "X", "pid": 1, "tid": t, "ts": ts, "dur": d, "name": n} for t, ts, d, n in kernels]
+    events.append({"ph": "X", "pid": 2, "tid": 1, "ts": 0, "dur": 100, "name": "host work"})
+    run = tmp_path / "plugins" / "profile" / "2026_11_26"
+    run.mkdir(parents=True)
+    with gzip.open(run / "vm.trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+
+    s = profile_top.summarize(profile_top.newest_trace(str(tmp_path)), steps=2)
+    d = s["devices"]["/device:GPU:0"]
+    assert (d["span_ms"], d["busy_ms"], d["kernels"]) == (0.04, 0.028, 5)   # 0-18 and 30-40 busy of 0-40
+    assert {k: v["frac"] for k, v in d["by_kind"].items()} == {"matmul": 0.6667, "attention": 0.2,
+                                                                "other (fusions)": 0.1333, "copy": 0.0}
+    assert d["top"][0] == {"name": "nvjet_sm90_tst_128x160_NNT", "kind": "matmul", "ms_per_step": 0.01,
+                           "calls_per_step": 1.0, "frac": 0.6667}
+    with pytest.raises(SystemExit, match="no process named /device:TPU"):
+        profile_top.summarize(profile_top.newest_trace(str(tmp_path)), device_prefix="/device:TPU")
 
 
 @pytest.mark.slow
@@ -91,8 +136,9 @@ def test_mfu_sweep_records_each_try_and_a_failed_one_as_a_row(tmp_path):
 
     script = Path(__file__).resolve().parents[1] / "scripts" / "bench" / "bench_mfu.py"
     out = tmp_path / "mfu.jsonl"
-    proc = subprocess.run([sys.executable, str(script), "--plan", "cpu", "--only", "mb2", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    proc = subprocess.run([sys.executable, str(script), "--plan", "cpu", "--only", "mb2", "--out", str(out),
+                           "--profile-dir", str(tmp_path / "prof")], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu", "BENCH_MFU_DEVICE_PREFIX": "/host:CPU"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     ok, failed = [json.loads(line) for line in out.read_text().splitlines()]
     assert ok["status"] == "ok" and (ok["microbatches"], ok["loss_chunk"]) == (2, 32)
@@ -100,4 +146,8 @@ def test_mfu_sweep_records_each_try_and_a_failed_one_as_a_row(tmp_path):
     assert ok["recompute_factor"] > 1.0                      # the chunked loss re-runs the head
     assert 0 < ok["mfu_causal"] < ok["mfu"]                  # half the attention square is not useful work
     assert failed["status"] == "failed" and "15" in failed["error"]
-    assert [line.split()[0] for line in proc.stdout.splitlines()] == ["tiny_b16_mb2_chunk32", "tiny_b15_mb2_fails"]
+    # --profile-dir: the try's traced steps summed by kernel, in its row and printed before it
+    assert ok["profile"]["steps"] == 3 and ok["profile"]["devices"]["/host:CPU"]["kernels"] > 0
+    rows = [line.split()[0] for line in proc.stdout.splitlines() if line.startswith("tiny_")]
+    assert rows == ["tiny_b16_mb2_chunk32", "tiny_b15_mb2_fails"]
+    assert "--- profile of tiny_b16_mb2_chunk32" in proc.stdout
