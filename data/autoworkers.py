@@ -294,10 +294,10 @@ class AutoWorkers:
         return n, metrics(agreed, fig, self.budget, self.provisional, self.cores)
 
     def switch(self, batches, step: int, paused_s: float, *, restart, announce: bool):
-        """(the prefetcher to read from now on, the metrics row). `restart(cfg, shard_states,
+        """(the prefetcher of the chosen count, the metrics row). `restart(cfg, shard_states,
         follows)` builds the prefetcher for `cfg` from the consumed shard states, following the
-        old one (data/pipeline.py make_host_iterator, DevicePrefetcher); the old workers go in
-        the background while the new ones start."""
+        old one (data/pipeline.py make_host_iterator, DevicePrefetcher). The old one is left
+        running: the caller serves from it while the new one starts (data/feed.py Handover)."""
         from data.host import find_shard_states
 
         n, row = self.choose(batches, step, paused_s, announce=announce)
@@ -307,5 +307,4 @@ class AutoWorkers:
         # Same batches with any worker count (data/host.py): the new pipeline starts each shard
         # where the consumed batches left it.
         shard_states = find_shard_states(batches.consumed_state())
-        batches.close(background=True)
         return restart(self.cfg, shard_states, batches), row

@@ -3,13 +3,70 @@ the device prefetcher, and data.num_workers=auto's switch of the worker count wh
 
 train.py starts the feed before the model restores (worker processes spawn and the first batches
 get tokenized meanwhile) and reads it as an iterator of global jax.Arrays. A switch of the worker
-count rebuilds the pipeline from the consumed state: the batches do not change (data/host.py).
+count rebuilds the pipeline from the consumed state: the batches do not change (data/host.py). The
+old pipeline serves the loop until the new one has caught up (`Handover`), so the new workers'
+start (spawn, imports, the windows rebuilt: ~3 s on an H100 host) is not a wait of the loop.
 """
 from __future__ import annotations
 
 from data.autoworkers import AutoWorkers, is_auto
 from data.config import DataConfig
+from data.host import find_shard_states
 from data.pipeline import DevicePrefetcher, make_host_iterator, restore_host_iterator
+
+
+class Handover:
+    """From the prefetcher a switch replaces (`old`) to the one it started (`new`, from the state
+    the loop had consumed then): `old` goes on serving the loop while `new` starts, and each batch
+    `new` makes of those already served is dropped (its shard states checked against the ones the
+    loop got); once `new` has a batch past them ready, it serves and `old` closes.
+
+    Before this, the switch closed `old` and the loop waited for `new`'s first batches: on the lent
+    H100 host (BENCHMARKS.md, #38) 38.6% of ten steps' time, once per run. `new` makes the
+    batches no slower than the loop needs them (auto picks the count that way), so it catches up;
+    should it not within MAX_SERVED batches (a loop waiting on its input already, both pipelines
+    as fast), the handover ends by waiting for `new`, as a switch did before."""
+
+    MAX_SERVED = 64
+
+    def __init__(self, old: DevicePrefetcher, new: DevicePrefetcher):
+        self.old, self.new = old, new
+        self._served = []            # shard states after each batch `old` served that `new` has not made yet
+        self._from_old = 0           # batches `old` served since the switch
+        self._wait0 = old.stats()["wait_s"]
+
+    def next(self) -> tuple[dict | None, bool]:
+        """(a batch for the loop, or None once `new` serves; whether the handover is over)."""
+        while self._served and self.new.buffered() > 0:
+            self._drop_one()
+        if not self._served and self.new.buffered() > 0:
+            self._end()
+            return None, True
+        if self._from_old >= self.MAX_SERVED:
+            self.finish()
+            return None, True
+        batch = next(self.old)
+        self._from_old += 1
+        self._served.append(find_shard_states(self.old.consumed_state()))
+        return batch, False
+
+    def finish(self) -> None:
+        """Ends the handover now: waits for `new` to make the batches `old` served."""
+        while self._served:
+            self._drop_one()
+        self._end()
+
+    def _drop_one(self) -> None:
+        next(self.new)               # a batch `old` served already
+        if find_shard_states(self.new.consumed_state()) != self._served.pop(0):
+            raise RuntimeError("the input pipeline of the new worker count made other batches than the one it "
+                               "replaces: the data order is not a function of the shard states; please report "
+                               "this with the data config")
+
+    def _end(self) -> None:
+        # the loop's waits on `old` since the switch are the run's (stats go on from `new`)
+        self.new.add_wait(self.old.stats()["wait_s"] - self._wait0)
+        self.old.close(background=True)
 
 
 class Feed:
@@ -35,6 +92,7 @@ class Feed:
         self.cfg = cfg
         self._announce = announce
         self._replaced = []          # prefetchers a switch replaced, closing in the background
+        self._handover = None        # a switch's old pipeline still serving (Handover)
         self.prefetcher = DevicePrefetcher(restore_host_iterator(cfg, *self._where, data_states, **self._build),
                                            sharding, prefetch=cfg.prefetch)
 
@@ -42,17 +100,27 @@ class Feed:
         return self
 
     def __next__(self) -> dict:
+        if self._handover is not None:
+            batch, over = self._handover.next()
+            if not over:
+                return batch
+            self._handover = None
         return next(self.prefetcher)
+
+    @property
+    def _serving(self) -> DevicePrefetcher:
+        """The prefetcher whose batches the loop has: the old one during a handover."""
+        return self._handover.old if self._handover is not None else self.prefetcher
 
     @property
     def num_workers(self) -> int:
         return self.cfg.num_workers
 
     def stats(self) -> dict:
-        return self.prefetcher.stats()
+        return self._serving.stats()
 
     def consumed_state(self) -> dict:
-        return self.prefetcher.consumed_state()
+        return self._serving.consumed_state()
 
     def compiled(self, step: int, paused_s: float) -> None:
         """The compiling step is done: auto's measurement starts here."""
@@ -65,10 +133,14 @@ class Feed:
     def switch(self, step: int, paused_s: float) -> dict:
         """data.num_workers=auto's choice, made after its measured steps have run: the pipeline
         moves to the chosen count (when it differs). Returns the figures for the next metrics row."""
+        if self._handover is not None:       # the last switch's handover still on: finish it first
+            self._handover.finish()
+            self._handover = None
         prefetcher, row = self.auto.switch(self.prefetcher, step, paused_s, restart=self._restart,
                                            announce=self._announce)
         if prefetcher is not self.prefetcher:
             self._replaced.append(self.prefetcher)
+            self._handover = Handover(self.prefetcher, prefetcher)
             self.prefetcher = prefetcher
         self.cfg = self.auto.cfg
         return row

@@ -480,6 +480,10 @@ class DevicePrefetcher:
         """Host iterator state right after the last batch returned by __next__."""
         return self._state
 
+    def add_wait(self, seconds: float) -> None:
+        """Counts the loop's wait on another prefetcher as this one's (data/feed.py Handover)."""
+        self._wait += seconds
+
     def buffered(self) -> int:
         """Device batches ready for the loop now (benchmarks: a wait on a ready batch is not starvation)."""
         return len(self._q._items)

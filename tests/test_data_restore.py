@@ -228,3 +228,99 @@ def test_encoder_threads_do_not_change_the_data(tmp_path, monkeypatch):
     for a, b in zip(runs[0][0], runs[1][0], strict=False):
         assert_batches_equal(a, b)
     assert runs[0][1] == runs[1][1]
+
+
+class _HeldBack:
+    """A host iterator whose first batch waits for `gate`: a new pipeline's workers starting."""
+
+    def __init__(self, it, gate):
+        self.it, self.gate = it, gate
+
+    def __next__(self):
+        assert self.gate.wait(timeout=60)
+        return next(self.it)
+
+    def get_state(self):
+        return self.it.get_state()
+
+    def close(self):
+        self.it.close()
+
+
+def test_a_worker_switch_serves_from_the_old_pipeline_until_the_new_one_catches_up(tmp_path, monkeypatch):
+    """data/feed.py Handover (data.num_workers=auto's switch): while the new pipeline starts, the
+    old one goes on serving, with its consumed states; the new one's batches of those already
+    served are dropped; the loop sees the one batch sequence, without a gap or a repeat. A new
+    pipeline that makes other batches is named."""
+    import threading
+    import time
+
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from data.feed import Handover
+    from data.host import find_shard_states
+    write_corpus(tmp_path, n_files=4, docs_per_file=6)
+    c = cfg(tmp_path, num_shards=4, global_batch_size=8)
+    ref, states = reference(c, 40)
+    sh = NamedSharding(Mesh(np.array(jax.devices()), ("data",)), P("data"))
+
+    def switch_after(k, start_state):
+        old = data.DevicePrefetcher(data.make_host_iterator(c, 0, 1), sh, prefetch=2)
+        got = [next(old) for _ in range(k)]
+        gate = threading.Event()
+        new_it = data.make_host_iterator(c, 0, 1, find_shard_states(start_state(old)))
+        new = data.DevicePrefetcher(_HeldBack(new_it, gate), sh, prefetch=2, follows=old)
+        return old, new, Handover(old, new), gate, got
+
+    old, new, h, gate, got = switch_after(3, lambda old: old.consumed_state())
+    for _ in range(4):                    # the new pipeline is held back: the old one serves, no wait
+        batch, over = h.next()
+        assert not over
+        got.append(batch)
+        assert jround(old.consumed_state()) == states[len(got)]
+    gate.set()
+    while True:                           # a loop whose steps take 20 ms: the new one catches up
+        batch, over = h.next()
+        if over:
+            break
+        got.append(batch)
+        time.sleep(0.02)
+    assert len(got) < 7 + Handover.MAX_SERVED   # caught up, not forced
+    n_old = len(got)
+    got += [next(new) for _ in range(4)]
+    assert jround(find_shard_states(new.consumed_state())) == jround(find_shard_states(states[len(got)]))
+    assert new.stats()["batches"] == len(got)
+    for i, b in enumerate(got):
+        for key in ref[i]:
+            np.testing.assert_array_equal(np.asarray(b[key]), ref[i][key], err_msg=f"batch {i} ({n_old} from old)")
+    new.close()
+    old.close()
+
+    # a loop as fast as both pipelines: after MAX_SERVED batches the handover waits for the new one
+    monkeypatch.setattr(Handover, "MAX_SERVED", 3)
+    old, new, h, gate, got = switch_after(2, lambda old: old.consumed_state())
+    gate.set()
+    while True:
+        batch, over = h.next()
+        if over:
+            break
+        got.append(batch)
+    assert len(got) <= 2 + 3              # at most MAX_SERVED from the old one
+    got += [next(new) for _ in range(3)]
+    for i, b in enumerate(got):
+        np.testing.assert_array_equal(np.asarray(b["inputs"]), ref[i]["inputs"], err_msg=f"batch {i}")
+    new.close()
+    old.close()
+    monkeypatch.undo()
+
+    # a new pipeline started one batch off: its first batch is not the one the old one served
+    old, new, h, gate, got = switch_after(3, lambda old: states[4])
+    h.next()
+    gate.set()
+    with pytest.raises(RuntimeError, match="made other batches than the one it replaces"):
+        for _ in range(Handover.MAX_SERVED + 1):
+            h.next()
+    new.close()
+    old.close()
