@@ -584,9 +584,12 @@ class Llama(nnx.Module):
     def logits(self, x_btd):
         """[b, t, d] hidden states -> [b, t, v] logits in fp32."""
         cfg = self.cfg
-        head_dv = self.embed_vd[...].T if cfg.tie_embeddings else self.lm_head_dv[...]
-        logits_btv = project_to_vocab(x_btd, head_dv.astype(jnp.dtype(cfg.dtype)))
+        logits_btv = project_to_vocab(x_btd, self._head_dv().astype(jnp.dtype(cfg.dtype)))
         return shd.constrain(logits_btv, ("act_batch", "act_len", "act_vocab"))
+
+    def _head_dv(self):
+        """The output projection [d, v]: the embedding's transpose when tied."""
+        return self.embed_vd[...].T if self.cfg.tie_embeddings else self.lm_head_dv[...]
 
     # ------------------------------------------------------------------------- generation
     # KV-cache decoding (scripts/generate.py): `decode` the prompt once (prefill), then one
@@ -634,7 +637,6 @@ class Llama(nnx.Module):
                 vs.append(v_bskh)
             k_lbskh, v_lbskh = jnp.stack(ks), jnp.stack(vs)
         x_btd = self.final_norm(x_btd)
-        head_dv = self.embed_vd[...].T if cfg.tie_embeddings else self.lm_head_dv[...]
-        logits_btv = jnp.einsum("btd,dv->btv", x_btd, head_dv.astype(dt), preferred_element_type=jnp.float32)
+        logits_btv = project_to_vocab(x_btd, self._head_dv().astype(dt))
         cache = {"k_lbskh": k_lbskh, "v_lbskh": v_lbskh, "length": start + tokens_bt.shape[1]}
         return logits_btv, cache

@@ -25,6 +25,9 @@ import time
 from pathlib import Path
 
 BENCH_STEP = Path(__file__).resolve().parent / "bench_step.py"
+sys.path.insert(0, str(BENCH_STEP.parent))
+import profile_top  # noqa: E402 - beside this script
+
 # Whose kernels a try's profile sums: the GPU's (the CPU plan reads the host's XLA threads).
 DEVICE_PREFIX = os.environ.get("BENCH_MFU_DEVICE_PREFIX", "/device:GPU")
 
@@ -118,9 +121,6 @@ def run_try(t: dict, timeout_s: float) -> dict:
 
 def profile_of(path: Path, name: str) -> dict | None:
     """The try's traced steps summed by kernel (profile_top.py), printed and returned for its row."""
-    sys.path.insert(0, str(BENCH_STEP.parent))
-    import profile_top
-
     try:
         summary = profile_top.summarize(profile_top.newest_trace(str(path)), top=12, steps=3,
                                         device_prefix=DEVICE_PREFIX)
