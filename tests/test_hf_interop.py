@@ -270,10 +270,10 @@ def test_import_then_export_writes_the_same_directory(name, tmp_path):
 def test_import_train_export_loads_in_transformers(name, tmp_path):
     """import_hf -> train.py a few steps from it (checkpoint.init_from, the printed overrides) ->
     export_hf -> transformers' AutoModelForCausalLM is the family's class and gives our logits."""
+    variants = _family_variants()     # skips without torch and transformers (the [hf] extra)
     import torch
     import transformers
 
-    variants = _family_variants()
     variants.save_variant(name, tmp_path / "hf", vocab_size=4096)  # the bundled tokenizer's ids
     cfg, ckpt = import_hf.import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"), dtype="float32", remat="none")
     run_args = [a for a in TINY_RUN if not a.startswith("model.")]
