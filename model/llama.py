@@ -121,6 +121,10 @@ class LlamaConfig:
     remat: str = "full"  # one of REMAT_POLICIES
     scan_layers: bool = True
     attention: str = "xla"  # one of ATTENTION_IMPLS
+    # attention=cudnn on Hopper+: rows of up to this many documents run cuDNN's packed layout (each
+    # document its own sequence: no mask to read, cross-document blocks skipped); a batch with a
+    # fuller row runs the masked kernel. 0: always the masked kernel. See attention_cudnn_packed.
+    cudnn_packed_segments: int = 0
 
     def __post_init__(self):
         if self.head_dim is None:
@@ -134,6 +138,8 @@ class LlamaConfig:
             raise ValueError(f"model.remat={self.remat!r}; expected one of {list(REMAT_POLICIES)}")
         if self.attention not in ATTENTION_IMPLS:
             raise ValueError(f"model.attention={self.attention!r}; expected one of {list(ATTENTION_IMPLS)}")
+        if self.cudnn_packed_segments < 0 or self.cudnn_packed_segments == 1:
+            raise ValueError(f"model.cudnn_packed_segments={self.cudnn_packed_segments}; expected 0 (off) or >= 2")
         if self.head_dim < 2 or self.head_dim % 2:
             raise ValueError(f"model.head_dim={self.head_dim} must be even (and positive) for RoPE")
         if self.sliding_window is not None and self.sliding_window < 1:
@@ -307,6 +313,64 @@ def attention_dpa(q_btnh, k_bskh, v_bskh, segment_ids_bt, implementation: str, w
     )
 
 
+def packed_layout(segment_ids_bt, max_segments: int):
+    """Each row's documents (runs of equal segment ids, padding included) in cuDNN's packed layout:
+    offsets_bm1 [b, M+1] where each run starts and seqlen_bm [b, M] its length, -1 past a row's last
+    run (the layout jax's fused attention takes, M = max_segments), and whether every row has at most
+    M runs (when not, the arrays hold the first M runs only and must not be used)."""
+    b, t = segment_ids_bt.shape
+    m = max_segments
+    starts_bt = jnp.concatenate(
+        [jnp.ones((b, 1), bool), segment_ids_bt[:, 1:] != segment_ids_bt[:, :-1]], axis=1)
+    fits = jnp.all(jnp.sum(starts_bt, axis=1) <= m)
+    first = jax.vmap(lambda row: jnp.nonzero(row, size=m + 1, fill_value=-1)[0])(starts_bt).astype(jnp.int32)
+    begin_bm = first[:, :m]
+    end_bm = jnp.where(first[:, 1:] >= 0, first[:, 1:], t)
+    seqlen_bm = jnp.where(begin_bm >= 0, end_bm - begin_bm, -1).astype(jnp.int32)
+    offsets_bm1 = jnp.concatenate([begin_bm, jnp.full((b, 1), -1, jnp.int32)], axis=1)
+    return offsets_bm1, seqlen_bm, fits
+
+
+def _packed_kv_offsets_scale_by_kv_heads() -> bool:
+    """Whether this jax strides the packed layout's key/value offsets by the key/value heads. Before
+    jax PR #39521 (merged 2026-07-31) it used the query heads, which reads the wrong rows under GQA;
+    there the kernel gets key/value repeated to the query heads. Read from the source: the only
+    trace of the fix jax leaves, and the kernel cannot be run to find out on a machine without one."""
+    import inspect
+
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+    try:
+        return "N_kv" in inspect.getsource(fa._fix_seqlen_offsets)
+    except (AttributeError, OSError, TypeError):
+        return False
+
+
+def attention_cudnn_packed(q_btnh, k_bskh, v_bskh, segment_ids_bt, max_segments: int):
+    """cuDNN flash attention with each packed document as its own sequence (the packed, "THD",
+    layout): causal within a document, no [t, s] mask for the kernel to read and no dbias for it to
+    write, and the blocks between documents skipped, not masked. A batch with a row of more than
+    `max_segments` documents runs the masked kernel instead (lax.cond: both are compiled, one runs).
+    Hopper or later (jax refuses the layout elsewhere); jax's private cuDNN entry point, as
+    jax.nn.dot_product_attention offers no packed layout."""
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+
+    h = q_btnh.shape[-1]
+    offsets_bm1, seqlen_bm, fits = packed_layout(segment_ids_bt, max_segments)
+
+    def packed(q, k, v, seg):
+        if k.shape[2] != q.shape[2] and not _packed_kv_offsets_scale_by_kv_heads():
+            g = q.shape[2] // k.shape[2]
+            k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
+        return fa.dot_product_attention(
+            q, k, v, q_seqlen=seqlen_bm, kv_seqlen=seqlen_bm, q_offsets=offsets_bm1, kv_offsets=offsets_bm1,
+            scale=1.0 / math.sqrt(h), mask_type=fa.MaskType.PADDING_CAUSAL, qkv_layout="BTNH")
+
+    def masked(q, k, v, seg):
+        return attention_dpa(q, k, v, seg, "cudnn")
+
+    return jax.lax.cond(fits, packed, masked, q_btnh, k_bskh, v_bskh, segment_ids_bt)
+
+
 def attention_splash(q_btnh, k_bskh, v_bskh, segment_ids_bt, interpret: bool = False, window: int | None = None):
     """Pallas splash attention (TPU). A per-device kernel, so it runs under shard_map.
 
@@ -358,6 +422,10 @@ def attention_splash(q_btnh, k_bskh, v_bskh, segment_ids_bt, interpret: bool = F
 CUDNN_DTYPES = ("bfloat16", "float16")
 
 
+def _at_least(compute_capability: str | None, version: tuple[int, int]) -> bool:
+    return compute_capability is not None and tuple(int(x) for x in compute_capability.split(".")[:2]) >= version
+
+
 def cudnn_unavailable(platform: str, dtype, head_dim: int, seq_len: int,
                       compute_capability: str | None = None) -> str | None:
     """Why the cuDNN flash-attention kernel cannot run here, or None when it can.
@@ -368,8 +436,7 @@ def cudnn_unavailable(platform: str, dtype, head_dim: int, seq_len: int,
         return f"the devices are {platform}, not NVIDIA GPUs"
     if jnp.dtype(dtype).name not in CUDNN_DTYPES:
         return f"model.dtype={jnp.dtype(dtype).name}: cuDNN attention takes bfloat16 or float16"
-    hopper = compute_capability is not None and tuple(int(x) for x in compute_capability.split(".")[:2]) >= (9, 0)
-    h_max = 256 if hopper else 128
+    h_max = 256 if _at_least(compute_capability, (9, 0)) else 128
     if head_dim % 8 or head_dim > h_max:
         return f"head_dim={head_dim}: cuDNN attention needs a multiple of 8 up to {h_max} on this GPU"
     if seq_len % 2:
@@ -399,15 +466,25 @@ def _devices_here():
 
 
 def attention(q_btnh, k_bskh, v_bskh, segment_ids_bt, impl: str, branch_ids_bt=None,
-              window: int | None = None, positions_bt=None):
+              window: int | None = None, positions_bt=None, packed_segments: int = 0):
     """Causal attention within each packed document (and within `window` when set) by `impl`.
-    positions_bt: the window's distances for the reference (see attention_mask)."""
+    positions_bt: the window's distances for the reference (see attention_mask). packed_segments:
+    cuDNN's packed layout for rows of up to this many documents (0: off; see attention_cudnn_packed)."""
     if impl == "xla" or branch_ids_bt is not None:
         # Branched rows are scoring's (no gradient, short rows): the kernels take segment ids only.
         return attention_xla(q_btnh, k_bskh, v_bskh, segment_ids_bt, branch_ids_bt, window, positions_bt)
     if impl == "cudnn":
         platform, capability = _devices_here()
         reason = cudnn_unavailable(platform, q_btnh.dtype, q_btnh.shape[-1], q_btnh.shape[1], capability)
+        if reason is None and packed_segments and window is None and _at_least(capability, (9, 0)):
+            try:
+                out = attention_cudnn_packed(q_btnh, k_bskh, v_bskh, segment_ids_bt, packed_segments)
+                _notice_once(f"model.attention=cudnn: cuDNN flash attention, packed layout (rows of up to "
+                             f"{packed_segments} documents; fuller batches: segment mask as a bias)")
+                return out
+            except (NotImplementedError, RuntimeError, ValueError) as e:  # jax's refusals at trace time
+                _notice_once(f"model.cudnn_packed_segments={packed_segments}: the packed layout is refused "
+                             f"({str(e).splitlines()[0]}); the segment mask as a bias instead")
         if reason is None:
             try:
                 out = attention_dpa(q_btnh, k_bskh, v_bskh, segment_ids_bt, "cudnn", window)
@@ -467,6 +544,7 @@ class Block(nnx.Module):
         self.rope_llama3 = cfg.rope_llama3
         self.sliding_window = cfg.sliding_window
         self.attention_impl = cfg.attention
+        self.cudnn_packed_segments = cfg.cudnn_packed_segments
         self.dtype = jnp.dtype(cfg.dtype)
 
     def _w(self, p):
@@ -506,7 +584,7 @@ class Block(nnx.Module):
     def __call__(self, x_btd, positions_bt, segment_ids_bt, branch_ids_bt=None):
         q_btnh, k_btkh, v_btkh = self._qkv(x_btd, positions_bt)
         o_btnh = attention(q_btnh, k_btkh, v_btkh, segment_ids_bt, self.attention_impl, branch_ids_bt,
-                           self.sliding_window, positions_bt)
+                           self.sliding_window, positions_bt, self.cudnn_packed_segments)
         return self._out_and_mlp(x_btd, o_btnh)
 
     def decode(self, x_btd, positions_bt, k_cache_bskh, v_cache_bskh, start):

@@ -133,7 +133,87 @@ def test_cudnn_fallback_under_a_mesh_reads_the_mesh_devices(capfd):
     assert "model.attention=cudnn unavailable (the devices are cpu" in capfd.readouterr().err
 
 
+@pytest.mark.parametrize("max_segments", [2, 3, 5, 8])
+def test_packed_layout_names_each_rows_documents_as_cudnn_takes_them(max_segments):
+    """Offsets and lengths for cuDNN's packed layout, checked by rebuilding each token's run from
+    them: every token of a fitting row lies in exactly one run, that run is its document's, and the
+    -1 fill follows the last run; a row with more runs than max_segments makes `fits` false."""
+    rng = np.random.default_rng(max_segments)
+    b, t = 12, 40
+    rows = []
+    for i in range(b):
+        n_docs = i % 6 + 1
+        cuts = np.sort(rng.choice(np.arange(1, t), n_docs - 1, replace=False))
+        seg = np.digitize(np.arange(t), cuts) + 1
+        if i % 3 == 0:
+            seg[t - 5:] = 0      # a padding tail: a run of its own
+        rows.append(seg)
+    seg_bt = np.stack(rows).astype(np.int32)
+    runs_b = [1 + int(np.sum(r[1:] != r[:-1])) for r in seg_bt]
+
+    offsets, seqlen, fits = jax.jit(llama.packed_layout, static_argnums=1)(jnp.asarray(seg_bt), max_segments)
+    offsets, seqlen = np.asarray(offsets), np.asarray(seqlen)
+    assert offsets.shape == (b, max_segments + 1) and seqlen.shape == (b, max_segments)
+    assert offsets.dtype == np.int32 and seqlen.dtype == np.int32
+    assert bool(fits) == (max(runs_b) <= max_segments)
+    for row, n in enumerate(runs_b):
+        if n > max_segments:
+            continue
+        assert list(offsets[row, n:]) == [-1] * (max_segments + 1 - n)
+        assert list(seqlen[row, n:]) == [-1] * (max_segments - n)
+        run_of_token = np.full(t, -1)
+        for r in range(n):
+            assert seqlen[row, r] > 0
+            span = slice(offsets[row, r], offsets[row, r] + seqlen[row, r])
+            assert (run_of_token[span] == -1).all()
+            run_of_token[span] = r
+        expected = np.concatenate([[0], np.cumsum(seg_bt[row, 1:] != seg_bt[row, :-1])])
+        np.testing.assert_array_equal(run_of_token, expected)
+    # Only full rows can spill: each row's runs beyond the limit are the ones cut.
+    assert sum(n > max_segments for n in runs_b) > 0 or max_segments >= 6
+
+
+def test_packed_segments_is_validated():
+    with pytest.raises(ValueError, match="model.cudnn_packed_segments=1"):
+        LlamaConfig(vocab_size=8, d_model=8, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=8, cudnn_packed_segments=1)
+
+
 # ---------------------------------------------------------------- the kernel, on a GPU
+def _ragged_batch(seed=0, b=4, t=256, vocab=CFG.vocab_size):
+    """Rows that differ: 1 to 5 documents at random cuts, some with a padding tail (id 0)."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, vocab, (b, t + 1)).astype(np.int32)
+    seg, pos = np.zeros((b, t), np.int32), np.zeros((b, t), np.int32)
+    for i in range(b):
+        cuts = np.sort(rng.choice(np.arange(8, t - 8), i % 5, replace=False))
+        seg[i] = np.digitize(np.arange(t), cuts) + 1
+        starts = np.array([0, *cuts])[seg[i] - 1]
+        pos[i] = np.arange(t) - starts
+        if i % 2:
+            seg[i, t - 24:] = 0
+    return dict(inputs=tokens[:, :-1], targets=tokens[:, 1:], segment_ids=seg, positions=pos,
+                loss_mask=(seg > 0).astype(np.int32))
+
+
+@needs_gpu
+@pytest.mark.parametrize("max_segments", [8, 3], ids=["rows_fit", "a_row_spills_to_the_mask"])
+def test_cudnn_packed_layout_matches_the_reference_loss_and_grads(max_segments, capfd):
+    """GQA (4 query heads, 2 key/value heads) and rows of different documents: a kernel reading
+    another row's or another head's keys would be far off. With max_segments 3 the batch holds a
+    row of 5 documents, so the masked kernel runs instead: the same numbers either way."""
+    batch = _ragged_batch()
+    params, _, (ref_loss, ref_g) = _loss_and_grads(CFG, batch)
+    cfg = dataclasses.replace(CFG, attention="cudnn", cudnn_packed_segments=max_segments)
+    _, _, (loss, g) = _loss_and_grads(cfg, batch, params)
+    err = capfd.readouterr().err
+    assert "packed layout (rows of up to" in err and "refused" not in err, err
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-2)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g), jax.tree.leaves(ref_g), strict=True):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        rel = np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-12)
+        assert rel < 3e-2, (jax.tree_util.keystr(path), rel)
+
+
 @needs_gpu
 def test_cudnn_runs_the_kernel_and_matches_the_reference_loss_and_grads(capfd):
     batch = _batch(t=256, cuts=(70, 200))
@@ -153,13 +233,15 @@ def test_cudnn_runs_the_kernel_and_matches_the_reference_loss_and_grads(capfd):
 
 
 @needs_gpu
-def test_remat_dots_attention_keeps_the_kernels_outputs_instead_of_rerunning_it():
+@pytest.mark.parametrize("packed", [0, 4], ids=["masked", "packed"])
+def test_remat_dots_attention_keeps_the_kernels_outputs_instead_of_rerunning_it(packed):
     """Under remat "dots" the backward pass runs cuDNN's attention forward again; "dots_attention"
-    keeps its outputs, so the compiled step holds one forward kernel fewer, and the same numbers."""
+    keeps its outputs, so the compiled step holds one forward kernel fewer, and the same numbers.
+    Packed: both kernels sit in a lax.cond, whose branches the policy reaches too."""
     batch = _batch(t=256, cuts=(70, 200))
 
     def forwards(remat):
-        cfg = dataclasses.replace(CFG, attention="cudnn", remat=remat)
+        cfg = dataclasses.replace(CFG, attention="cudnn", remat=remat, cudnn_packed_segments=packed)
         graphdef, params = nnx.split(Llama(cfg, rngs=nnx.Rngs(0)), nnx.Param)
         params = nnx.to_pure_dict(params)
         fn = jax.jit(jax.value_and_grad(lambda p: step.loss_fn(p, graphdef, batch, 0.0)[0]))
@@ -177,9 +259,10 @@ def test_remat_dots_attention_keeps_the_kernels_outputs_instead_of_rerunning_it(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("impl", ["xla", pytest.param("cudnn", marks=needs_gpu)])
-def test_changing_one_packed_document_leaves_the_others_logits(impl):
-    cfg = dataclasses.replace(CFG, attention=impl)
+@pytest.mark.parametrize("impl,packed", [("xla", 0), pytest.param("cudnn", 0, marks=needs_gpu),
+                                         pytest.param("cudnn", 4, marks=needs_gpu)])
+def test_changing_one_packed_document_leaves_the_others_logits(impl, packed):
+    cfg = dataclasses.replace(CFG, attention=impl, cudnn_packed_segments=packed)
     model = Llama(cfg, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model, nnx.Param)
     fwd = jax.jit(lambda p, b: nnx.merge(graphdef, p)(b["inputs"], b["positions"], b["segment_ids"]))

@@ -74,6 +74,18 @@ def gpu_plan() -> list[dict]:
         _try("1b_s2048_cudnn_dotsattn_b16_lhs", a("1b", 2048, 16, "cudnn", "dots_attention"), LHS),
         _try("1b_s2048_cudnn_dotsattn_b32_chunk512",
              a("1b", 2048, 32, "cudnn", "dots_attention", "--loss-chunk", "512")),
+        # third round, after the second (BENCHMARKS.md): cuDNN attention was 23% of the step at ~195
+        # TFLOP/s, reading the segment mask as a bias; the packed layout reads none.
+        _try("1b_s2048_cudnn_dotsattn_b16_packed8",
+             a("1b", 2048, 16, "cudnn", "dots_attention", "--packed-segments", "8")),
+        _try("1b_s2048_cudnn_dotsattn_b16_packed16",
+             a("1b", 2048, 16, "cudnn", "dots_attention", "--packed-segments", "16")),
+        _try("1b_s2048_cudnn_dotsattn_b24_packed16",
+             a("1b", 2048, 24, "cudnn", "dots_attention", "--packed-segments", "16")),
+        _try("llama3_2_1b_s2048_cudnn_none_b8_packed16",
+             a("llama3_2_1b", 2048, 8, "cudnn", "none", "--packed-segments", "16")),
+        _try("1b_s1024_cudnn_dotsattn_b32_packed16",
+             a("1b", 1024, 32, "cudnn", "dots_attention", "--packed-segments", "16")),
     ]
 
 

@@ -82,6 +82,8 @@ def main(argv=None):
     p.add_argument("--dtype", default=None, help="compute dtype override (bfloat16, float32)")
     p.add_argument("--remat", default=None, help="none | full | dots | dots_attention | dots_all")
     p.add_argument("--attention", default=None, help="xla | cudnn | splash")
+    p.add_argument("--packed-segments", type=int, default=None,
+                   help="model.cudnn_packed_segments (cuDNN's packed layout for rows of up to this many documents)")
     p.add_argument("--steps", type=int, default=10, help="timed steps (after warmup)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps (compile + first runs)")
     p.add_argument("--docs-per-row", type=int, default=4)
@@ -96,7 +98,8 @@ def main(argv=None):
                         "(scripts/bench/profile_top.py DIR names where the step's time goes)")
     args = p.parse_args(argv)
 
-    overrides = {k: v for k, v in dict(dtype=args.dtype, remat=args.remat, attention=args.attention).items() if v}
+    overrides = {k: v for k, v in dict(dtype=args.dtype, remat=args.remat, attention=args.attention,
+                                       cudnn_packed_segments=args.packed_segments).items() if v is not None}
     cfg = dataclasses.replace(LlamaConfig.from_mapping(load_yaml("model", args.preset)), **overrides)
     mesh_cfg = load_yaml("mesh", args.mesh)
     mesh = sharding.make_mesh(mesh_cfg)
@@ -144,7 +147,8 @@ def main(argv=None):
         "preset": args.preset, "params": cfg.num_params(), "mesh": dict(mesh.shape),
         "device_kind": jax.devices()[0].device_kind, "n_devices": mesh.size,
         "batch": args.batch, "seq": args.seq, "dtype": cfg.dtype, "remat": cfg.remat,
-        "attention": cfg.attention, "init_s": round(init_s, 3), "compile_and_warmup_s": round(warmup_s, 3),
+        "attention": cfg.attention, "packed_segments": cfg.cudnn_packed_segments,
+        "init_s": round(init_s, 3), "compile_and_warmup_s": round(warmup_s, 3),
         "step_s_median": round(step_s, 4), "step_s_min": round(min(times), 4),
         "tokens_per_s": round(tokens_per_s, 1), "flops_per_token": fpt,
         "model_tflops_per_s": round(tokens_per_s * fpt / 1e12, 4),

@@ -11,7 +11,10 @@
 # llama_style_tokenizer.json (the corpus is written on the host: 4 x 150 MB of text), and, where
 # the host lacks grain/hydra/..., .whl/ (../shared/device/prepare.sh). Knobs (environment):
 #   BUDGET=480        seconds the whole script may take; later parts are skipped when short
-#   ROUND=1|2         the MFU tries: 1 = the first round, 2 = the variants (bench_mfu.py's plan)
+#   ROUND=1|2|3       the MFU tries: 1 = the first round, 2 = the variants, 3 = cuDNN's packed layout
+#                     (bench_mfu.py's plan)
+#   APP_PACKED=M      the app's model.cudnn_packed_segments (default 16 in round 3, else 0)
+#   ATTN=0            leave out bench_attention.py (the attention kernels alone, before the MFU tries)
 #   TRIES=a,b         the MFU tries by name (overrides ROUND)
 #   APP_REMAT=...     the app's model.remat (default: the faster of the 1b seq-2048 tries that ran)
 #   SKIP=input,app,cudnn,mfu   parts to leave out
@@ -45,7 +48,10 @@ if [ "${SMOKE:-0}" = 1 ]; then
     export BENCH_MFU_DEVICE_PREFIX=/host:CPU
 else
     DOCS=36000; SMALL_DOCS=4000; PLAN=gpu; SEQ=2048; APP_STEPS=60; APP_MODEL=""
-    if [ "${ROUND:-1}" = 2 ]; then
+    if [ "${ROUND:-1}" = 3 ]; then
+        APP_PACKED=${APP_PACKED:-16}
+        TRIES=${TRIES:-1b_s2048_cudnn_dotsattn_b16,1b_s2048_cudnn_dotsattn_b16_packed8,1b_s2048_cudnn_dotsattn_b16_packed16,1b_s2048_cudnn_dotsattn_b24_packed16,llama3_2_1b_s2048_cudnn_none_b8_packed16,1b_s1024_cudnn_dotsattn_b32_packed16}
+    elif [ "${ROUND:-1}" = 2 ]; then
         TRIES=${TRIES:-1b_s2048_cudnn_dotsattn_b16,1b_s2048_cudnn_dots_b16_bf16head,llama3_2_1b_s2048_cudnn_none_b8_bf16head,1b_s2048_cudnn_dotsattn_b16_notriton,125m_s2048_cudnn_none_b32,125m_s1024_cudnn_none_b64,1b_s1024_cudnn_dotsattn_b32,1b_s2048_cudnn_dotsattn_b24}
     else
         TRIES=${TRIES:-1b_s2048_cudnn_none_b16,1b_s2048_cudnn_dots_b16,1b_s2048_xla_dots_b16,llama3_2_1b_s2048_cudnn_none_b8,1b_s1024_cudnn_none_b32,125m_s2048_cudnn_none_b32,125m_s1024_cudnn_none_b64}
@@ -113,6 +119,22 @@ mfu() {  # mfu NAMES TIMEOUT
         --profile-dir /tmp/prof --timeout-s 170 >> "$OUT/mfu.log" 2>&1 || say "mfu: stopped ($?)"
     grep -E "step [0-9.]+ s|failed|timeout|out of memory" "$OUT/mfu.log" > /tmp/mfu_table.txt
 }
+if [ "${ATTN:-1}" = 1 ] && ! skip mfu; then
+    say "bench_attention: the kernels alone"
+    if [ "${SMOKE:-0}" = 1 ]; then ATTN_ARGS="--batch 2 --seq 128 --heads 4 --kv-heads 2 --iters 2"; else ATTN_ARGS=""; fi
+    timeout 150 $GPU_CORES $PY scripts/bench/bench_attention.py $ATTN_ARGS > "$OUT/attention.jsonl" 2> /tmp/attention.err \
+        || say "bench_attention: exit $? ($(grep -v '^E0000\|^W0000' /tmp/attention.err | tail -1))"
+    $PY - "$OUT/attention.jsonl" <<'EOF' 2>&1 | tee -a "$OUT/session.log"
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    if "fixes" in r:
+        print("  ", r); continue
+    print(f"  {r['variant']:>16}: {r['status']:6} {r.get('fwd_bwd_ms', '-'):>8} ms {r.get('causal_tflops', '-'):>6} TFLOP/s "
+          f"max_runs {r['max_runs']} rel_err {r.get('rel_err', '-')} {r.get('error', '')}")
+EOF
+fi
+
 IFS=, read -ra ALL <<< "$TRIES"
 FIRST=$(IFS=,; echo "${ALL[*]:0:3}"); REST=$(IFS=,; echo "${ALL[*]:3}")
 mfu "$FIRST" $(( $(left) - 200 ))
@@ -137,14 +159,15 @@ print(max(ok, key=lambda r: r["tokens_per_s"])["remat"] if ok else "dots")
 EOF
 )
     fi
-    say "app $1: steps $2, data.num_workers=$3, model.remat=$APP_REMAT"
-    timeout $(( $(left) - 10 )) $PY train.py experiment=gpu_8_llama_1b $APP_MODEL model.remat=$APP_REMAT name=$1 paths.run_dir=/tmp/$1 \
+    say "app $1: steps $2, data.num_workers=$3, model.remat=$APP_REMAT, model.cudnn_packed_segments=${APP_PACKED:-0}"
+    timeout $(( $(left) - 10 )) $PY train.py experiment=gpu_8_llama_1b $APP_MODEL model.remat=$APP_REMAT \
+        model.cudnn_packed_segments=${APP_PACKED:-0} name=$1 paths.run_dir=/tmp/$1 \
         "data.paths=[/tmp/rp/*/en_head.json.gz]" tokenizer.path=$TOK data.global_batch_size=16 data.num_shards=16 \
         data.seq_len=$SEQ data.eval.holdout_files=0 train.microbatches=1 train.steps=$2 train.log_every=10 \
         train.eval_every=0 data.num_workers=$3 logger.wandb.mode=disabled logger.progress_bar=false \
         "profile.steps=[$(( $2 - 12 )),$(( $2 - 10 ))]" > /tmp/$1.log 2>&1 || say "app $1: exit $?"
     { echo "=== app $1"; cat /tmp/$1.log; } >> "$OUT/app.log"
-    grep -E "^(step|data.num_workers|Goodput|Badput|Done|model.attention)" /tmp/$1.log | tail -12 | tee -a "$OUT/session.log"
+    grep -E "^(step|data.num_workers|Goodput|Badput|Done|model.attention|model.cudnn)" /tmp/$1.log | tail -12 | tee -a "$OUT/session.log"
     $PY - "/tmp/$1/metrics.jsonl" <<'EOF' 2>&1 | tee -a "$OUT/session.log"
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
