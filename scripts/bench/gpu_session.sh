@@ -61,9 +61,11 @@ else
     IN_BATCH=56
     # Each count's run long enough past its workers' start (--warmup-s) for a steady rate; the
     # restore figure is at the largest count of a line: 8 workers (B).
-    IN_ARGS_A="--workers 1,2 --max-batches 150"; IN_ARGS_B="--workers 4,8 --max-batches 600"; IN_ARGS_C="--workers 14 --max-batches 1000"
+    # (each can be set, or set empty to leave it out: IN_ARGS_A= ...)
+    IN_ARGS_A=${IN_ARGS_A-"--workers 1,2 --max-batches 150"}; IN_ARGS_B=${IN_ARGS_B-"--workers 4,8 --max-batches 600"}
+    IN_ARGS_C=${IN_ARGS_C-"--workers 14 --max-batches 1000"}
     WARMUP_S=3
-    CONVERT_THREADS="1 4 14"
+    CONVERT_THREADS=${CONVERT_THREADS-"1 4 14"}
     # The GPU's process keeps 2 cores (its loop, launch threads and compiles); the input runs on the
     # other 14 while the GPU part runs, as a training host shares them.
     if [ "$NCPU" -ge 16 ] && ! skip input; then GPU_CORES="taskset -c 0,1"; IN_CORES="taskset -c 2-$((NCPU - 1))"; else GPU_CORES=""; IN_CORES=""; fi
@@ -184,7 +186,7 @@ EOF
 wait $INPUT_PID   # the app's input workers need the cores the input benchmarks use
 app app_auto $APP_STEPS auto
 [ -n "$REST" ] && mfu "$REST" $(( $(left) - $(skip app && echo 5 || echo 80) ))
-app app_w1 $(( APP_STEPS / 2 )) 1
+app app_w${APP_FIXED:-1} $(( APP_STEPS / 2 )) ${APP_FIXED:-1}
 
 grep -h -A40 "^--- profile" "$OUT/mfu.log" >> "$OUT/profiles.txt" 2>/dev/null
 say "done; MFU tries:"
