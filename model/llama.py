@@ -21,6 +21,7 @@ Conventions (the models we learn from: big_vision, flax gemma, nanoGPT, torchtit
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import sys
 from typing import Any, Mapping
@@ -334,6 +335,7 @@ def packed_layout(segment_ids_bt, max_segments: int):
     return offsets_bm1, seqlen_bm, fits
 
 
+@functools.cache
 def _packed_kv_offsets_scale_by_kv_heads() -> bool:
     """Whether this jax strides the packed layout's key/value offsets by the key/value heads. Before
     jax PR #39521 (merged 2026-07-31) it used the query heads, which reads the wrong rows under GQA;

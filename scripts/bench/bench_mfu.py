@@ -42,8 +42,11 @@ def _try(name, args, xla_flags=""):
 
 
 def _gpu_args(preset, seq, batch, attention, remat, *extra, steps=8):
+    # A try's name says whether it runs cuDNN's packed layout ("packed<M>"); the others run the
+    # segment mask as a bias, as they did when measured (the presets now default to the packed).
+    packed = [] if "--packed-segments" in extra else ["--packed-segments", "0"]
     return ["--preset", preset, "--seq", str(seq), "--batch", str(batch), "--attention", attention,
-            "--remat", remat, "--steps", str(steps), "--warmup", "2", "--matmul-probe", "8192", *extra]
+            "--remat", remat, "--steps", str(steps), "--warmup", "2", "--matmul-probe", "8192", *packed, *extra]
 
 
 def gpu_plan() -> list[dict]:

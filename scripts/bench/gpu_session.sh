@@ -15,6 +15,8 @@
 #                     (bench_mfu.py's plan)
 #   APP_PACKED=M      the app's model.cudnn_packed_segments (default 16 in round 3, else 0)
 #   ATTN=0            leave out bench_attention.py (the attention kernels alone, before the MFU tries)
+#   HEAD_WORKERS=8    bench_head.py's worker share (the head batch alone); empty: leave it out
+#   IN_ARGS_A/B/C/D=... bench_input.py's runs (empty: leave one out); CONVERT_THREADS="1 4 14"
 #   TRIES=a,b         the MFU tries by name (overrides ROUND)
 #   APP_REMAT=...     the app's model.remat (default: the faster of the 1b seq-2048 tries that ran)
 #   SKIP=input,app,cudnn,mfu   parts to leave out
@@ -44,6 +46,7 @@ NCPU=$(nproc)
 if [ "${SMOKE:-0}" = 1 ]; then
     DOCS=300; SMALL_DOCS=200; PLAN=cpu; TRIES=${TRIES:-tiny_b16}; SEQ=256; APP_STEPS=30; APP_MODEL="model=tiny model.vocab_size=32000"
     IN_ARGS_A="--workers 1,2 --max-batches 20"; IN_ARGS_B="--workers 2 --max-batches 20"; IN_ARGS_C=""
+    IN_ARGS_D="--workers 2 --max-batches 20 --sim-steps 5 --worker-nice 10"
     CONVERT_THREADS="1 2"; IN_BATCH=8; GPU_CORES=""; IN_CORES=""; WARMUP_S=0
     export BENCH_MFU_DEVICE_PREFIX=/host:CPU
 else
@@ -64,6 +67,10 @@ else
     # (each can be set, or set empty to leave it out: IN_ARGS_A= ...)
     IN_ARGS_A=${IN_ARGS_A-"--workers 1,2 --max-batches 150"}; IN_ARGS_B=${IN_ARGS_B-"--workers 4,8 --max-batches 600"}
     IN_ARGS_C=${IN_ARGS_C-"--workers 14 --max-batches 1000"}
+    # D: first batch and restore with train.py's worker_nice (10: the trainer's head batch is
+    # scheduled before the workers' start); A-C run the workers at the trainer's priority (0), as
+    # the first sessions' ratios did.
+    IN_ARGS_D=${IN_ARGS_D-"--workers 8 --max-batches 200 --sim-steps 20 --worker-nice 10"}
     WARMUP_S=3
     CONVERT_THREADS=${CONVERT_THREADS-"1 4 14"}
     # The GPU's process keeps 2 cores (its loop, launch threads and compiles); the input runs on the
@@ -95,7 +102,7 @@ input_part() {
     touch /tmp/rp.ready
     skip input && return
     local common="--paths /tmp/rp/*/en_head.json.gz --tokenizer $TOK --seq-len $SEQ --batch-size $IN_BATCH --num-shards $IN_BATCH --rounds 1 --max-chars 40e6 --pair-chars 10e6 --sim-steps 200 --warmup-s $WARMUP_S --worker-nice 0"
-    for part in A B C; do
+    for part in A B C D; do
         local a_var="IN_ARGS_$part"; [ -z "${!a_var}" ] && continue
         say "bench_input $part: ${!a_var}"
         $IN_CORES $PY scripts/bench/bench_input.py $common ${!a_var} > /tmp/input_$part.log 2>&1 \
@@ -103,6 +110,17 @@ input_part() {
         { echo "=== bench_input $part: ${!a_var}"; cat /tmp/input_$part.log; } >> "$OUT/input.log"
         tail -1 /tmp/input_$part.log >> "$OUT/input.jsonl"
     done
+    if [ -n "${HEAD_WORKERS-8}" ]; then
+        # The head batch alone (the first batch and the one after a restore, as the trainer makes
+        # them while its workers start): a worker's share of the cores against all of them.
+        local hw=${HEAD_WORKERS-8}; [ "${SMOKE:-0}" = 1 ] && hw=2
+        say "bench_head: $hw workers' share against all cores"
+        $IN_CORES $PY scripts/bench/bench_head.py --paths /tmp/rp/*/en_head.json.gz --tokenizer $TOK --seq-len $SEQ \
+            --batch-size $IN_BATCH --num-shards $IN_BATCH --workers $hw > /tmp/head.log 2>&1 \
+            || say "bench_head failed: $(tail -1 /tmp/head.log)"
+        { echo "=== bench_head: $hw workers"; cat /tmp/head.log; } >> "$OUT/input.log"
+        say "bench_head: $(tail -1 /tmp/head.log | cut -c1-600)"
+    fi
     for n in $CONVERT_THREADS; do
         rm -rf /tmp/rp_conv
         local cores=""; [ -n "$IN_CORES" ] && cores="taskset -c 2-$((1 + n))"
