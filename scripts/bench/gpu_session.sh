@@ -11,8 +11,8 @@
 # llama_style_tokenizer.json (the corpus is written on the host: 4 x 150 MB of text), and, where
 # the host lacks grain/hydra/..., .whl/ (../shared/device/prepare.sh). Knobs (environment):
 #   BUDGET=480        seconds the whole script may take; later parts are skipped when short
-#   ROUND=1|2|3       the MFU tries: 1 = the first round, 2 = the variants, 3 = cuDNN's packed layout
-#                     (bench_mfu.py's plan)
+#   ROUND=1|2|3|4     the MFU tries: 1 = the first round, 2 = the variants, 3 = cuDNN's packed layout,
+#                     4 = the packed step without remat (bench_mfu.py's plan)
 #   APP_PACKED=M      the app's model.cudnn_packed_segments (default 16 in round 3, else 0)
 #   ATTN=0            leave out bench_attention.py (the attention kernels alone, before the MFU tries)
 #   HEAD_WORKERS=8    bench_head.py's worker share (the head batch alone); empty: leave it out
@@ -51,7 +51,10 @@ if [ "${SMOKE:-0}" = 1 ]; then
     export BENCH_MFU_DEVICE_PREFIX=/host:CPU
 else
     DOCS=36000; SMALL_DOCS=4000; PLAN=gpu; SEQ=2048; APP_STEPS=60; APP_MODEL=""
-    if [ "${ROUND:-1}" = 3 ]; then
+    if [ "${ROUND:-1}" = 4 ]; then
+        APP_PACKED=${APP_PACKED:-8}
+        TRIES=${TRIES:-1b_s2048_cudnn_dotsattn_b16_packed8,1b_s2048_cudnn_none_b12_packed8,1b_s2048_cudnn_none_b8_packed8}
+    elif [ "${ROUND:-1}" = 3 ]; then
         APP_PACKED=${APP_PACKED:-16}
         TRIES=${TRIES:-1b_s2048_cudnn_dotsattn_b16,1b_s2048_cudnn_dotsattn_b16_packed8,1b_s2048_cudnn_dotsattn_b16_packed16,1b_s2048_cudnn_dotsattn_b24_packed16,llama3_2_1b_s2048_cudnn_none_b8_packed16,1b_s1024_cudnn_dotsattn_b32_packed16}
     elif [ "${ROUND:-1}" = 2 ]; then
