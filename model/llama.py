@@ -29,6 +29,7 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax._src.cudnn import fused_attention_stablehlo as _cudnn_fa  # private: the packed layout (below)
 
 from model import sharding as shd
 
@@ -342,10 +343,8 @@ def _packed_kv_offsets_scale_by_kv_heads() -> bool:
     there the kernel gets key/value repeated to the query heads. Read from the source: the only
     trace of the fix jax leaves, and the kernel cannot be run to find out on a machine without one."""
     import inspect
-
-    from jax._src.cudnn import fused_attention_stablehlo as fa
     try:
-        return "N_kv" in inspect.getsource(fa._fix_seqlen_offsets)
+        return "N_kv" in inspect.getsource(_cudnn_fa._fix_seqlen_offsets)
     except (AttributeError, OSError, TypeError):
         return False
 
@@ -357,23 +356,20 @@ def attention_cudnn_packed(q_btnh, k_bskh, v_bskh, segment_ids_bt, max_segments:
     `max_segments` documents runs the masked kernel instead (lax.cond: both are compiled, one runs).
     Hopper or later (jax refuses the layout elsewhere); jax's private cuDNN entry point, as
     jax.nn.dot_product_attention offers no packed layout."""
-    from jax._src.cudnn import fused_attention_stablehlo as fa
-
-    h = q_btnh.shape[-1]
     offsets_bm1, seqlen_bm, fits = packed_layout(segment_ids_bt, max_segments)
 
-    def packed(q, k, v, seg):
+    def packed(q, k, v):
         if k.shape[2] != q.shape[2] and not _packed_kv_offsets_scale_by_kv_heads():
             g = q.shape[2] // k.shape[2]
             k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
-        return fa.dot_product_attention(
+        return _cudnn_fa.dot_product_attention(
             q, k, v, q_seqlen=seqlen_bm, kv_seqlen=seqlen_bm, q_offsets=offsets_bm1, kv_offsets=offsets_bm1,
-            scale=1.0 / math.sqrt(h), mask_type=fa.MaskType.PADDING_CAUSAL, qkv_layout="BTNH")
+            scale=1.0 / math.sqrt(q.shape[-1]), mask_type=_cudnn_fa.MaskType.PADDING_CAUSAL, qkv_layout="BTNH")
 
-    def masked(q, k, v, seg):
-        return attention_dpa(q, k, v, seg, "cudnn")
+    def masked(q, k, v):
+        return attention_dpa(q, k, v, segment_ids_bt, "cudnn")
 
-    return jax.lax.cond(fits, packed, masked, q_btnh, k_bskh, v_bskh, segment_ids_bt)
+    return jax.lax.cond(fits, packed, masked, q_btnh, k_bskh, v_bskh)
 
 
 def attention_splash(q_btnh, k_bskh, v_bskh, segment_ids_bt, interpret: bool = False, window: int | None = None):
