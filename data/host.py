@@ -38,23 +38,41 @@ _YIELDED = False
 
 
 def yield_cores(nice: int) -> None:
-    """An input worker process lowers the CPU priority of its threads by `nice` (once per
-    process; threads it starts later inherit it). Measured on 2 cores with 2 workers
-    (bench_corpora's simulated loop at 80% of the rate): the loop's next() on a ready batch
-    took 0.4-4.4 ms at the 99th percentile to maximum with the workers at the trainer's
-    priority, 0.15-0.4 ms with them 10 nicer: the loop's thread waited for a core, not for data.
-    The workers still get every core the trainer leaves idle."""
+    """An input worker process runs every thread `nice` lower in CPU priority than the trainer
+    (its parent): once per process, threads it starts later inherit it. Measured on 2 cores with 2
+    workers (bench_corpora's simulated loop at 80% of the rate): the loop's next() on a ready batch
+    took 0.4-4.4 ms at the 99th percentile to maximum with the workers at the trainer's priority,
+    0.15-0.4 ms with them 10 nicer: the loop's thread waited for a core, not for data. The workers
+    still get every core the trainer leaves idle.
+
+    The trainer already lowered the process at its birth (data/workers.py renice_new_workers), so
+    its imports ran nicer too; this sets each thread to the trainer's priority + nice (never twice
+    that), which also covers a worker the trainer missed."""
     global _YIELDED
     if _YIELDED or nice <= 0 or not hasattr(os, "setpriority"):
         return
     _YIELDED = True
+    try:
+        target = min(19, os.getpriority(os.PRIO_PROCESS, os.getppid()) + nice)
+    except OSError:   # the parent is gone: the run is ending anyway
+        target = min(19, nice)
     tids = os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ["0"]
     for tid in tids:   # Linux: a priority per thread; elsewhere "0" is the process
         try:
-            now = os.getpriority(os.PRIO_PROCESS, int(tid))
-            os.setpriority(os.PRIO_PROCESS, int(tid), min(19, now + nice))
+            if os.getpriority(os.PRIO_PROCESS, int(tid)) < target:
+                os.setpriority(os.PRIO_PROCESS, int(tid), target)
         except OSError:   # the thread ended meanwhile
             pass
+
+
+def nicer_than_trainer() -> int:
+    """How much lower this thread's CPU priority is than the trainer's (its parent's)."""
+    if not hasattr(os, "getpriority"):
+        return 0
+    try:
+        return os.getpriority(os.PRIO_PROCESS, 0) - os.getpriority(os.PRIO_PROCESS, os.getppid())
+    except OSError:
+        return 0
 
 
 def make_encoder(spec: StreamSpec, times: dict | None = None, threads: int | None = None) -> BatchEncoder | None:
@@ -186,6 +204,7 @@ class HostIterator(grain.DatasetIterator):
     def _init(self) -> None:
         if multiprocessing.parent_process() is not None:   # an input worker process
             _leave_signals_to_the_trainer()
+            self.times["start_nice"] = nicer_than_trainer()
             yield_cores(self.spec.worker_nice)   # before its tokenizer threads start
         self.enc = enc = make_encoder(self.spec, self.times, self._tokenizer_threads)
         self.times["tokenizer_threads"] = enc.threads if enc is not None else 0

@@ -48,10 +48,16 @@ def zero_times(reader_threads: int = 0, tokenizer_threads: int = 0, in_host: boo
     return t
 
 
+# Per-process facts a worker reports beside its timers: the highest is kept, never a sum.
+# start_nice: how much nicer than the trainer it already ran when its pipeline started, its spawn
+# and imports done (data/workers.py renice_new_workers; 0: they ran at the trainer's priority).
+FACTS = ("start_nice",)
+
+
 def add_times(total: dict, part: dict) -> dict:
-    """total += part, in place (seconds and lanes alike); returns total."""
+    """total += part, in place (seconds and lanes alike; FACTS: the highest); returns total."""
     for k, v in part.items():
-        total[k] = total.get(k, 0) + v
+        total[k] = max(total.get(k, v), v) if k in FACTS else total.get(k, 0) + v
     return total
 
 

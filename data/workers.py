@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import multiprocessing.queues
+import os
 import sys
 import threading
 import time
@@ -82,6 +83,8 @@ class WorkerMergeIterator(grain.DatasetIterator):
         """Starts every worker process at once (each spawns and imports, ~1 s, before its first
         row); their first elements arrive as futures."""
         self._group_start = self._worker_states()
+        if self.spec.worker_nice > 0:
+            renice_new_workers(self.spec.worker_nice, len(self.workers))
         pool = concurrent.futures.ThreadPoolExecutor(len(self.workers), thread_name_prefix="worker-start")
         self._pending = [pool.submit(next, w) for w in self.workers]
         pool.shutdown(wait=False)
@@ -236,6 +239,62 @@ class WorkerMergeIterator(grain.DatasetIterator):
             self._pending = None
         for w in self.workers:
             _close_draining(w)
+
+
+def _child_pids() -> set[int]:
+    """This process's child processes, from each of its threads' Linux /proc children list
+    (no reaping, unlike multiprocessing.active_children, whose waitpid would race Grain's)."""
+    out = set()
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/children") as f:
+                out.update(int(p) for p in f.read().split())
+        except OSError:   # the thread ended meanwhile
+            pass
+    return out
+
+
+def _is_spawned_worker(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"spawn_main" in f.read()   # multiprocessing's spawn, not its resource tracker
+    except OSError:
+        return False
+
+
+def renice_new_workers(nice: int, count: int, timeout_s: float = 60.0,
+                       poll_s: float = 0.002) -> threading.Thread | None:
+    """Lowers the priority of the next `count` worker processes this process spawns to its own +
+    `nice`, within milliseconds of their birth, from a thread that watches /proc.
+
+    A worker lowered its own priority only once its pipeline started (yield_cores), after ~1 s of
+    spawn and imports (Grain imports jax), all at the trainer's priority: 8 workers' imports took
+    cores from the trainer's head batch, the first batch and the one after a restore. The spawning
+    thread cannot be niced instead: the threads it starts in the trainer (Grain's prefetch thread,
+    which receives every slab) would inherit it. Linux only (None elsewhere: yield_cores still
+    lowers the workers once their pipeline starts)."""
+    if nice <= 0 or count <= 0 or not os.path.isfile(f"/proc/self/task/{threading.get_native_id()}/children"):
+        return None
+    before = _child_pids()
+    target = min(19, os.getpriority(os.PRIO_PROCESS, 0) + nice)
+
+    def watch():
+        done = set()
+        deadline = time.monotonic() + timeout_s
+        while len(done) < count and time.monotonic() < deadline:
+            for pid in _child_pids() - before - done:
+                if not _is_spawned_worker(pid):
+                    continue    # forked, not yet exec'd into python: seen again at the next poll
+                done.add(pid)
+                try:
+                    os.setpriority(os.PRIO_PROCESS, pid, target)
+                except OSError:   # gone already, or not ours to change: yield_cores covers it
+                    pass
+            time.sleep(poll_s)
+
+    t = threading.Thread(target=watch, name="input-worker-nice", daemon=True)
+    t.start()
+    return t
 
 
 def _close_draining(worker) -> None:

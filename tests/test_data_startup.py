@@ -285,14 +285,19 @@ def _children_nice() -> dict[int, set[int]]:
 @pytest.mark.parametrize("nice", [10, 0])
 def test_input_workers_run_nicer_than_the_trainer(tmp_path, nice):
     """data.worker_nice: every thread of a worker process (its tokenizer threads included) runs
-    that much nicer than the trainer, whose own threads keep their priority."""
+    that much nicer than the trainer, whose own threads keep their priority; and it did so from
+    its birth: its spawn and imports (~1 s, Grain imports jax) ran nicer already, so they did not
+    take cores from the trainer's head batch (the worker reports the difference it found when its
+    pipeline started, before it lowered itself)."""
     write_corpus(tmp_path, n_files=4, docs_per_file=6)
     own = os.getpriority(os.PRIO_PROCESS, 0)
     before = set(_children_nice())
     it = data.make_host_iterator(cfg(tmp_path, num_workers=2, worker_nice=nice), 0, 1)
     take(it, 3)
     workers = {pid: n for pid, n in _children_nice().items() if pid not in before}
+    at_start = [t["start_nice"] for t in it.worker_stage_times()]
     it.close()
     assert len(workers) >= 2, workers
     assert all(n == {min(19, own + nice)} for n in workers.values()), (own, workers)
+    assert at_start == [min(19, own + nice) - own] * 2, at_start
     assert os.getpriority(os.PRIO_PROCESS, 0) == own

@@ -16,7 +16,9 @@
 #   APP_PACKED=M      the app's model.cudnn_packed_segments (default 16 in round 3, else 0)
 #   ATTN=0            leave out bench_attention.py (the attention kernels alone, before the MFU tries)
 #   HEAD_WORKERS=8    bench_head.py's worker share (the head batch alone); empty: leave it out
-#   IN_ARGS_A/B/C/D=... bench_input.py's runs (empty: leave one out); CONVERT_THREADS="1 4 14"
+#   IN_ARGS_A/B/C/D/E=... bench_input.py's runs (empty: leave one out); CONVERT_THREADS="1 4 14"
+#                     (A-D read 4 files of 36,000 documents; E the same documents in 64 files, as a
+#                     bucket of many files is read: no file shared by several virtual shards)
 #   TRIES=a,b         the MFU tries by name (overrides ROUND)
 #   APP_REMAT=...     the app's model.remat (default: the faster of the 1b seq-2048 tries that ran)
 #   SKIP=input,app,cudnn,mfu   parts to leave out
@@ -47,6 +49,7 @@ if [ "${SMOKE:-0}" = 1 ]; then
     DOCS=300; SMALL_DOCS=200; PLAN=cpu; TRIES=${TRIES:-tiny_b16}; SEQ=256; APP_STEPS=30; APP_MODEL="model=tiny model.vocab_size=32000"
     IN_ARGS_A="--workers 1,2 --max-batches 20"; IN_ARGS_B="--workers 2 --max-batches 20"; IN_ARGS_C=""
     IN_ARGS_D="--workers 2 --max-batches 20 --sim-steps 5 --worker-nice 10"
+    IN_ARGS_E="--paths /tmp/rpb/*/en_head.json.gz --workers 2 --max-batches 20 --sim-steps 5 --worker-nice 10"
     CONVERT_THREADS="1 2"; IN_BATCH=8; GPU_CORES=""; IN_CORES=""; WARMUP_S=0
     export BENCH_MFU_DEVICE_PREFIX=/host:CPU
 else
@@ -74,6 +77,9 @@ else
     # scheduled before the workers' start); A-C run the workers at the trainer's priority (0), as
     # the first sessions' ratios did.
     IN_ARGS_D=${IN_ARGS_D-"--workers 8 --max-batches 200 --sim-steps 20 --worker-nice 10"}
+    # E: D on the bucket-shaped corpus (64 files: every virtual shard reads files of its own; in the
+    # 4-file corpus 14 shards share each file, and each decompresses the whole of it).
+    IN_ARGS_E=${IN_ARGS_E-"--paths /tmp/rpb/*/en_head.json.gz --workers 8 --max-batches 200 --sim-steps 20 --worker-nice 10"}
     WARMUP_S=3
     CONVERT_THREADS=${CONVERT_THREADS-"1 4 14"}
     # The GPU's process keeps 2 cores (its loop, launch threads and compiles); the input runs on the
@@ -101,11 +107,26 @@ input_part() {
     $PY .gpu/make_corpus.py /tmp/rp_small --shards 2 --docs $SMALL_DOCS --seed 9 >/dev/null &
     wait
     mkdir -p /tmp/rp && for i in 0 1 2 3; do mv /tmp/rp_$i/0000 /tmp/rp/000$i; done
-    say "corpus: $(du -sh /tmp/rp | cut -f1) in 4 shards, written in $(( $(date +%s) - t )) s"
+    # The same documents in 64 files (each file's lines dealt to 16), one process per file.
+    for i in 0 1 2 3; do $PY -c "
+import gzip, os, sys
+i = int(sys.argv[1])
+outs = []
+for r in range(16):
+    os.makedirs(f'/tmp/rpb/{i * 16 + r:04d}', exist_ok=True)
+    outs.append(gzip.open(f'/tmp/rpb/{i * 16 + r:04d}/en_head.json.gz', 'wt', compresslevel=6))
+with gzip.open(f'/tmp/rp/{i:04d}/en_head.json.gz', 'rt') as f:
+    for n, line in enumerate(f):
+        outs[n % 16].write(line)
+for o in outs:
+    o.close()
+" $i & done
+    wait
+    say "corpus: $(du -sh /tmp/rp | cut -f1) in 4 shards (and in 64: /tmp/rpb), written in $(( $(date +%s) - t )) s"
     touch /tmp/rp.ready
     skip input && return
     local common="--paths /tmp/rp/*/en_head.json.gz --tokenizer $TOK --seq-len $SEQ --batch-size $IN_BATCH --num-shards $IN_BATCH --rounds 1 --max-chars 40e6 --pair-chars 10e6 --sim-steps 200 --warmup-s $WARMUP_S --worker-nice 0"
-    for part in A B C D; do
+    for part in A B C D E; do
         local a_var="IN_ARGS_$part"; [ -z "${!a_var}" ] && continue
         say "bench_input $part: ${!a_var}"
         $IN_CORES $PY scripts/bench/bench_input.py $common ${!a_var} > /tmp/input_$part.log 2>&1 \
