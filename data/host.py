@@ -52,10 +52,7 @@ def yield_cores(nice: int) -> None:
     if _YIELDED or nice <= 0 or not hasattr(os, "setpriority"):
         return
     _YIELDED = True
-    try:
-        target = min(19, os.getpriority(os.PRIO_PROCESS, os.getppid()) + nice)
-    except OSError:   # the parent is gone: the run is ending anyway
-        target = min(19, nice)
+    target = min(19, _trainer_priority() + nice)
     tids = os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ["0"]
     for tid in tids:   # Linux: a priority per thread; elsewhere "0" is the process
         try:
@@ -65,14 +62,19 @@ def yield_cores(nice: int) -> None:
             pass
 
 
-def nicer_than_trainer() -> int:
-    """How much lower this thread's CPU priority is than the trainer's (its parent's)."""
-    if not hasattr(os, "getpriority"):
-        return 0
+def _trainer_priority() -> int:
+    """The trainer's (this worker's parent's) nice value; 0 when it is gone (the run is ending)."""
     try:
-        return os.getpriority(os.PRIO_PROCESS, 0) - os.getpriority(os.PRIO_PROCESS, os.getppid())
+        return os.getpriority(os.PRIO_PROCESS, os.getppid())
     except OSError:
         return 0
+
+
+def nicer_than_trainer() -> int:
+    """How much lower this thread's CPU priority is than the trainer's."""
+    if not hasattr(os, "getpriority"):
+        return 0
+    return os.getpriority(os.PRIO_PROCESS, 0) - _trainer_priority()
 
 
 def make_encoder(spec: StreamSpec, times: dict | None = None, threads: int | None = None) -> BatchEncoder | None:

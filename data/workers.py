@@ -262,8 +262,7 @@ def _is_spawned_worker(pid: int) -> bool:
         return False
 
 
-def renice_new_workers(nice: int, count: int, timeout_s: float = 60.0,
-                       poll_s: float = 0.002) -> threading.Thread | None:
+def renice_new_workers(nice: int, count: int, timeout_s: float = 60.0, poll_s: float = 0.002) -> None:
     """Lowers the priority of the next `count` worker processes this process spawns to its own +
     `nice`, within milliseconds of their birth, from a thread that watches /proc.
 
@@ -271,10 +270,10 @@ def renice_new_workers(nice: int, count: int, timeout_s: float = 60.0,
     spawn and imports (Grain imports jax), all at the trainer's priority: 8 workers' imports took
     cores from the trainer's head batch, the first batch and the one after a restore. The spawning
     thread cannot be niced instead: the threads it starts in the trainer (Grain's prefetch thread,
-    which receives every slab) would inherit it. Linux only (None elsewhere: yield_cores still
-    lowers the workers once their pipeline starts)."""
+    which receives every slab) would inherit it. Linux only (elsewhere yield_cores still lowers
+    the workers once their pipeline starts)."""
     if nice <= 0 or count <= 0 or not os.path.isfile(f"/proc/self/task/{threading.get_native_id()}/children"):
-        return None
+        return
     before = _child_pids()
     target = min(19, os.getpriority(os.PRIO_PROCESS, 0) + nice)
 
@@ -292,9 +291,7 @@ def renice_new_workers(nice: int, count: int, timeout_s: float = 60.0,
                     pass
             time.sleep(poll_s)
 
-    t = threading.Thread(target=watch, name="input-worker-nice", daemon=True)
-    t.start()
-    return t
+    threading.Thread(target=watch, name="input-worker-nice", daemon=True).start()
 
 
 def _close_draining(worker) -> None:
