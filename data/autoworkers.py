@@ -27,7 +27,7 @@ import os
 import time
 
 from data.timing import THREADS
-from data.tokenizer import encode_threads
+from data.tokenizer import core_share
 
 AUTO = "auto"
 # Capacity over need: the issue's "30% headroom" for data_wait_frac below 0.5%.
@@ -96,13 +96,13 @@ class WorkerChoice:
 class WorkerRates:
     """What one input process delivers, by lane (tokens/s): its reader thread (read, parse,
     pack) and one tokenizer thread. A worker's rate depends on how many tokenizer threads it
-    gets, which depends on how many workers share the cores (data/tokenizer.py encode_threads)."""
+    gets, which depends on how many workers share the cores (data/tokenizer.py core_share)."""
     reader_tok_s: float
     tokenizer_tok_s: float          # per thread; inf for a converted corpus (no tokenizer)
 
     def at(self, num_workers: int, cores: int) -> float:
         """One worker's tokens/s when num_workers share the cores (0: the in-process reader)."""
-        return min(self.reader_tok_s, self.tokenizer_tok_s * encode_threads(cores, num_workers))
+        return min(self.reader_tok_s, self.tokenizer_tok_s * core_share(cores, num_workers))
 
 
 def choose_workers(rates: WorkerRates | float, need_tok_s: float, *, shards_per_host: int, cores: int,

@@ -11,6 +11,7 @@ from data.tokenizer import load_tokenizer, tokenizer_file, tokenizer_hash
 PACKINGS = ("concat", "first_fit")
 # data.mixture_change: what a resumed run does when data.sources differ from the checkpoint's.
 MIXTURE_CHANGES = ("refuse", "continue")
+HEAD_BATCH = ("race", "first", "off")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +70,11 @@ class DataConfig:
     # host whose cores the workers keep busy, the training loop's thread is scheduled first
     # when it wakes for the next batch (data/host.py yield_cores). 0: the trainer's priority.
     worker_nice: int = 10
+    # With input workers, the first batch and the one after a restore (data/workers.py): "first"
+    # made in this process on every core, then the workers start (the first batch soonest;
+    # train.py compiles on it while the workers start); "race" made so while the workers start,
+    # the first done used; "off" the workers' own (the batches after the first soonest).
+    head_batch: str = "first"
     # A weighted mixture (data/streams/mixture.py) instead of `paths`: SourceConfig each.
     sources: tuple[SourceConfig, ...] = ()
     # On resume, "continue": the sources' shares and list may differ from the checkpoint's,
@@ -194,6 +200,8 @@ def validate_settings(cfg: DataConfig, process_count: int) -> None:
         raise ValueError(f"data.prefetch={cfg.prefetch}: must be >= 1")
     if not isinstance(cfg.worker_nice, int) or not 0 <= cfg.worker_nice <= 19:
         raise ValueError(f"data.worker_nice={cfg.worker_nice!r}: must be an integer from 0 to 19")
+    if cfg.head_batch not in HEAD_BATCH:
+        raise ValueError(f"data.head_batch={cfg.head_batch!r}: must be one of {HEAD_BATCH}")
     if cfg.mixture_change not in MIXTURE_CHANGES:
         raise ValueError(f"data.mixture_change={cfg.mixture_change!r}: must be one of {MIXTURE_CHANGES}")
     check_shards(cfg, process_count, None)

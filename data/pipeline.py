@@ -45,8 +45,8 @@ def stream_spec(cfg: DataConfig, process_index: int, process_count: int, files, 
         add_bos=cfg.add_bos, seed=cfg.seed,
         rows_per_shard=cfg.global_batch_size // cfg.num_shards, num_workers=cfg.num_workers,
         debug=debug, process_index=process_index, process_count=process_count,
-        group=worker_group(cfg, process_count), worker_nice=cfg.worker_nice, eos_id=eos,
-        bos_id=-1 if bos is None else bos)
+        group=worker_group(cfg, process_count), worker_nice=cfg.worker_nice, head_batch=cfg.head_batch,
+        eos_id=eos, bos_id=-1 if bos is None else bos)
     if cfg.sources:
         return mixture_spec(spec, cfg, files)
     return dataclasses.replace(spec, sizes=url_sizes(files), **records.stream_fields(files))

@@ -94,8 +94,19 @@ MAX_ENCODE_THREADS = 4
 
 
 def encode_threads(cores: int, num_workers: int) -> int:
-    """Tokenizer threads of each input process: its share of the cores, at most MAX_ENCODE_THREADS."""
-    return min(MAX_ENCODE_THREADS, max(1, cores // max(num_workers, 1)))
+    """Tokenizer threads of each input process: its share of the cores rounded up, at most
+    MAX_ENCODE_THREADS. Rounded up, not down: 8 workers on 14 cores ran 1 thread each, 8 of the 14
+    cores (the lent H100 host: 0.64-0.70 x the tokenizer alone on all of them). Every worker gets
+    the same count, as the host batch waits for its slowest worker; the few threads over the cores
+    share them, and the workers run nicer than the trainer (data.worker_nice), so the trainer's
+    loop never waits behind them."""
+    return min(MAX_ENCODE_THREADS, max(1, -(-cores // max(num_workers, 1))))
+
+
+def core_share(cores: int, num_workers: int) -> float:
+    """The cores one input process's tokenizer threads actually get: its threads, or its share
+    of the cores where the threads outnumber them."""
+    return min(encode_threads(cores, num_workers), cores / max(num_workers, 1))
 
 
 def available_cores() -> int:

@@ -78,11 +78,22 @@ def test_provisional_workers():
     assert aw.provisional_workers(shards_per_host=4, cores=16, budget_bytes=400 * GB, saved=6) == 4
 
 
+def test_every_worker_gets_its_share_of_the_cores_rounded_up():
+    # 8 workers on 14 cores: 2 threads each (16 on 14 cores), not 1 each (8 of the 14 cores idle)
+    from data.tokenizer import MAX_ENCODE_THREADS, core_share, encode_threads
+    assert [encode_threads(14, n) for n in (1, 4, 8, 14, 16)] == [MAX_ENCODE_THREADS, 4, 2, 1, 1]
+    assert encode_threads(16, 8) == 2 and encode_threads(2, 8) == 1
+    assert core_share(14, 8) == 1.75 and core_share(16, 8) == 2 and core_share(2, 8) == 0.25
+    # the threads a host's workers run cover its cores
+    assert all(n * encode_threads(c, n) >= min(c, n * MAX_ENCODE_THREADS) for c in range(1, 65) for n in range(1, 65))
+
+
 def test_rates_by_lane_follow_the_tokenizer_threads():
-    # 16 cores: up to 4 workers get 4 tokenizer threads each (data/host.py encode_threads), then fewer.
-    # A thread tokenizes 0.5 M tok/s, the reader 3 M tok/s: 2 M tok/s per worker up to 4 workers.
+    # 16 cores: up to 4 workers get 4 tokenizer threads each (data/tokenizer.py encode_threads), then
+    # fewer. A thread tokenizes 0.5 M tok/s, the reader 3 M tok/s: 2 M tok/s per worker up to 4
+    # workers; 5 workers run 4 threads each on 3.2 cores each (20 threads share 16 cores).
     rates = aw.WorkerRates(reader_tok_s=3e6, tokenizer_tok_s=0.5e6)
-    assert [rates.at(n, 16) for n in (1, 4, 5, 16)] == [2e6, 2e6, 1.5e6, 0.5e6]
+    assert [rates.at(n, 16) for n in (1, 4, 5, 16)] == [2e6, 2e6, 1.6e6, 0.5e6]
     got = choose(rates, 5e6, cores=16, shards=64)           # 1.3 x 5 = 6.5: 3 x 2 = 6 < 6.5 <= 8
     assert (got.num_workers, got.reason) == (4, "rate")
     # 4 cores and the tokenizer the bound: more workers share the same 4 threads, never more than

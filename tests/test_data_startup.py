@@ -213,16 +213,16 @@ class _RecordingEncoder(BatchEncoder):
 
 def test_head_batch_tokenizes_on_every_core_and_is_the_workers(tmp_path, monkeypatch):
     """Issue #38: the head batch (fresh, and the one after a restore) is tokenized on a pool of
-    one thread per core, not on a worker's share (1 thread with 2 workers on 3 cores, which lost
-    to the workers' start every time); the trainer's tokenizer variables are left as they are
-    (data/host.py make_encoder); and its rows are those the workers make (checked by
+    one thread per core, not on a worker's share (1 thread with 2 workers on 3 cores before the
+    share was rounded up, which lost to the workers' start every time); the trainer's tokenizer
+    variables are left as they are (data/host.py make_encoder); and its rows are those the workers make (checked by
     WorkerMergeIterator against their first group, and against batches made without it)."""
     import data.host as host
     import data.workers as workers
     from data.workers import WorkerMergeIterator
     c = _small_worker_cfg(tmp_path)
     spec = _spec(c)
-    monkeypatch.setattr(host, "available_cores", lambda: 3)      # a worker's share: 3 // 2 = 1
+    monkeypatch.setattr(host, "available_cores", lambda: 3)      # a worker's share: 3 / 2 -> 2 threads
     monkeypatch.setattr(workers, "available_cores", lambda: 3)
     monkeypatch.setattr(host, "BatchEncoder", _RecordingEncoder)
     env = ("RAYON_NUM_THREADS", "RAYON_RS_NUM_CPUS", "TOKENIZERS_PARALLELISM")
@@ -255,10 +255,70 @@ def test_head_batch_tokenizes_on_every_core_and_is_the_workers(tmp_path, monkeyp
         assert {k: os.environ[k] for k in env} == trainer
         gate.set()
         got = [first] + take(it, 4)       # the workers' first group is checked against the head rows
-        assert [t for t, _ in _RecordingEncoder.made[1:]] == [1, 1]
+        assert [t for t, _ in _RecordingEncoder.made[1:]] == [2, 2]
         it.close()
         for j, b in enumerate(got):
             assert_batches_equal(b, want[at + j], f"from {at}, batch {at + j}")
+
+
+class _CountedWorker(HostIterator):
+    """A worker pipeline in this process that notes when its first slab was asked for."""
+
+    def __init__(self, spec, shard_ids, log):
+        super().__init__(spec, shard_ids, {})
+        self.log = log
+
+    def __next__(self):
+        self.log.append("worker")
+        return super().__next__()
+
+
+@pytest.mark.parametrize("mode", ["first", "race", "off"])
+def test_head_batch_modes_make_the_same_batches(tmp_path, monkeypatch, mode):
+    """data.head_batch: "first" makes the head batch before any worker is asked for a slab (on
+    cores nothing else takes: the fastest first batch measured on the 16-core host), "race" while
+    the workers start, "off" never; fresh and after a restore the batches are those the workers
+    alone make."""
+    import dataclasses
+
+    import data.workers as workers
+    from data.workers import WorkerMergeIterator
+    c = _small_worker_cfg(tmp_path)
+    spec = dataclasses.replace(_spec(c), head_batch=mode)
+    log = []
+    real = workers.head_slab
+
+    def noting(spec_, shards):
+        log.append("head")
+        return real(spec_, shards)
+    monkeypatch.setattr(workers, "head_slab", noting)
+
+    def merged(state=None, head_start=True):
+        ws = [_CountedWorker(spec, [0, 1, 2, 3][i::2], log) for i in range(2)]
+        it = WorkerMergeIterator(ws, spec, keep_row_shard=True, head_start=head_start)
+        if state is not None:
+            it.set_state(state)
+        return it
+
+    ref = merged(head_start=False)
+    want, states = [], [jround(ref.get_state())]
+    for _ in range(8):
+        want.append(next(ref))
+        states.append(jround(ref.get_state()))
+    ref.close()
+    for at in (0, 3):
+        log.clear()
+        it = merged(states[at] if at else None)
+        got = take(it, 4)
+        it.close()
+        for j, b in enumerate(got):
+            assert_batches_equal(b, want[at + j], f"{mode} from {at}, batch {at + j}")
+        if mode == "first":
+            assert log[0] == "head" and log.count("head") == 1, log
+        elif mode == "off":
+            assert "head" not in log, log
+        else:
+            assert log.count("head") == 1, log
 
 
 def _children_nice() -> dict[int, set[int]]:

@@ -84,6 +84,7 @@ class StreamSpec:
     process_count: int = 1
     group: int = 1                  # host batches per element (per worker IPC message)
     worker_nice: int = 0            # a worker process lowers its CPU priority by this much
+    head_batch: str = "first"       # data.head_batch: the first batch's maker (data/workers.py)
     # A weighted mixture (data/streams/mixture.py): ((name, weight, StreamSpec of that source), ...);
     # then `files` is empty and each source's spec holds its own files and text_key.
     mixture: tuple = ()

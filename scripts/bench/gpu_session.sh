@@ -19,6 +19,8 @@
 #   IN_ARGS_A/B/C/D/E=... bench_input.py's runs (empty: leave one out); CONVERT_THREADS="1 4 14"
 #                     (A-D read 4 files of 36,000 documents; E the same documents in 64 files, as a
 #                     bucket of many files is read: no file shared by several virtual shards)
+#   FIRST_CORPORA="/tmp/rpb /tmp/rp"  bench_first_batches.py's corpora (data.head_batch's ways to the
+#                     first batches); empty: leave it out
 #   TRIES=a,b         the MFU tries by name (overrides ROUND)
 #   APP_REMAT=...     the app's model.remat (default: the faster of the 1b seq-2048 tries that ran)
 #   SKIP=input,app,cudnn,mfu   parts to leave out
@@ -90,6 +92,7 @@ else
 fi
 
 say "host: $NCPU cores, $(free -g | awk '/Mem:/{print $2}') GB; $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo 'no nvidia-smi')"
+say "cpu: $(lscpu 2>/dev/null | grep -E '^(Model name|Thread\(s\) per core|Core\(s\) per socket|Socket\(s\))' | sed 's/  */ /g' | paste -sd';')"
 $PY -c "import jax, jaxlib, flax, optax, orbax.checkpoint as o, grain, tokenizers; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, 'orbax', o.__version__, 'grain', getattr(grain, '__version__', '?'), 'tokenizers', tokenizers.__version__, jax.devices())" 2>&1 | tee -a "$OUT/session.log"
 
 # Nothing below can run without the project importing: stop at once (a cold start is the cost).
@@ -135,6 +138,17 @@ for o in outs:
             || say "bench_input $part failed: $(tail -1 /tmp/input_$part.log)"
         { echo "=== bench_input $part: ${!a_var}"; cat /tmp/input_$part.log; } >> "$OUT/input.log"
         tail -1 /tmp/input_$part.log >> "$OUT/input.jsonl"
+    done
+    for corpus in ${FIRST_CORPORA-/tmp/rpb /tmp/rp}; do
+        # Each way of making the first batch (data.head_batch): seconds to the first batches,
+        # fresh and after a deep restore, at train.py's worker_nice.
+        local fw=8 fb=10 fd=60; [ "${SMOKE:-0}" = 1 ] && { fw=2; fb=4; fd=6; }
+        say "bench_first_batches on $corpus: $fw workers"
+        $IN_CORES $PY scripts/bench/bench_first_batches.py --paths "$corpus/*/en_head.json.gz" --tokenizer $TOK \
+            --seq-len $SEQ --batch-size $IN_BATCH --num-shards $IN_BATCH --workers $fw --batches $fb \
+            --deep-batches $fd > /tmp/first.log 2>&1 || say "bench_first_batches failed: $(tail -1 /tmp/first.log)"
+        { echo "=== bench_first_batches $corpus"; cat /tmp/first.log; } >> "$OUT/input.log"
+        grep "^round" /tmp/first.log | tee -a "$OUT/session.log"
     done
     if [ -n "${HEAD_WORKERS-8}" ]; then
         # The head batch alone (the first batch and the one after a restore, as the trainer makes
