@@ -21,6 +21,7 @@
 #                     bucket of many files is read: no file shared by several virtual shards)
 #   FIRST_CORPORA="/tmp/rpb /tmp/rp"  bench_first_batches.py's corpora (data.head_batch's ways to the
 #                     first batches); empty: leave it out
+#   HEAD_PROFILE=1    py-spy profiles of the head batch (the trainer process), every thread and the GIL
 #   TRIES=a,b         the MFU tries by name (overrides ROUND)
 #   APP_REMAT=...     the app's model.remat (default: the faster of the 1b seq-2048 tries that ran)
 #   SKIP=input,app,cudnn,mfu   parts to leave out
@@ -150,6 +151,24 @@ for o in outs:
         { echo "=== bench_first_batches $corpus"; cat /tmp/first.log; } >> "$OUT/input.log"
         grep "^round" /tmp/first.log | tee -a "$OUT/session.log"
     done
+    if [ "${HEAD_PROFILE:-0}" = 1 ]; then
+        # Where the head batch's wall time goes on this host's cores: py-spy (in .whl) samples the
+        # trainer process (not the workers) making the first batch and the one after a deep restore
+        # with data.head_batch=first, once every thread and once only the GIL's holder. Collapsed
+        # stacks (--format raw): scripts/bench/profile_stacks.py reads them.
+        local pyspy; pyspy=$(command -v py-spy || echo /tmp/site/bin/py-spy)
+        local fw=8 fd=60; [ "${SMOKE:-0}" = 1 ] && { fw=2; fd=6; }
+        for how in all gil; do
+            local flag="--threads --idle"; [ $how = gil ] && flag="--threads --gil"
+            say "head profile ($how): py-spy on bench_first_batches --modes first"
+            $IN_CORES $pyspy record --format raw -r 200 --nonblocking $flag -o "$OUT/head_$how.txt" -- \
+                $PY scripts/bench/bench_first_batches.py --paths "/tmp/rpb/*/en_head.json.gz" --tokenizer $TOK \
+                --seq-len $SEQ --batch-size $IN_BATCH --num-shards $IN_BATCH --workers $fw --batches 1 \
+                --deep-batches $fd --modes first > /tmp/head_prof.log 2>&1 || say "head profile failed: $(tail -1 /tmp/head_prof.log)"
+            grep "^round" /tmp/head_prof.log | tee -a "$OUT/session.log"
+            $PY scripts/bench/profile_stacks.py "$OUT/head_$how.txt" --top 12 2>&1 | tee -a "$OUT/session.log"
+        done
+    fi
     if [ -n "${HEAD_WORKERS-8}" ]; then
         # The head batch alone (the first batch and the one after a restore, as the trainer makes
         # them while its workers start): a worker's share of the cores against all of them.
