@@ -15,7 +15,7 @@ import numpy as np
 from data.host import HostIterator, find_shard_states
 from data.streams.shard import STATE_MARK, STATE_VERSION, StreamSpec
 from data.timing import add_times, zero_times
-from data.tokenizer import available_cores
+from data.tokenizer import available_cores, serial_calls_unless_set
 
 
 class WorkerMergeIterDataset(grain.IterDataset):
@@ -46,14 +46,16 @@ def head_slab(spec: StreamSpec, shards: dict) -> dict:
     cores: the slab (HostIterator's, one batch) WorkerMergeIterator hands out while its workers
     start.
 
-    A worker's tokenizer pool is its share of the cores (8 workers on 14 cores: 1 thread each),
+    A worker's tokenizer pool is its share of the cores (8 workers on 14 cores: 2 threads each),
     sized for the steady state, when every worker tokenizes. While the workers spawn and import
     the cores are mostly idle, and this batch tokenizes the first window of every host shard
     (56 shards x ~36 rows x 2049 tokens, ~4 M tokens): on one thread (~1 M tok/s) it lost to
     the workers' start every time. The shards' first windows are built side by side
     (data/host.py build_streams), so a pool of one thread per core has all their chunks to run.
     The rows depend only on the shard states, never on the pool's size. The trainer's tokenizer
-    variables are left as they are (data/host.py make_encoder)."""
+    variables are left as they are (data/host.py make_encoder), but for TOKENIZERS_PARALLELISM,
+    set to serial calls when unset before the workers first spawn (WorkerMergeIterator,
+    data/tokenizer.py serial_calls_unless_set)."""
     it = HostIterator(spec, [int(v) for v in shards], shards, tokenizer_threads=available_cores())
     try:
         return next(it)
@@ -78,6 +80,7 @@ class WorkerMergeIterator(grain.DatasetIterator):
         self._pending = None         # the workers' first elements, on their way (futures)
         self._head = None            # the rows of the batch handed out before the workers' first group
         self._head_start = head_start
+        serial_calls_unless_set()    # before this iterator's workers spawn: the head's calls serial
 
     def _start_workers(self) -> None:
         """Starts every worker process at once (each spawns and imports, ~1 s, before its first

@@ -261,6 +261,36 @@ def test_head_batch_tokenizes_on_every_core_and_is_the_workers(tmp_path, monkeyp
             assert_batches_equal(b, want[at + j], f"from {at}, batch {at + j}")
 
 
+@pytest.mark.parametrize("preset", [None, "true"])
+def test_head_batch_calls_the_tokenizer_serially_unless_told(tmp_path, monkeypatch, preset):
+    """Unset, TOKENIZERS_PARALLELISM lets every encode_batch call fan out over the tokenizer's one
+    Rayon pool, which the head batch's pool of one thread per core then funnels into (6.1 against
+    10.5 M tok/s on 16 cores); a worker iterator sets it to serial calls before its workers spawn,
+    and leaves a value the user set alone."""
+    from data.workers import WorkerMergeIterator
+    c = _small_worker_cfg(tmp_path)
+    spec = _spec(c)
+    if preset is None:
+        monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    else:
+        monkeypatch.setenv("TOKENIZERS_PARALLELISM", preset)
+    seen = []
+    real = BatchEncoder.encode
+
+    def noting(self, texts):
+        seen.append(os.environ.get("TOKENIZERS_PARALLELISM"))
+        return real(self, texts)
+    monkeypatch.setattr(BatchEncoder, "encode", noting)
+    ws = [HostIterator(spec, [0, 1, 2, 3][i::2], {}) for i in range(2)]
+    it = WorkerMergeIterator(ws, spec, keep_row_shard=True)
+    next(it)          # the head batch, made in this process before the workers start
+    it.close()
+    for w in ws:
+        w.close()
+    # the head's calls (the first made; the in-process "workers" here set their own after it)
+    assert seen and seen[0] == ("false" if preset is None else preset), seen
+
+
 class _CountedWorker(HostIterator):
     """A worker pipeline in this process that notes when its first slab was asked for."""
 

@@ -7,7 +7,8 @@ its workers start. The LAST printed line is one JSON object.
 
 Modes (--modes):
   all    data/workers.py head_slab: a tokenizer pool of one thread per core, with the
-         tokenizer variables this process started with (as the trainer's).
+         tokenizer variables this process started with (as the trainer's; serial calls when
+         TOKENIZERS_PARALLELISM is unset, as a worker iterator sets it).
   share  HostIterator with a worker's share of the cores (data/tokenizer.py encode_threads):
          the head batch before #38.
 Per mode and start: wall seconds, CPU seconds of this process (nothing else runs in it), tokens
@@ -44,7 +45,7 @@ def main():
     from data.config import list_files
     from data.host import HostIterator, initial_stream_state
     from data.pipeline import host_shards, stream_spec
-    from data.tokenizer import BatchEncoder, available_cores, load_tokenizer
+    from data.tokenizer import BatchEncoder, available_cores, load_tokenizer, serial_calls_unless_set
 
     cfg = data.DataConfig(paths=tuple(args.paths), tokenizer=args.tokenizer, seq_len=args.seq_len,
                           global_batch_size=args.batch_size, num_shards=args.num_shards,
@@ -76,12 +77,15 @@ def main():
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        serial_calls_unless_set()   # as a worker iterator sets it before the trainer's head batch
 
     t0 = time.perf_counter()
     BatchEncoder(spec.tokenizer_json, 1)
     parse_s = time.perf_counter() - t0
 
-    it = HostIterator(spec, ids, {})
+    # the deep state on every core (the rows do not depend on the pool's size): on a worker's
+    # share it took minutes of a 16-core host's time
+    it = HostIterator(spec, ids, {}, tokenizer_threads=available_cores())
     for _ in range(args.deep_batches):
         next(it)
     deep = json.loads(json.dumps(it.get_state()["shards"]))
