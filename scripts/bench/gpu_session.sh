@@ -21,6 +21,7 @@
 #                     bucket of many files is read: no file shared by several virtual shards)
 #   FIRST_CORPORA="/tmp/rpb /tmp/rp"  bench_first_batches.py's corpora (data.head_batch's ways to the
 #                     first batches); empty: leave it out
+#   HEAD_RAYON=1      also the head batch alone with its tokenizer calls on the Rayon pool (the old way)
 #   HEAD_PROFILE=1    py-spy profiles of the head batch (the trainer process), every thread and the GIL
 #   TRIES=a,b         the MFU tries by name (overrides ROUND)
 #   APP_REMAT=...     the app's model.remat (default: the faster of the 1b seq-2048 tries that ran)
@@ -150,6 +151,16 @@ for o in outs:
             --deep-batches $fd > /tmp/first.log 2>&1 || say "bench_first_batches failed: $(tail -1 /tmp/first.log)"
         { echo "=== bench_first_batches $corpus"; cat /tmp/first.log; } >> "$OUT/input.log"
         grep "^round" /tmp/first.log | tee -a "$OUT/session.log"
+        if [ "${HEAD_RAYON:-0}" = 1 ]; then
+            # the head batch alone with its calls on the tokenizer's Rayon pool (the way before
+            # data/tokenizer.py serial_calls_unless_set), against the serial calls just above
+            say "bench_first_batches on $corpus, head only, TOKENIZERS_PARALLELISM=true"
+            TOKENIZERS_PARALLELISM=true $IN_CORES $PY scripts/bench/bench_first_batches.py --paths "$corpus/*/en_head.json.gz" \
+                --tokenizer $TOK --seq-len $SEQ --batch-size $IN_BATCH --num-shards $IN_BATCH --workers $fw --batches 1 \
+                --deep-batches $fd --modes first > /tmp/first_rayon.log 2>&1 || say "failed: $(tail -1 /tmp/first_rayon.log)"
+            { echo "=== bench_first_batches $corpus rayon"; cat /tmp/first_rayon.log; } >> "$OUT/input.log"
+            grep "^round" /tmp/first_rayon.log | tee -a "$OUT/session.log"
+        fi
     done
     if [ "${HEAD_PROFILE:-0}" = 1 ]; then
         # Where the head batch's wall time goes on this host's cores: py-spy (in .whl) samples the
