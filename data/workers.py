@@ -110,13 +110,15 @@ class WorkerMergeIterator(grain.DatasetIterator):
 
         None: the workers' first group came first, or the in-process build failed (the workers
         report the same data's errors themselves)."""
+        if self._shards is not None:
+            shards = self._shards
+        else:
+            shards = find_shard_states(self._group_start if self._started else self._worker_states())
         if not self._started:
-            shards = self._shards if self._shards is not None else find_shard_states(self._worker_states())
             try:
                 return head_slab(self.spec, shards)
             except Exception:  # noqa: BLE001 - the workers report the same data's errors themselves
                 return None
-        shards = self._shards if self._shards is not None else find_shard_states(self._group_start)
         made = concurrent.futures.Future()
 
         def build():
