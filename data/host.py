@@ -103,11 +103,12 @@ def make_encoder(spec: StreamSpec, times: dict | None = None, threads: int | Non
 
 
 def make_shard_stream(spec: StreamSpec, shard: int, encoder: BatchEncoder | None,
-                      state: dict | None, times: dict | None = None):
+                      state: dict | None, times: dict | None = None, head_rows: int = 0):
     """One virtual shard's row stream, of the kind the spec describes (state None: from the
     start; encoder None for "records", which needs no tokenizer). Every kind has
     next_row_into(b, out), get_state() (JSON, counters under "c"), _restore(state), close().
-    `times`: the process's stage timers (data/timing.py), shared by its streams. A mixture
+    `times`: the process's stage timers (data/timing.py), shared by its streams. head_rows: a
+    text stream that will hand out only that many rows (ShardStream's; the others build whole). A mixture
     receives its sources' streams built here (data/streams/mixture.py imports nothing of this file)."""
     if spec.mixture:
         state = state or initial_stream_state(spec)
@@ -120,11 +121,11 @@ def make_shard_stream(spec: StreamSpec, shard: int, encoder: BatchEncoder | None
         return MixtureShardStream(spec, shard, subs, state, initial)
     if spec.kind == "records":
         return RecordShardStream(spec, shard, encoder, state)
-    return ShardStream(spec, shard, encoder, state or initial_shard_state(), times)
+    return ShardStream(spec, shard, encoder, state or initial_shard_state(), times, head_rows)
 
 
 def build_streams(spec: StreamSpec, shard_ids: list[int], encoder: BatchEncoder | None,
-                  states: dict, times: dict) -> list:
+                  states: dict, times: dict, head_rows: int = 0) -> list:
     """The process's shard streams, each built at its state (which builds its current window).
 
     Text streams are built side by side, one thread per shard: each reads its first window's
@@ -133,7 +134,7 @@ def build_streams(spec: StreamSpec, shard_ids: list[int], encoder: BatchEncoder 
     others). The order of the list, and every stream's data, are those of a one-by-one build.
     (Their timers' sums may lose a few additions made at the same instant: statistics only.)"""
     def build(v):
-        return make_shard_stream(spec, v, encoder, states[str(v)], times)
+        return make_shard_stream(spec, v, encoder, states[str(v)], times, head_rows)
     if spec.kind == "records" or len(shard_ids) < 2:   # no tokenizer to share
         return [build(v) for v in shard_ids]
     with concurrent.futures.ThreadPoolExecutor(len(shard_ids),
@@ -184,10 +185,11 @@ class HostIterDataset(grain.IterDataset):
 
 class HostIterator(grain.DatasetIterator):
     def __init__(self, spec: StreamSpec, shard_ids: list[int], shard_states: dict,
-                 tokenizer_threads: int | None = None):
+                 tokenizer_threads: int | None = None, one_slab: bool = False):
         """tokenizer_threads: the tokenizer pool's size in a process that is not an input
         process (make_encoder); None, an input process's share of the cores. The rows never
-        depend on it."""
+        depend on it. one_slab: this iterator makes one batch and is closed (the trainer's
+        head batch): a restored stream builds its window only as far as that batch's rows."""
         super().__init__()
         if not shard_ids:
             raise ValueError("an input worker owns no virtual shard: raise data.num_shards or "
@@ -200,6 +202,7 @@ class HostIterator(grain.DatasetIterator):
         self._fill_pending = False   # streams' read-ahead still to start (after a first slab)
         self._elements = 0    # elements emitted (sets the group size of the next one)
         self._tokenizer_threads = tokenizer_threads
+        self._one_slab = one_slab
         # This process's stage timers (data/timing.py): statistics, never in the state.
         self.times = zero_times(reader_threads=1, in_host=spec.num_workers == 0)
 
@@ -210,7 +213,8 @@ class HostIterator(grain.DatasetIterator):
             yield_cores(self.spec.worker_nice)   # before its tokenizer threads start
         self.enc = enc = make_encoder(self.spec, self.times, self._tokenizer_threads)
         self.times["tokenizer_threads"] = enc.threads if enc is not None else 0
-        self.streams = build_streams(self.spec, self.shard_ids, enc, self._states, self.times)
+        self.streams = build_streams(self.spec, self.shard_ids, enc, self._states, self.times,
+                                     head_rows=self.spec.rows_per_shard if self._one_slab else 0)
         self._states = None
         self._fill_pending = True
 
@@ -223,6 +227,8 @@ class HostIterator(grain.DatasetIterator):
         both processes, so a worker sends up to `spec.group` batches at a time and the batch
         layout (inputs, targets, masks) is derived on the host side by `slab_to_batch`."""
         t0 = time.perf_counter()        # the start-up counts: its first windows wait on the tokenizer
+        if self._one_slab and self._elements:
+            raise RuntimeError("a one-slab HostIterator (the head batch's) was asked for a second slab")
         if self.streams is None:
             self._init()
         elif self._fill_pending:

@@ -17,7 +17,7 @@ from data.streams import records
 from data.streams.mixture import mixture_spec, source_counters
 from data.streams.shard import COUNTER_KEYS, StreamSpec, url_sizes
 from data.timing import STAGES, WAITS, sub_times
-from data.tokenizer import BOS_NAMES, load_tokenizer, special_ids
+from data.tokenizer import BOS_NAMES, load_tokenizer, special_ids, tokenizer_json
 from data.workers import WorkerMergeIterDataset, slab_to_batch
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
@@ -38,8 +38,9 @@ def stream_spec(cfg: DataConfig, process_index: int, process_count: int, files, 
     if cfg.add_bos and bos is None:
         raise ValueError(f"data.add_bos=true but tokenizer.path={cfg.tokenizer!r} has no BOS "
                          f"token ({', '.join(BOS_NAMES)}; Qwen's tokenizers have none)")
+    tok_json = tokenizer_json(tok)   # remembered: this process's encoders (the head batch's) use `tok`
     spec = StreamSpec(
-        files=() if cfg.sources else tuple(files), num_shards=cfg.num_shards, tokenizer_json=tok.to_str(),
+        files=() if cfg.sources else tuple(files), num_shards=cfg.num_shards, tokenizer_json=tok_json,
         seq_len=cfg.seq_len, text_key=cfg.text_key, strict=cfg.strict, packing=cfg.packing,
         shuffle_window=cfg.shuffle_window, files_per_stream=cfg.files_per_stream,
         add_bos=cfg.add_bos, seed=cfg.seed,

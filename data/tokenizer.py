@@ -50,6 +50,47 @@ def load_tokenizer(spec: str):
                          f"from the Hugging Face hub ({e})") from e
 
 
+# Tokenizers parsed in this process, by their JSON: the trainer's head batch (data/workers.py
+# head_slab) builds an encoder from StreamSpec.tokenizer_json while the trainer already holds the
+# tokenizer it was made from; parsing the JSON again held the GIL for ~65-80 ms of the ~1 s to the
+# first batch (the 32k Llama-class tokenizer; a 128k one longer). An encoder only encodes: the
+# tokenizer is shared, never changed (its encode calls run side by side, as every pool's do).
+_PARSED: dict[str, object] = {}
+_PARSED_LOCK = threading.Lock()
+
+
+def remember_parsed(tok_json: str, tok) -> None:
+    """`tok` is what parsing `tok_json` gives (StreamSpec.tokenizer_json is tok.to_str())."""
+    with _PARSED_LOCK:
+        _PARSED.clear()          # one tokenizer per run: keep the latest, not every one seen
+        _PARSED[tok_json] = tok
+
+
+def tokenizer_json(tok) -> str:
+    """tok.to_str(), serialized once per process for the tokenizer this run uses (~16 ms for the
+    32k tokenizer on the 2-core machine, ~50 ms on the 16-core H100 host, each time an iterator was
+    made or the tokenizer hashed: on the way to the first batch, twice after a restore). The
+    tokenizers the input uses are never changed once loaded."""
+    with _PARSED_LOCK:
+        for j, t in _PARSED.items():
+            if t is tok:
+                return j
+    j = tok.to_str()
+    remember_parsed(j, tok)
+    return j
+
+
+def parsed_tokenizer(tok_json: str):
+    """The tokenizer of `tok_json`, parsed once per process."""
+    import tokenizers
+    with _PARSED_LOCK:
+        tok = _PARSED.get(tok_json)
+    if tok is None:
+        tok = tokenizers.Tokenizer.from_str(tok_json)
+        remember_parsed(tok_json, tok)
+    return tok
+
+
 # Document end and start, by name, first found wins: SentencePiece (Llama 2, Mistral), GPT-2 and
 # Qwen (<|endoftext|>; no BOS), Llama 3 (<|end_of_text|> and <|begin_of_text|>: pre-training's
 # document boundaries, not the chat turn's <|eot_id|>), Gemma, BERT.
@@ -78,7 +119,7 @@ def special_ids(tok) -> tuple[int, int | None]:
 
 
 def tokenizer_hash(tok) -> str:
-    return hashlib.sha256(tok.to_str().encode()).hexdigest()[:16]
+    return hashlib.sha256(tokenizer_json(tok).encode()).hexdigest()[:16]
 
 
 def set_thread_env(threads: int) -> None:
@@ -106,13 +147,16 @@ MAX_ENCODE_THREADS = 4
 
 
 def encode_threads(cores: int, num_workers: int) -> int:
-    """Tokenizer threads of each input process: its share of the cores rounded up, at most
-    MAX_ENCODE_THREADS. Rounded up, not down: 8 workers on 14 cores ran 1 thread each, 8 of the 14
-    cores (the lent H100 host: 0.64-0.70 x the tokenizer alone on all of them). Every worker gets
-    the same count, as the host batch waits for its slowest worker; the few threads over the cores
-    share them, and the workers run nicer than the trainer (data.worker_nice), so the trainer's
-    loop never waits behind them."""
-    return min(MAX_ENCODE_THREADS, max(1, -(-cores // max(num_workers, 1))))
+    """Tokenizer threads of each input process: its share of the cores rounded down, plus one
+    (at least 1, at most MAX_ENCODE_THREADS), so the workers' threads always outnumber the cores.
+    Every worker gets the same count, as the host batch waits for its slowest worker, and a worker
+    ahead of the others waits with its buffer full: with exactly a core's worth of threads each, the
+    cores it leaves idle then are lost. On the lent H100 host (14 cores): 8 workers of 1 thread
+    each used 8 of the 14 cores (0.64-0.70 x the tokenizer alone); 8 of 2 threads each (16 on 14
+    cores) 99% of them, 0.88; 14 workers of 1 thread each 86% of theirs, 0.76. The few threads over
+    the cores share them, and the workers run nicer than the trainer (data.worker_nice), so the
+    trainer's loop never waits behind them."""
+    return min(MAX_ENCODE_THREADS, cores // max(num_workers, 1) + 1)
 
 
 def core_share(cores: int, num_workers: int) -> float:
@@ -139,8 +183,7 @@ class BatchEncoder:
     """
 
     def __init__(self, tok_json: str, threads: int = 1, times: dict | None = None):
-        import tokenizers
-        self.tok = tokenizers.Tokenizer.from_str(tok_json)
+        self.tok = parsed_tokenizer(tok_json)
         self._fast = getattr(self.tok, "encode_batch_fast", None)
         self.eos, self.bos = special_ids(self.tok)
         self.threads = max(1, int(threads))

@@ -56,7 +56,7 @@ def head_slab(spec: StreamSpec, shards: dict) -> dict:
     variables are left as they are (data/host.py make_encoder), but for TOKENIZERS_PARALLELISM,
     set to serial calls when unset before the workers first spawn (WorkerMergeIterator,
     data/tokenizer.py serial_calls_unless_set)."""
-    it = HostIterator(spec, [int(v) for v in shards], shards, tokenizer_threads=available_cores())
+    it = HostIterator(spec, [int(v) for v in shards], shards, tokenizer_threads=available_cores(), one_slab=True)
     try:
         return next(it)
     finally:
@@ -78,7 +78,7 @@ class WorkerMergeIterator(grain.DatasetIterator):
         self._times = zero_times()   # this thread's stage timers: ipc, merge, worker_wait
         self._worker_times = [None] * len(self.workers)   # each worker's, from its last slab
         self._pending = None         # the workers' first elements, on their way (futures)
-        self._head = None            # the rows of the batch handed out before the workers' first group
+        self._head = None            # (rows, shard states after) of the batch made before the workers
         self._head_start = head_start
         serial_calls_unless_set()    # before this iterator's workers spawn: the head's calls serial
 
@@ -100,10 +100,11 @@ class WorkerMergeIterator(grain.DatasetIterator):
         imports.
 
         data.head_batch "first" (workers not started yet): made alone. Measured on a 16-core
-        host (8 workers, 56 shards of a 64-file corpus, seq 2048): the first batch in 1.26 s
-        fresh and 2.22 s after a deep restore, against 2.24 / 3.37 s while the workers started
-        beside it ("race") and 3.11 / 3.58 s from the workers ("off"): the head and the workers
-        build the same windows, and side by side they slow each other down. The workers start
+        host (8 workers, 56 shards of a 64-file corpus, seq 2048): the first batch in 1.02 s
+        fresh and 1.48 s after a deep restore, against 1.77 / 2.36 s while the workers started
+        beside it ("race") and 3.16 / 3.42 s from the workers ("off"): the head and the workers
+        build the same windows, and side by side they slow each other down. (After a restore the
+        head now packs each window only up to its rows: 1.04-1.09 s on a slower host of the kind.) The workers start
         after it, so the next batches come ~3 s later, while train.py compiles its step on the
         first batch. "race" (workers started): whichever comes first is used, the in-process
         batch or the workers' first group.
@@ -164,9 +165,10 @@ class WorkerMergeIterator(grain.DatasetIterator):
         self._times["merge"] += time.perf_counter() - t1
 
     def _check_head(self, g: int) -> None:
-        """The workers' rows at the head batch's place (g in their group) are the ones handed out."""
-        rows, self._head = self._head, None
-        if not np.array_equal(self._group["rows"][g], rows):
+        """The workers' rows at the head batch's place (g in their group) are the ones handed out,
+        and their shard states after it the ones get_state gave meanwhile."""
+        (rows, states), self._head = self._head, None
+        if not np.array_equal(self._group["rows"][g], rows) or self._states[g] != states:
             raise RuntimeError("input workers made other rows than this process made from the same shard "
                                f"states (batch {g} of their first group): the data order is not a function "
                                "of the shard states; please report this with the data config")
@@ -184,7 +186,7 @@ class WorkerMergeIterator(grain.DatasetIterator):
                 slab = self._head_batch()
             if slab is not None:
                 # Handed out now; the workers' first group holds the same rows at this position.
-                self._head = slab["rows"][0]
+                self._head = (slab["rows"][0], slab["states"].value[0])
                 self._pos += 1
                 self._shards = slab["states"].value[0]
                 one = {"rows": slab["rows"][0], "row_shard": slab["row_shard"]}

@@ -3,6 +3,7 @@ side by side, read-ahead started once the first batch is out. Counts, never timi
 import os
 import threading
 
+import numpy as np
 import pytest
 
 import data
@@ -10,7 +11,7 @@ from data.config import list_files
 from data.host import HostIterator
 from data.pipeline import stream_spec
 from data.timing import zero_times
-from data.tokenizer import BatchEncoder, load_tokenizer
+from data.tokenizer import BatchEncoder, load_tokenizer, tokenizer_json
 from tests.data_helpers import assert_batches_equal, cfg, jround, take, write_corpus
 
 
@@ -100,9 +101,9 @@ def test_shards_built_side_by_side_in_shard_order(tmp_path):
     import data.host as host
     real = host.make_shard_stream
 
-    def recording(spec, v, encoder, state, times=None):
+    def recording(spec, v, encoder, state, times=None, head_rows=0):
         seen.add(threading.current_thread().name)
-        return real(spec, v, encoder, state, times)
+        return real(spec, v, encoder, state, times, head_rows)
 
     host.make_shard_stream = recording
     try:
@@ -391,3 +392,60 @@ def test_input_workers_run_nicer_than_the_trainer(tmp_path, nice):
     assert all(n == {min(19, own + nice)} for n in workers.values()), (own, workers)
     assert at_start == [min(19, own + nice) - own] * 2, at_start
     assert os.getpriority(os.PRIO_PROCESS, 0) == own
+
+
+def test_head_batch_encodes_with_the_trainers_tokenizer(tmp_path):
+    """The head batch's encoder uses the tokenizer the trainer loaded (stream_spec remembers it),
+    instead of parsing StreamSpec.tokenizer_json again on the way to the first batch."""
+    c = _small_worker_cfg(tmp_path)
+    tok = load_tokenizer(c.tokenizer)
+    spec = stream_spec(c, 0, 1, list_files(c), tok)
+    it = HostIterator(spec, [0, 1, 2, 3], {}, tokenizer_threads=2, one_slab=True)
+    next(it)
+    assert it.enc.tok is tok
+    assert tokenizer_json(tok) is spec.tokenizer_json     # serialized once, not per iterator
+    with pytest.raises(RuntimeError, match="second slab"):
+        next(it)
+    it.close()
+
+
+@pytest.mark.parametrize("packing", ["concat", "first_fit"])
+def test_head_batch_after_a_restore_builds_windows_only_up_to_its_rows(tmp_path, monkeypatch, packing):
+    """Restored deep in the shards, the head batch (one slab) rebuilds each window only up to
+    the rows it hands out: the same rows and the same shard states after them as a whole
+    window's restore, with fewer tokenizer calls; a state saved before windows kept their row
+    count ("rows") rebuilds whole windows, and gives the same."""
+    import dataclasses
+
+    import data.host as host
+    import data.streams.shard as shard
+    c = dataclasses.replace(_chunk_sizes(tmp_path), packing=packing)
+    spec = _spec(c)
+    monkeypatch.setattr(host, "BatchEncoder", _CountingEncoder)
+    # chunks of ~300 characters: a window spans several, as a 64-row window at seq 2048 spans
+    # 4 of CHUNK_CHARS (here a window is about one chunk of the uncapped size)
+    monkeypatch.setattr(shard, "CHUNK_CHARS", 300)
+    shards = [0, 1, 2, 3]
+    live = HostIterator(spec, shards, {})
+    saved_calls = {"whole": 0, "head": 0}
+    for step in range(12):
+        next(live)
+        state = jround(live.get_state())
+        assert all(st["rows"] >= 1 for st in state["shards"].values())
+        _CountingEncoder.calls = 0
+        whole = HostIterator(spec, shards, state["shards"])
+        want = next(whole)
+        saved_calls["whole"] += _CountingEncoder.calls
+        _CountingEncoder.calls = 0
+        head = HostIterator(spec, shards, state["shards"], one_slab=True)
+        got = next(head)
+        saved_calls["head"] += _CountingEncoder.calls
+        np.testing.assert_array_equal(got["rows"], want["rows"], err_msg=f"after batch {step}")
+        assert jround(head.get_state()) == jround(whole.get_state()), f"after batch {step}"
+        old = {v: {k: x for k, x in st.items() if k != "rows"} for v, st in state["shards"].items()}
+        legacy = HostIterator(spec, shards, old, one_slab=True)
+        np.testing.assert_array_equal(next(legacy)["rows"], want["rows"])
+        for it in (whole, head, legacy):
+            it.close()
+    live.close()
+    assert saved_calls["head"] < saved_calls["whole"], saved_calls

@@ -56,7 +56,12 @@ def main():
     ap.add_argument("--batches", type=int, default=10, help="batches timed per run")
     ap.add_argument("--deep-batches", type=int, default=60, help="batches before the state restored from")
     ap.add_argument("--reps", type=int, default=1, help="rounds over the modes")
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="sys.setswitchinterval for this process (the head batch's threads hand the GIL "
+                         "over at most this often when several want it; Python's default 0.005 s)")
     args = ap.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
 
     import data
 
@@ -75,8 +80,11 @@ def main():
             next(it)
         deep = json.loads(json.dumps(it.get_state()))
         it.close()
-    makers = {"fresh": lambda c: (lambda: data.make_host_iterator(c, 0, 1)),
-              "deep": lambda c: (lambda: data.restore_host_iterator(c, 0, 1, [deep]))}
+    # The tokenizer is loaded before the clock starts, as train.py loads it before its feed
+    # starts (its vocabulary size is checked against the model's first); ~80 ms for this 32k one.
+    tok = data.load_tokenizer(args.tokenizer)
+    makers = {"fresh": lambda c: (lambda: data.make_host_iterator(c, 0, 1, tokenizer=tok)),
+              "deep": lambda c: (lambda: data.restore_host_iterator(c, 0, 1, [deep], tokenizer=tok))}
     marks = sorted({1, 2, 3, 5, args.batches} & set(range(1, args.batches + 1)))
     res = {}
     for rep in range(args.reps):
@@ -92,6 +100,7 @@ def main():
                       + f" (load {os.getloadavg()[0]:.1f})", flush=True)
     print(json.dumps({"batches_s": {k: [round(t, 3) for t in v] for k, v in res.items()},
                       "workers": args.workers, "worker_nice": args.worker_nice, "seq_len": args.seq_len,
+                      "switch_interval": sys.getswitchinterval(),
                       "batch_size": args.batch_size, "num_shards": args.num_shards,
                       "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()}))
 

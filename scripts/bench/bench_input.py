@@ -183,8 +183,9 @@ def run_pipeline(cfg, max_tokens, max_batches, warmup_s=0.0):
     start-up and understates the steady rate a training loop sees."""
     import data
     from data.timing import sub_times
+    tok = data.load_tokenizer(cfg.tokenizer)   # train.py's, loaded before its feed starts
     t0 = time.perf_counter()
-    it = data.make_host_iterator(cfg, 0, 1)
+    it = data.make_host_iterator(cfg, 0, 1, tokenizer=tok)
     b = next(it)
     first = time.perf_counter() - t0
     while time.perf_counter() - t0 - first < warmup_s:
@@ -225,9 +226,10 @@ def measure_restore(cfg, state, reps=2):
     """As train.py resumes: restore_host_iterator from the saved host states -> next batch."""
     import data
     best = None
+    tok = data.load_tokenizer(cfg.tokenizer)   # train.py's, loaded before its feed starts
     for _ in range(reps):
         t0 = time.perf_counter()
-        it = data.restore_host_iterator(cfg, 0, 1, [state])
+        it = data.restore_host_iterator(cfg, 0, 1, [state], tokenizer=tok)
         next(it)
         dt = time.perf_counter() - t0
         if hasattr(it, "close"):

@@ -21,8 +21,11 @@
 #                     bucket of many files is read: no file shared by several virtual shards)
 #   FIRST_CORPORA="/tmp/rpb /tmp/rp"  bench_first_batches.py's corpora (data.head_batch's ways to the
 #                     first batches); empty: leave it out
+#   FIRST_MODES=race,first,off  FIRST_REPS=1   bench_first_batches.py's modes and rounds
 #   HEAD_RAYON=1      also the head batch alone with its tokenizer calls on the Rayon pool (the old way)
+#   HEAD_SWITCH="0.001 0.0005"  also the head batch alone at these GIL switch intervals (Python's: 0.005)
 #   HEAD_PROFILE=1    py-spy profiles of the head batch (the trainer process), every thread and the GIL
+#                     (HEAD_PROFILE=gil: the GIL's holder only)
 #   TRIES=a,b         the MFU tries by name (overrides ROUND)
 #   APP_REMAT=...     the app's model.remat (default: the faster of the 1b seq-2048 tries that ran)
 #   SKIP=input,app,cudnn,mfu   parts to leave out
@@ -148,7 +151,8 @@ for o in outs:
         say "bench_first_batches on $corpus: $fw workers"
         $IN_CORES $PY scripts/bench/bench_first_batches.py --paths "$corpus/*/en_head.json.gz" --tokenizer $TOK \
             --seq-len $SEQ --batch-size $IN_BATCH --num-shards $IN_BATCH --workers $fw --batches $fb \
-            --deep-batches $fd > /tmp/first.log 2>&1 || say "bench_first_batches failed: $(tail -1 /tmp/first.log)"
+            --deep-batches $fd --modes ${FIRST_MODES:-race,first,off} --reps ${FIRST_REPS:-1} > /tmp/first.log 2>&1 \
+            || say "bench_first_batches failed: $(tail -1 /tmp/first.log)"
         { echo "=== bench_first_batches $corpus"; cat /tmp/first.log; } >> "$OUT/input.log"
         grep "^round" /tmp/first.log | tee -a "$OUT/session.log"
         if [ "${HEAD_RAYON:-0}" = 1 ]; then
@@ -161,15 +165,25 @@ for o in outs:
             { echo "=== bench_first_batches $corpus rayon"; cat /tmp/first_rayon.log; } >> "$OUT/input.log"
             grep "^round" /tmp/first_rayon.log | tee -a "$OUT/session.log"
         fi
+        for si in ${HEAD_SWITCH:-}; do
+            say "bench_first_batches on $corpus, head only, switch interval $si s"
+            $IN_CORES $PY scripts/bench/bench_first_batches.py --paths "$corpus/*/en_head.json.gz" \
+                --tokenizer $TOK --seq-len $SEQ --batch-size $IN_BATCH --num-shards $IN_BATCH --workers $fw --batches 1 \
+                --deep-batches $fd --modes first --reps ${FIRST_REPS:-1} --switch-interval $si > /tmp/first_si.log 2>&1 \
+                || say "failed: $(tail -1 /tmp/first_si.log)"
+            { echo "=== bench_first_batches $corpus switch $si"; cat /tmp/first_si.log; } >> "$OUT/input.log"
+            grep "^round" /tmp/first_si.log | tee -a "$OUT/session.log"
+        done
     done
-    if [ "${HEAD_PROFILE:-0}" = 1 ]; then
+    if [ "${HEAD_PROFILE:-0}" != 0 ]; then
         # Where the head batch's wall time goes on this host's cores: py-spy (in .whl) samples the
         # trainer process (not the workers) making the first batch and the one after a deep restore
         # with data.head_batch=first, once every thread and once only the GIL's holder. Collapsed
         # stacks (--format raw): scripts/bench/profile_stacks.py reads them.
         local pyspy; pyspy=$(command -v py-spy || echo /tmp/site/bin/py-spy)
         local fw=8 fd=60; [ "${SMOKE:-0}" = 1 ] && { fw=2; fd=6; }
-        for how in all gil; do
+        local hows="all gil"; [ "$HEAD_PROFILE" = gil ] && hows=gil
+        for how in $hows; do
             local flag="--threads --idle"; [ $how = gil ] && flag="--threads --gil"
             say "head profile ($how): py-spy on bench_first_batches --modes first"
             $IN_CORES $pyspy record --format raw -r 200 --nonblocking $flag -o "$OUT/head_$how.txt" -- \
