@@ -50,45 +50,35 @@ def load_tokenizer(spec: str):
                          f"from the Hugging Face hub ({e})") from e
 
 
-# Tokenizers parsed in this process, by their JSON: the trainer's head batch (data/workers.py
+# The tokenizer this process's input uses, with its JSON: the trainer's head batch (data/workers.py
 # head_slab) builds an encoder from StreamSpec.tokenizer_json while the trainer already holds the
 # tokenizer it was made from; parsing the JSON again held the GIL for ~65-80 ms of the ~1 s to the
-# first batch (the 32k Llama-class tokenizer; a 128k one longer). An encoder only encodes: the
-# tokenizer is shared, never changed (its encode calls run side by side, as every pool's do).
-_PARSED: dict[str, object] = {}
-_PARSED_LOCK = threading.Lock()
-
-
-def remember_parsed(tok_json: str, tok) -> None:
-    """`tok` is what parsing `tok_json` gives (StreamSpec.tokenizer_json is tok.to_str())."""
-    with _PARSED_LOCK:
-        _PARSED.clear()          # one tokenizer per run: keep the latest, not every one seen
-        _PARSED[tok_json] = tok
+# first batch (the 32k Llama-class tokenizer; a 128k one longer), and serializing it (to_str) for
+# every iterator and hash ~16-50 ms. One run, one tokenizer: only the latest pair is kept (a tuple
+# swapped whole, so threads read a consistent pair). An encoder only encodes: the tokenizer is
+# shared, never changed (its encode calls run side by side, as every pool's do).
+_REMEMBERED: tuple = (None, None)   # (tokenizer JSON, the tokenizers.Tokenizer parsed from it)
 
 
 def tokenizer_json(tok) -> str:
-    """tok.to_str(), serialized once per process for the tokenizer this run uses (~16 ms for the
-    32k tokenizer on the 2-core machine, ~50 ms on the 16-core H100 host, each time an iterator was
-    made or the tokenizer hashed: on the way to the first batch, twice after a restore). The
-    tokenizers the input uses are never changed once loaded."""
-    with _PARSED_LOCK:
-        for j, t in _PARSED.items():
-            if t is tok:
-                return j
-    j = tok.to_str()
-    remember_parsed(j, tok)
+    """tok.to_str(), serialized once per process for the tokenizer this run uses."""
+    global _REMEMBERED
+    j, t = _REMEMBERED
+    if t is not tok:
+        j = tok.to_str()
+        _REMEMBERED = (j, tok)
     return j
 
 
 def parsed_tokenizer(tok_json: str):
     """The tokenizer of `tok_json`, parsed once per process."""
-    import tokenizers
-    with _PARSED_LOCK:
-        tok = _PARSED.get(tok_json)
-    if tok is None:
-        tok = tokenizers.Tokenizer.from_str(tok_json)
-        remember_parsed(tok_json, tok)
-    return tok
+    global _REMEMBERED
+    j, t = _REMEMBERED
+    if t is None or j != tok_json:
+        import tokenizers
+        t = tokenizers.Tokenizer.from_str(tok_json)
+        _REMEMBERED = (tok_json, t)
+    return t
 
 
 # Document end and start, by name, first found wins: SentencePiece (Llama 2, Mistral), GPT-2 and

@@ -104,9 +104,9 @@ class WorkerMergeIterator(grain.DatasetIterator):
         fresh and 1.48 s after a deep restore, against 1.77 / 2.36 s while the workers started
         beside it ("race") and 3.16 / 3.42 s from the workers ("off"): the head and the workers
         build the same windows, and side by side they slow each other down. (After a restore the
-        head now packs each window only up to its rows: 1.04-1.09 s on a slower host of the kind.) The workers start
-        after it, so the next batches come ~3 s later, while train.py compiles its step on the
-        first batch. "race" (workers started): whichever comes first is used, the in-process
+        head now packs each window only up to its rows: 1.04-1.09 s on a slower host of the
+        kind.) The workers start after it, so the next batches come ~3 s later, while train.py
+        compiles its step on the first batch. "race" (workers started): whichever comes first is used, the in-process
         batch or the workers' first group.
 
         None: the workers' first group came first, or the in-process build failed (the workers

@@ -106,6 +106,20 @@ $PY -c "import train, model.llama, model.step, data" 2>&1 | tail -3 | tee -a "$O
 # JAX takes 75% of the GPU by default; the plans are sized to 90% (bench_mfu.py does the same).
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}
 
+# bench_first_batches.py on $corpus with $fw workers and a state $fd batches deep (the caller's),
+# logged under LABEL:  first_batches LABEL [VAR=value ...] -- [its other arguments]
+first_batches() {
+    local label=$1; shift
+    local envs=(); while [ "$1" != -- ]; do envs+=("$1"); shift; done; shift
+    say "bench_first_batches on $corpus ($label): $fw workers"
+    env ${envs[@]+"${envs[@]}"} $IN_CORES $PY scripts/bench/bench_first_batches.py --paths "$corpus/*/en_head.json.gz" \
+        --tokenizer $TOK --seq-len $SEQ --batch-size $IN_BATCH --num-shards $IN_BATCH --workers $fw \
+        --deep-batches $fd "$@" > "/tmp/first_$label.log" 2>&1 \
+        || say "bench_first_batches ($label) failed: $(tail -1 "/tmp/first_$label.log")"
+    { echo "=== bench_first_batches $corpus $label"; cat "/tmp/first_$label.log"; } >> "$OUT/input.log"
+    grep "^round" "/tmp/first_$label.log" | tee -a "$OUT/session.log"
+}
+
 # ---- input side (background): the corpus, then the input benchmarks on the input cores ----
 input_part() {
     skip input && skip app && return
@@ -148,31 +162,12 @@ for o in outs:
         # Each way of making the first batch (data.head_batch): seconds to the first batches,
         # fresh and after a deep restore, at train.py's worker_nice.
         local fw=8 fb=10 fd=60; [ "${SMOKE:-0}" = 1 ] && { fw=2; fb=4; fd=6; }
-        say "bench_first_batches on $corpus: $fw workers"
-        $IN_CORES $PY scripts/bench/bench_first_batches.py --paths "$corpus/*/en_head.json.gz" --tokenizer $TOK \
-            --seq-len $SEQ --batch-size $IN_BATCH --num-shards $IN_BATCH --workers $fw --batches $fb \
-            --deep-batches $fd --modes ${FIRST_MODES:-race,first,off} --reps ${FIRST_REPS:-1} > /tmp/first.log 2>&1 \
-            || say "bench_first_batches failed: $(tail -1 /tmp/first.log)"
-        { echo "=== bench_first_batches $corpus"; cat /tmp/first.log; } >> "$OUT/input.log"
-        grep "^round" /tmp/first.log | tee -a "$OUT/session.log"
-        if [ "${HEAD_RAYON:-0}" = 1 ]; then
-            # the head batch alone with its calls on the tokenizer's Rayon pool (the way before
-            # data/tokenizer.py serial_calls_unless_set), against the serial calls just above
-            say "bench_first_batches on $corpus, head only, TOKENIZERS_PARALLELISM=true"
-            TOKENIZERS_PARALLELISM=true $IN_CORES $PY scripts/bench/bench_first_batches.py --paths "$corpus/*/en_head.json.gz" \
-                --tokenizer $TOK --seq-len $SEQ --batch-size $IN_BATCH --num-shards $IN_BATCH --workers $fw --batches 1 \
-                --deep-batches $fd --modes first > /tmp/first_rayon.log 2>&1 || say "failed: $(tail -1 /tmp/first_rayon.log)"
-            { echo "=== bench_first_batches $corpus rayon"; cat /tmp/first_rayon.log; } >> "$OUT/input.log"
-            grep "^round" /tmp/first_rayon.log | tee -a "$OUT/session.log"
-        fi
+        first_batches all -- --batches $fb --modes ${FIRST_MODES:-race,first,off} --reps ${FIRST_REPS:-1}
+        # the head batch alone with its calls on the tokenizer's Rayon pool (the way before
+        # data/tokenizer.py serial_calls_unless_set), against the serial calls just above
+        [ "${HEAD_RAYON:-0}" = 1 ] && first_batches rayon TOKENIZERS_PARALLELISM=true -- --batches 1 --modes first
         for si in ${HEAD_SWITCH:-}; do
-            say "bench_first_batches on $corpus, head only, switch interval $si s"
-            $IN_CORES $PY scripts/bench/bench_first_batches.py --paths "$corpus/*/en_head.json.gz" \
-                --tokenizer $TOK --seq-len $SEQ --batch-size $IN_BATCH --num-shards $IN_BATCH --workers $fw --batches 1 \
-                --deep-batches $fd --modes first --reps ${FIRST_REPS:-1} --switch-interval $si > /tmp/first_si.log 2>&1 \
-                || say "failed: $(tail -1 /tmp/first_si.log)"
-            { echo "=== bench_first_batches $corpus switch $si"; cat /tmp/first_si.log; } >> "$OUT/input.log"
-            grep "^round" /tmp/first_si.log | tee -a "$OUT/session.log"
+            first_batches "switch_$si" -- --batches 1 --modes first --reps ${FIRST_REPS:-1} --switch-interval $si
         done
     done
     if [ "${HEAD_PROFILE:-0}" != 0 ]; then
