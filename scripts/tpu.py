@@ -2,7 +2,7 @@
 """Drive a multi-host Cloud TPU pod (e.g. v4-32 = 4 hosts x 4 chips) with `gcloud compute tpus tpu-vm`.
 
     python scripts/tpu.py create --name my-pod --zone us-central2-b [--spot]
-    python scripts/tpu.py setup  --name my-pod --zone us-central2-b [--mount-bucket my-bucket]
+    python scripts/tpu.py setup  --name my-pod --zone us-central2-b [--extras tpu,gcs] [--mount-bucket my-bucket]
     python scripts/tpu.py sync   --name my-pod --zone us-central2-b
     python scripts/tpu.py run    --name my-pod --zone us-central2-b --env-from-local WANDB_API_KEY \
                                  -- experiment=v4_32_llama_1b
@@ -21,6 +21,11 @@ jax.distributed job over all hosts of all slices. --restarts restarts every slic
 host of one slice dies the others leave through the hang watchdog (75) or the preemption path (76)
 and every worker's loop starts train.py again; the processes meet at jax.distributed's start.
 
+`setup` installs what was tested: the synced project with its pinned extras, `pip install -e
+".[tpu,gcs]"` (--extras: jax[tpu] at the version the memory plans were compiled with, and gcsfs for
+gs:// data and checkpoints), in one pip resolution with any --pip-arg requirement, so nothing moves a
+pin; then every worker prints its jax, jaxlib and libtpu versions.
+
 Every subcommand takes --dry-run: the gcloud commands are printed (one per line, shell-quoted)
 instead of run; secrets passed with --env-from-local are shown as ***.
 --name/--zone/--project default to $JAXPT_TPU_NAME/$JAXPT_TPU_ZONE/$JAXPT_TPU_PROJECT.
@@ -29,7 +34,7 @@ Everything sent to the workers' shells is quoted with shlex.quote, so a Hydra ov
 "name=x; rm -rf ~" reaches train.py as one inert argument.
 
 Layout on every worker (--remote-dir, default ~/jaxpt):
-    ~/jaxpt/                      the synced code (pip install -e . by `setup`)
+    ~/jaxpt/                      the synced code (pip install -e ".[tpu,gcs]" by `setup`)
     ~/jaxpt/logs/worker_<hostname>.log   stdout+stderr of train.py on that worker (appended; each
                                   launch ends with "=== <time> train.py exited with code N ===",
                                   under --restarts each life, then "=== restart i of N (...) ===")
@@ -52,6 +57,11 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Sequence
+
+try:
+    import tomllib
+except ModuleNotFoundError:   # Python 3.10: --extras goes unchecked here (pip still refuses a typo)
+    tomllib = None
 
 from model.runtime.distributed import EXIT_PREEMPTED, EXIT_PREEMPTED_ENV
 from model.runtime.watchdog import EXIT_HANG
@@ -77,6 +87,14 @@ ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 PROGRAM_REGEX = r"^([^ ]*/)?python[0-9.]*( +-[^ ]+)* +([^ ]*/)?train\.py( |$)"
 # A deliberate stop, for the --restarts loop (train_wrapper): relative to the code dir.
 STOP_MARKER = "logs/stop_requested"
+# What `setup` installs beside the project: its optional dependencies from pyproject.toml, pinned
+# there (tpu: jax[tpu] at the version the memory plans were compiled with; gcs: gcsfs for gs://).
+DEFAULT_EXTRAS = "tpu,gcs"
+EXTRA_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+# Printed by every worker after the install: what it will run train.py with.
+VERSIONS_PY = ('import importlib.metadata as m, jax; '
+               'v = {(d.metadata["Name"] or "").lower(): d.version for d in m.distributions()}; '
+               'print(", ".join(n + " " + v.get(n, "not installed") for n in ("jax", "jaxlib", "libtpu")))')
 
 Runner = Callable[[list[str]], int]
 
@@ -308,15 +326,50 @@ def setup_script(args: argparse.Namespace) -> str:
             f"mountpoint -q {mp} || gcsfuse --implicit-dirs {shlex.quote(bucket)} {mp}",
             f'echo "$(hostname): gs://{shlex.quote(bucket)} mounted on {shlex.quote(mount)}"',
         ]
-    extra = " ".join(shlex.quote(a) for a in args.pip_arg)
-    jax_req = shlex.quote(f"jax[{args.jax_extra}]") if args.jax_extra else ""
     parts.append(_cd(args.remote_dir))
     if not args.no_install:
-        parts += [f"{py} -m pip install -q --upgrade pip",
-                  " ".join(x for x in (f"{py} -m pip install -q -e .", jax_req, extra) if x)]
-    # Also a check that the workers' python has what train.py needs.
-    parts.append(f"{py} -c 'import jax; print(jax.__version__)' | sed \"s/^/$(hostname): jax /\"")
+        # One resolution: the --pip-arg requirements are solved together with the extras' pins.
+        install = [args.python, "-m", "pip", "install", "-q", "-e", install_target(args.extras), *args.pip_arg]
+        parts += [f"{py} -m pip install -q --upgrade pip", shlex.join(install)]
+    # What every worker will run train.py with (and a check that its python imports jax).
+    parts.append(f"{py} -c {shlex.quote(VERSIONS_PY)} | sed \"s/^/$(hostname): /\"")
     return join_commands(parts)
+
+
+def parse_extras(text: str) -> list[str]:
+    """--extras "tpu,gcs" -> ["tpu", "gcs"]; "" -> [] (the project alone)."""
+    extras = [e.strip() for e in text.split(",") if e.strip()]
+    for e in extras:
+        if not EXTRA_NAME.match(e):
+            raise SystemExit(f"[tpu] --extras {text!r}: {e!r} is not an extra's name")
+    return extras
+
+
+def install_target(extras: str) -> str:
+    """What `pip install -e` gets: the synced project with its extras, e.g. ".[tpu,gcs]"."""
+    names = parse_extras(extras)
+    return f".[{','.join(names)}]" if names else "."
+
+
+def project_extras(source: str | Path) -> dict[str, list[str]]:
+    """The optional dependencies pyproject.toml declares in `source` (what `setup` ships)."""
+    path = Path(source) / "pyproject.toml"
+    if not path.is_file():
+        raise SystemExit(f"[tpu] {path} not found: --source must be the project to install")
+    with path.open("rb") as f:
+        return dict(tomllib.load(f)["project"].get("optional-dependencies", {}))
+
+
+def check_extras(args: argparse.Namespace) -> None:
+    """Fail before any gcloud call on an extra the shipped pyproject.toml does not declare."""
+    names = parse_extras(args.extras)
+    if tomllib is None or not names:
+        return
+    known = project_extras(args.source)
+    unknown = [e for e in names if e not in known]
+    if unknown:
+        raise SystemExit(f"[tpu] --extras {args.extras!r}: {', '.join(unknown)} not in {args.source}/pyproject.toml "
+                         f"(its extras: {', '.join(sorted(known))})")
 
 
 def extract_script(args: argparse.Namespace) -> str:
@@ -473,6 +526,8 @@ def cmd_create(args, ex):
 
 
 def cmd_setup(args, ex):
+    if not args.no_install:
+        check_extras(args)
     if not args.no_sync:
         rc = do_sync(args, ex)
         if rc:
@@ -548,6 +603,17 @@ def _add_common(p: argparse.ArgumentParser, top: bool) -> None:
                    help="print the gcloud commands instead of running them")
 
 
+class Removed(argparse.Action):
+    """An option that no longer exists: using it, in any form, is an error that says what replaced it."""
+
+    def __init__(self, option_strings, dest, message: str, **kwargs):
+        super().__init__(option_strings, dest, nargs="?", **kwargs)
+        self.message = message
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} was removed: {self.message}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tpu.py", description="Create, provision and drive a multi-host TPU pod with gcloud.",
@@ -569,12 +635,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--create-arg", action="append", default=[],
                    help="extra argument for `gcloud ... create`, e.g. --create-arg=--network=my-net")
 
-    p = add("setup", "sync the code, then pip install it (editable) on all workers; optional gcsfuse mount")
+    p = add("setup", "sync the code, then pip install it (editable) with its pinned extras on all workers, "
+                     "print every worker's jax/jaxlib/libtpu versions; optional gcsfuse mount")
     p.add_argument("--no-sync", action="store_true", help="skip the code sync before installing")
     p.add_argument("--no-install", action="store_true",
                    help="skip pip install (an image with the dependencies baked in; the simulated pod in tests)")
-    p.add_argument("--jax-extra", default="tpu", help="install jax[EXTRA] (default tpu; '' for none)")
-    p.add_argument("--pip-arg", action="append", default=[], help="extra argument/requirement for pip install")
+    p.add_argument("--extras", default=DEFAULT_EXTRAS, metavar="A,B",
+                   help="the project's optional dependencies to install, pinned in pyproject.toml: "
+                        f'pip install -e ".[A,B]" (default {DEFAULT_EXTRAS}: jax[tpu] at the version the plans '
+                        "were compiled with, and gcsfs for gs:// data and checkpoints; '' for the project alone)")
+    p.add_argument("--jax-extra", action=Removed, help=argparse.SUPPRESS,
+                   message="it installed an unpinned jax[EXTRA] over the project's pin. setup now installs the "
+                           f'project\'s pinned extras: --extras (default {DEFAULT_EXTRAS}, i.e. pip install -e '
+                           f'".[{DEFAULT_EXTRAS}]"); --extras gcs installs no TPU jax')
+    p.add_argument("--pip-arg", action="append", default=[], metavar="ARG",
+                   help="one more argument for that same pip install, repeatable: a requirement "
+                        "(--pip-arg 'wandb==0.19.1') or a pip option (--pip-arg=--no-cache-dir); resolved together "
+                        "with the extras' pins, so a requirement that conflicts with a pin fails the install "
+                        "instead of replacing it")
     p.add_argument("--mount-bucket", default=None, help="gcsfuse-mount this GCS bucket on all workers")
     p.add_argument("--mount-point", default=None,
                    help="where to mount it on every worker (default ~/folder-for-bucket, "

@@ -5,9 +5,11 @@ the --command a worker would receive in a local bash (remote dir = a tmp dir, py
 launch_local.py runs real small programs written into tmp_path (--program).
 The whole pod path (a fake gcloud, the real train.py on 2 simulated workers) is test_pod_sim.py.
 """
+import importlib.metadata
 import importlib.util
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -18,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
 REPO = Path(__file__).resolve().parent.parent
 LAUNCH_LOCAL = REPO / "scripts" / "launch_local.py"
@@ -97,7 +100,7 @@ def test_sync_and_setup_dry_run(capsys):
     cmds, _ = dry(capsys, "setup", *POD, "--mount-bucket", "gs://my-bucket")
     assert len(cmds) == 3  # sync (scp + extract) then install
     script = remote_command(cmds[2])
-    assert "pip install -q -e . 'jax[tpu]'" in script
+    assert "pip install -q -e '.[tpu,gcs]';" in script
     assert "gcsfuse --implicit-dirs my-bucket \"$HOME\"/folder-for-bucket" in script
     cmds, _ = dry(capsys, "setup", *POD, "--no-sync")
     assert len(cmds) == 1 and "gcsfuse" not in remote_command(cmds[0])
@@ -135,6 +138,142 @@ def test_generated_scripts_are_valid_bash(capsys, monkeypatch):
             if c[4] == "ssh":
                 r = subprocess.run(["bash", "-n", "-c", remote_command(c)], capture_output=True, text=True)
                 assert r.returncode == 0, (argv[0], r.stderr)
+
+
+# ------------------------------------------------------------------------------------------------
+# tpu.py setup: the pod installs what was tested
+# ------------------------------------------------------------------------------------------------
+def pyproject():
+    tomllib = pytest.importorskip("tomllib")   # Python 3.11+
+    with open(REPO / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)
+
+
+def pinned(requirements, name):
+    """The version `name==X` is pinned to among requirement strings (extras ignored)."""
+    pins = [Requirement(r) for r in requirements if Requirement(r).name == name]
+    assert len(pins) == 1 and len(pins[0].specifier) == 1, (name, requirements)
+    spec = next(iter(pins[0].specifier))
+    assert spec.operator == "==", (name, str(spec))
+    return spec.version
+
+
+def setup_install(capsys, *argv):
+    """The `pip install` line of the setup script a dry run prints, as words."""
+    cmds, _ = dry(capsys, "setup", *POD, "--no-sync", *argv)
+    lexer = shlex.shlex(remote_command(cmds[0]), posix=True, punctuation_chars=";")
+    lexer.whitespace_split = True
+    commands, words = [], []
+    for token in lexer:     # a quoted ";" stays inside its word
+        if token == ";":
+            commands.append(words)
+            words = []
+        else:
+            words.append(token)
+    lines = [c for c in [*commands, words] if "-e" in c]
+    assert len(lines) == 1, remote_command(cmds[0])
+    return lines[0]
+
+
+def test_setup_installs_the_pinned_extras(capsys):
+    words = setup_install(capsys)
+    assert words == ["python3", "-m", "pip", "install", "-q", "-e", ".[tpu,gcs]"]
+    assert setup_install(capsys, "--extras", "gpu")[-1] == ".[gpu]"
+    assert setup_install(capsys, "--extras", "")[-1] == "."
+    # --pip-arg: more words for the same pip call, each one argument whatever it holds
+    words = setup_install(capsys, "--pip-arg", "wandb==0.19.1", "--pip-arg=--no-cache-dir", "--pip-arg", NASTY[1])
+    assert words[6:] == [".[tpu,gcs]", "wandb==0.19.1", "--no-cache-dir", NASTY[1]]
+
+
+@pytest.mark.parametrize("argv", [["--jax-extra", "tpu"], ["--jax-extra="], ["--jax-extra"],
+                                  ["--extras", "tpu,nope"], ["--extras", "tpu;rm"]])
+def test_setup_refuses_unpinned_jax_and_unknown_extras(capsys, argv):
+    with pytest.raises(SystemExit) as e:
+        tpu.main(["setup", *POD, "--dry-run", *argv], runner=no_runner)
+    err = capsys.readouterr().err + str(e.value.code)
+    assert e.value.code != 0
+    if argv[0].startswith("--jax-extra"):
+        assert "--jax-extra was removed" in err and "--extras" in err
+    else:
+        assert "--extras" in err and "nope" in err or "not an extra" in err
+
+
+def test_setup_pins_are_the_tested_pins(capsys):
+    """The extras `setup` installs exist in pyproject.toml; the tpu extra pins jax[tpu] to the jax the
+    memory plans were compiled with ([tool.jaxpt.measured], as BENCHMARKS.md states it and, where
+    libtpu is installed, as this venv compiles them); the gpu extra pins the same jax, which the core
+    requirement admits; BENCHMARKS.md's GPU sections name the stack the note says they ran on."""
+    project = pyproject()
+    extras = project["project"]["optional-dependencies"]
+    measured = project["tool"]["jaxpt"]["measured"]
+    target = setup_install(capsys)[-1]
+    installed = target[target.index("[") + 1:-1].split(",")
+    assert set(installed) <= set(extras), installed
+    assert "tpu" in installed and "gcs" in installed
+    assert [Requirement(r).name for r in extras["gcs"]] == ["gcsfs"]
+
+    jax_pin = pinned(extras["tpu"], "jax")
+    assert Requirement(extras["tpu"][0]).extras == {"tpu"}
+    assert jax_pin == measured["tpu_plans"]["jax"]
+    benchmarks = (REPO / "BENCHMARKS.md").read_text()
+    stated = set(re.findall(r"libtpu ([0-9][0-9.]*), jax ([0-9][0-9.]*[0-9])", benchmarks))
+    assert stated == {(measured["tpu_plans"]["libtpu"], jax_pin)}, stated
+    try:
+        libtpu = importlib.metadata.version("libtpu")
+    except importlib.metadata.PackageNotFoundError:
+        libtpu = None
+    if libtpu is not None:     # this venv compiles plans (tests/test_compile_tpu.py): with the pinned stack
+        assert (importlib.metadata.version("jax"), libtpu) == (jax_pin, measured["tpu_plans"]["libtpu"])
+
+    assert pinned(extras["gpu"], "jax") == jax_pin
+    core = [Requirement(r) for r in project["project"]["dependencies"] if Requirement(r).name == "jax"]
+    assert len(core) == 1 and core[0].specifier.contains(jax_pin)
+    gpu_stacks = set(re.findall(r"Device: one \*\*NVIDIA[^\n]*\n?[^\n]*?jax\s+([0-9.]*[0-9])\s+\(CUDA (\d+)\)",
+                                benchmarks))
+    assert gpu_stacks == {(measured["gpu"]["jax"], measured["gpu"]["cuda"])}, gpu_stacks
+
+
+@pytest.mark.slow
+def test_setup_pip_line_resolves_to_this_venv(capsys, tmp_path):
+    """The very pip command `setup` sends, run (--dry-run, no index) on the tarball `sync` ships: the
+    only thing it would install is the project itself, i.e. every pin of the extras is what this
+    tested venv already holds. A pin moved away from the tested stack fails here."""
+    tarball = tmp_path / "code.tar.gz"
+    tpu.make_tarball(REPO, tarball)
+    code = tmp_path / "jaxpt"
+    with tarfile.open(tarball) as tar:
+        tar.extractall(code, filter="data")
+    words = setup_install(capsys)
+    assert words[:3] == ["python3", "-m", "pip"]
+    report = tmp_path / "report.json"
+    cmd = [sys.executable, *words[1:], "--dry-run", "--no-index", "--no-build-isolation", "--report", str(report)]
+    r = subprocess.run(cmd, cwd=code, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    would = {i["metadata"]["name"]: i["metadata"]["version"] for i in json.loads(report.read_text())["install"]}
+    assert would == {"jaxpt": pyproject()["project"]["version"]}
+
+
+def test_setup_prints_each_workers_versions(tmp_path, capsys):
+    """The script's last part, run for real in a local bash: the worker's jax, jaxlib and libtpu."""
+    outputs = []
+
+    def local_worker(cmd):
+        r = subprocess.run(["bash", "-c", remote_command(cmd)], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=120)
+        outputs.append(r.stdout + r.stderr)
+        return r.returncode
+
+    assert tpu.main(["setup", *POD, "--no-sync", "--no-install", "--remote-dir", str(tmp_path),
+                     "--python", sys.executable], runner=local_worker) == 0, outputs
+
+    def version(name):
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
+    want = ", ".join(f"{n} {version(n)}" for n in ("jax", "jaxlib", "libtpu"))
+    assert outputs[0].splitlines() == [f"{os.uname().nodename}: {want}"]
 
 
 def test_overrides_cannot_inject(capsys):
