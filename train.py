@@ -90,13 +90,9 @@ def run(cfg: DictConfig) -> dict:
     # The mesh over the hosts' devices, the shardings, the abstract state and the jitted steps
     # (model/step.py Program; jax.jit compiles at the first call). Built before the run's files:
     # the local tier's pick checks its shards against the abstract state.
-    with config_errors(FileNotFoundError, ValueError):
-        data_lib.validate_settings(s.data, process_count)
-        tokenizer = data_lib.load_tokenizer(s.data.tokenizer)
-        program = build_program(cfg, s.model, s.tx)
-    if tokenizer.get_vocab_size() > s.model.vocab_size:
-        raise ConfigError(f"model.vocab_size={s.model.vocab_size} is smaller than the tokenizer's "
-                          f"{tokenizer.get_vocab_size()} pieces (tokenizer.path={s.data.tokenizer})")
+    # The checks that need the hosts and devices come first (check_plan: scripts/compile_tpu.py runs
+    # the same ones for a planned slice before it is rented).
+    program, tokenizer = check_plan(cfg, s, process_count)
 
     # ------------------------------------------------------------------ the run's files
     # One listing per run (data/listing.py run_listing), after every cheap check: a resumed run
@@ -327,8 +323,33 @@ def check_config(cfg: DictConfig) -> Settings:
         TasksConfig.from_mapping(OmegaConf.to_container(cfg.eval, resolve=True))   # eval.tasks, read later
     if data_cfg.seq_len > model_cfg.max_seq_len:
         raise ConfigError(f"data.seq_len={data_cfg.seq_len} exceeds model.max_seq_len={model_cfg.max_seq_len}")
+    loss_chunk = int(cfg.train.loss_chunk)
+    if loss_chunk < 0 or (loss_chunk and data_cfg.seq_len % loss_chunk):
+        raise ConfigError(f"train.loss_chunk={loss_chunk} must divide data.seq_len={data_cfg.seq_len} "
+                          "(0: the whole sequence at once)")
     return Settings(Path(cfg.paths.run_dir), model_cfg, tx, schedule, data_cfg, eval_paths, holdout,
                     hang_timeout_s, on_divergence, divergence_skips, warmup_notice)
+
+
+def check_plan(cfg: DictConfig, s: Settings, process_count: int, devices=None, *, hub_tokenizer: bool = True):
+    """The checks that need the run's host count and devices, after check_config: the data settings
+    over `process_count` hosts (the virtual shards over the hosts and their workers, the batch over
+    the hosts), the tokenizer against the model (its vocabulary within model.vocab_size, its EOS, a
+    BOS when data.add_bos), the mesh over `devices` (default: all) and the batch over the mesh's data
+    axes and train.microbatches. Returns (the Program, nothing compiled; the tokenizer, None when
+    it is a hub id and hub_tokenizer is false: not checked). train.py runs it at the run's hosts;
+    scripts/compile_tpu.py at a planned slice's, over its abstract devices, before anything is rented."""
+    import data as data_lib
+    from data.tokenizer import tokenizer_file
+
+    with config_errors(FileNotFoundError, ValueError):
+        data_lib.validate_settings(s.data, process_count)
+        tokenizer = None
+        if hub_tokenizer or tokenizer_file(s.data.tokenizer) is not None:
+            tokenizer = data_lib.load_tokenizer(s.data.tokenizer)
+            data_lib.check_tokenizer(s.data, tokenizer, s.model.vocab_size)
+        program = build_program(cfg, s.model, s.tx, devices)
+    return program, tokenizer
 
 
 # ====================================================================== the program

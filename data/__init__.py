@@ -28,7 +28,8 @@ import importlib
 _EXPORTS = {
     "data.autoworkers": ["AutoWorkers", "is_auto"],
     "data.batch_log": ["BatchLog"],
-    "data.config": ["DataConfig", "SourceConfig", "check_files", "check_shards", "list_files", "validate",
+    "data.config": ["DataConfig", "SourceConfig", "check_files", "check_shards", "check_tokenizer", "list_files",
+                    "validate",
                     "validate_settings"],
     "data.feed": ["Feed"],
     "data.heldout": ["HeldOutSet", "data_settings", "eval_settings", "split_eval", "valid_eval_files"],

@@ -6,7 +6,7 @@ import dataclasses
 from data.autoworkers import check_num_workers, check_ram_budget, is_auto
 from data.listing import list_paths
 from data.readers import formats
-from data.tokenizer import load_tokenizer, tokenizer_file, tokenizer_hash
+from data.tokenizer import BOS_NAMES, load_tokenizer, special_ids, tokenizer_file, tokenizer_hash
 
 PACKINGS = ("concat", "first_fit")
 # data.mixture_change: what a resumed run does when data.sources differ from the checkpoint's.
@@ -169,6 +169,22 @@ def check_shards(cfg: DataConfig, process_count: int, n_files: int | None) -> No
             f"to at least {need} or lower data.num_workers")
     if n_files == 0:
         raise ValueError("data.paths matches no file")
+
+
+def check_bos(cfg: DataConfig, bos: int | None) -> None:
+    """data.add_bos needs a BOS token: Llama 2 and 3 trained with one first, Qwen has none."""
+    if cfg.add_bos and bos is None:
+        raise ValueError(f"data.add_bos=true but tokenizer.path={cfg.tokenizer!r} has no BOS "
+                         f"token ({', '.join(BOS_NAMES)}; Qwen's tokenizers have none)")
+
+
+def check_tokenizer(cfg: DataConfig, tok, model_vocab_size: int) -> None:
+    """The loaded tokenizer against the run: its ids fit the model's embedding, it has an EOS (the
+    document boundary), and a BOS when data.add_bos."""
+    if tok.get_vocab_size() > model_vocab_size:
+        raise ValueError(f"model.vocab_size={model_vocab_size} is smaller than the tokenizer's "
+                         f"{tok.get_vocab_size()} pieces (tokenizer.path={cfg.tokenizer})")
+    check_bos(cfg, special_ids(tok)[1])     # special_ids raises when there is no EOS
 
 
 def validate_settings(cfg: DataConfig, process_count: int) -> None:

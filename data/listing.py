@@ -11,7 +11,7 @@ pattern's objects come with their sizes (one list request), kept with the listin
 that no process of the run, a resumed one included, asks the store for an object's metadata.
 
 Entries of a pattern list:
-  /mnt/rp/*/en_head.json.gz   a glob (`*`, `?`, `[...]`, `**` for any depth)
+  /mnt/rp/documents/*/*/en_head.json.gz  a glob (`*`, `?`, `[...]`, `**` for any depth)
   /mnt/rp/0001/en_head.json.gz  a plain path
   @/mnt/rp/train_files.txt    a text file of paths, one per line (blank lines and `#`
                               comments skipped; relative paths are relative to the list
@@ -374,8 +374,9 @@ class _Walker:
     def _expand(self, base: str, parts: list[str]):
         head, rest = parts[0], parts[1:]
         if head == "**":    # zero or more directories
+            entries = self._list(base)     # read first: a literal next component is answered from it
             yield from (self._expand(base, rest) if rest else self._files_below(base))
-            for name, is_dir, _ in self._list(base):
+            for name, is_dir, _ in entries:
                 if is_dir and not name.startswith("."):
                     yield from self._expand(os.path.join(base, name), parts)
         elif glob.has_magic(head):
@@ -394,7 +395,12 @@ class _Walker:
             yield from self._expand(os.path.join(base, head), rest)
         else:
             path = os.path.join(base, head)
-            if self._is_file(path):
+            if base in self._entries:
+                # A directory already read (a `**` walk passes through it): its entries answer
+                # (documents/**/en_head.json.gz costs a read per directory and no stat).
+                if any(name == head and is_file for name, _, is_file in self._entries[base]):
+                    yield path
+            elif self._is_file(path):
                 yield path
 
     def _files_below(self, base: str):

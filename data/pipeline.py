@@ -10,14 +10,14 @@ import time
 import grain
 from absl import flags
 
-from data.config import DataConfig, check_files, list_files
+from data.config import DataConfig, check_bos, check_files, list_files
 from data.host import HostIterDataset, find_shard_states
 from data.state import normalize_shard_states, sum_counters
 from data.streams import records
 from data.streams.mixture import mixture_spec, source_counters
 from data.streams.shard import COUNTER_KEYS, StreamSpec, url_sizes
 from data.timing import STAGES, WAITS, sub_times
-from data.tokenizer import BOS_NAMES, load_tokenizer, special_ids, tokenizer_json
+from data.tokenizer import load_tokenizer, special_ids, tokenizer_json
 from data.workers import WorkerMergeIterDataset, slab_to_batch
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
@@ -35,9 +35,7 @@ def stream_spec(cfg: DataConfig, process_index: int, process_count: int, files, 
     already listed; tok: the loaded tokenizer). Also what scripts/show_step.py rebuilds a
     run's shards from, so a step can be replayed outside training."""
     eos, bos = special_ids(tok)   # raises when the tokenizer has no EOS
-    if cfg.add_bos and bos is None:
-        raise ValueError(f"data.add_bos=true but tokenizer.path={cfg.tokenizer!r} has no BOS "
-                         f"token ({', '.join(BOS_NAMES)}; Qwen's tokenizers have none)")
+    check_bos(cfg, bos)
     tok_json = tokenizer_json(tok)   # remembered: this process's encoders (the head batch's) use `tok`
     spec = StreamSpec(
         files=() if cfg.sources else tuple(files), num_shards=cfg.num_shards, tokenizer_json=tok_json,

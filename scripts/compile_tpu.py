@@ -5,6 +5,19 @@
     python scripts/compile_tpu.py experiment=v4_32_llama_1b --topology v5e-16 model.remat=dots --json plan.json
     python scripts/compile_tpu.py experiment=v4_32_llama_1b --quick model.remat=full   # ~3x faster, +-9%
     python scripts/compile_tpu.py experiment=v4_32_llama_1b tpu.slices=2 --dcn-gbps 100   # 2 x v4-32
+    python scripts/compile_tpu.py experiment=v4_32_llama3_1_8b --no-compile   # the checks and the plan, ~10 s
+    python scripts/compile_tpu.py experiment=gpu_8_llama_1b --no-compile      # GPU plans: plan.hosts x devices
+
+Before anything compiles, the run passes every check train.py runs at its start (train.py
+check_config and check_plan, the same functions): the settings, the data settings at the planned
+host count (the slice's hosts, times tpu.slices: a v4-32 has 4 hosts of 4 chips), the tokenizer
+against the model where the tokenizer is a local file (a hub id is "not checked: tokenizer not
+local"), the mesh over the slice's devices and the batch over its data axes. A failed check stops
+it in one line naming the key (exit code 2). `--no-compile` stops there and prints the plan: hosts,
+devices, mesh, virtual shards per host, rows per chip and per microbatch, tokens per step, steps,
+the schedule's token budget and learning rate. An experiment without a TPU slice (a GPU one, the
+sample) states its hosts and devices in `plan.hosts` and `plan.devices_per_host`, and is checked
+over that many fake CPU devices (--no-compile only: the compile is for TPUs).
 
 The topology is the experiment's `tpu.topology` (e.g. v4-32) or `--topology`; the rest are the
 same Hydra overrides train.py takes. libtpu describes the slice's devices
@@ -129,6 +142,10 @@ def libtpu_env(tpu: Slice) -> None:
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
+def slice_name(tpu: Slice, n_slices: int) -> str:
+    return f"{n_slices} x {tpu.name}" if n_slices > 1 else tpu.name
+
+
 def require_libtpu() -> None:
     try:
         import libtpu  # noqa: F401  (the TPU compiler ships in this wheel)
@@ -197,15 +214,12 @@ def compile_plan(cfg, tpu: Slice, quick: bool = False, dcn_gbps: float = DEFAULT
     transfers between slices are priced at."""
     import jax
 
-    import train
     from model import sharding
     from model.flops import flops_per_token, peak_flops, recompute_factor
 
     n_slices = slices_from_cfg(cfg)
-    model_cfg, tx, _ = train.model_and_optimizer(cfg)
-    if cfg.data.seq_len > model_cfg.max_seq_len:
-        raise ValueError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={model_cfg.max_seq_len}")
-    program = train.build_program(cfg, model_cfg, tx, devices=slice_devices(tpu, n_slices))
+    settings, program, tokenizer = check_run(cfg, slice_devices(tpu, n_slices))
+    model_cfg = settings.model
     batch = program.abstract_batch(int(cfg.data.global_batch_size), int(cfg.data.seq_len))
     capacity = int(tpu.generation.usable_gib * GIB)
     device_kind = program.mesh.devices.flat[0].device_kind
@@ -231,6 +245,7 @@ def compile_plan(cfg, tpu: Slice, quick: bool = False, dcn_gbps: float = DEFAULT
         # executed / useful FLOPs: what rematerialisation and a chunked loss cost in compute
         "recompute_factor": factor,
         "quick": quick,
+        "plan": make_plan(cfg, settings, program, tokenizer, slice_name(tpu, n_slices)),
     }
     # A process-wide setting, read when each program compiles: put back after, as a test process
     # (or anything else calling this) goes on compiling its own programs.
@@ -288,18 +303,160 @@ def report(plan: dict) -> str:
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------- the checks and the plan
+
+
+def check_run(cfg, devices):
+    """train.py's start-up checks (check_config, check_plan: the same functions) for a run over
+    `devices`, at as many hosts as they belong to; a hub tokenizer is not fetched (not checked).
+    -> (Settings, Program, the tokenizer or None). Raises train.ConfigError naming the key."""
+    import train
+
+    settings = train.check_config(cfg)
+    hosts = len({d.process_index for d in devices})
+    program, tokenizer = train.check_plan(cfg, settings, hosts, devices, hub_tokenizer=False)
+    return settings, program, tokenizer
+
+
+def stated_hosts(cfg) -> tuple[int, int]:
+    """(plan.hosts, plan.devices_per_host): the hardware an experiment without a TPU slice is planned
+    for; ValueError naming the key when unset or not a whole number above 0."""
+    plan = cfg.get("plan") or {}
+    out = []
+    for key in ("hosts", "devices_per_host"):
+        value = plan.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"plan.{key}={value!r}: without tpu.topology the experiment states its hardware in "
+                             "plan.hosts and plan.devices_per_host (whole numbers, 1 or more)")
+        out.append(value)
+    return out[0], out[1]
+
+
+def cpu_devices(hosts: int, per_host: int):
+    """hosts x per_host fake CPU devices, each host's block carrying its process index: the stand-ins
+    of a GPU (or CPU) plan's devices. The process must expose that many (main sets the XLA flag)."""
+    import jax
+
+    need = hosts * per_host
+    devices = jax.devices("cpu")
+    if len(devices) < need:
+        raise SystemExit(f"compile_tpu: the plan needs {need} devices and this process has {len(devices)} CPU "
+                         f"devices: run it as its own process (it sets --xla_force_host_platform_device_count)")
+    return [_OnHost(d, i // per_host) for i, d in enumerate(devices[:need])]
+
+
+class _OnHost:
+    """A CPU device seen as one of a planned host's: one process stands for all the plan's hosts."""
+
+    def __init__(self, device, process_index: int):
+        self.device, self.process_index = device, process_index
+
+    def __getattr__(self, name):
+        return getattr(self.device, name)
+
+
+def force_cpu_devices(count: int) -> None:
+    """At least `count` CPU devices in this process: read by XLA when its backend starts."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    have = re.search(r"--xla_force_host_platform_device_count=(\d+)", flags)
+    if have and int(have.group(1)) >= count:
+        return
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", flags)
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+
+
+def make_plan(cfg, settings, program, tokenizer, hardware: str) -> dict:
+    """What the run will do, from its checked settings and program (nothing compiled, no data read)."""
+    import jax
+
+    from model.flops import flops_per_token, peak_flops, recompute_factor
+    from model.optimizer import resolve_warmup
+
+    mesh = dict(program.mesh.shape)
+    devices = list(program.mesh.devices.flat)
+    hosts = len({d.process_index for d in devices})
+    data = settings.data
+    batch, seq, microbatches = data.global_batch_size, data.seq_len, int(cfg.train.microbatches)
+    batch_ways = mesh["data"] * mesh["fsdp"]
+    steps = int(cfg.train.steps)
+    warmup, decay_steps, notice = resolve_warmup(cfg.optimizer, steps)
+    lr = float(cfg.optimizer.lr)
+    params = sum(x.size for x in jax.tree.leaves(program.abstract_state["params"]))
+    tokens_per_step = batch * seq
+    # The run's executed FLOPs at every chip's peak: the least time it can take (TPUs; a fake CPU
+    # device has no peak).
+    peak = peak_flops(devices[0].device_kind)
+    run_flops = (flops_per_token(settings.model, seq, causal=True) * steps * tokens_per_step
+                 * recompute_factor(settings.model, seq, int(cfg.train.loss_chunk)))
+    if tokenizer is not None:
+        tok = f"checked: {tokenizer.get_vocab_size():,} ids within model.vocab_size {settings.model.vocab_size:,}"
+    else:
+        tok = f"not checked: tokenizer not local ({data.tokenizer})"
+    return {
+        "experiment": str(cfg.name), "hardware": hardware, "hosts": hosts, "devices": len(devices),
+        "devices_per_host": len(devices) // hosts, "device_kind": devices[0].device_kind, "mesh": mesh,
+        "params": int(params), "tokenizer": tok,
+        "num_shards": data.num_shards, "shards_per_host": data.num_shards // hosts,
+        "rows_per_shard": batch // data.num_shards, "num_workers": data.num_workers,
+        "add_bos": data.add_bos,
+        "global_batch_size": batch, "seq_len": seq, "tokens_per_step": tokens_per_step,
+        "rows_per_chip": batch // batch_ways, "microbatches": microbatches,
+        "rows_per_microbatch": batch // batch_ways // microbatches, "tensor": mesh["tensor"],
+        "steps": steps, "token_budget": steps * tokens_per_step,
+        "lr": lr, "warmup_steps": warmup, "decay_steps": decay_steps,
+        "min_lr": lr * float(cfg.optimizer.min_lr_ratio), "schedule_notice": notice,
+        "days_at_peak": run_flops / (len(devices) * peak) / 86400 if peak else None,
+    }
+
+
+def duration(days: float) -> str:
+    return f"{days:.1f} days" if days >= 2 else f"{days * 24:.1f} hours"
+
+
+def plan_report(plan: dict) -> str:
+    """The plan as the console shows it (--no-compile, and above the compiled figures)."""
+    def tokens(n):
+        return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+    mesh = " x ".join(f"{k} {v}" for k, v in plan["mesh"].items())
+    shared = f" (shared by the {plan['tensor']} chips of a tensor group)" if plan["tensor"] > 1 else ""
+    lines = [
+        f"plan {plan['experiment']}: every check passed; tokenizer {plan['tokenizer']}",
+        f"  hardware  {plan['hardware']}: {plan['hosts']} host(s) x {plan['devices_per_host']} devices = "
+        f"{plan['devices']} ({plan['device_kind']}); mesh {mesh}",
+        f"  model     {plan['params'] / 1e9:.2f}B parameters",
+        f"  data      {plan['num_shards']} virtual shards: {plan['shards_per_host']} per host, "
+        f"{plan['rows_per_shard']} row(s) each; data.num_workers {plan['num_workers']} per host; "
+        f"data.add_bos {str(plan['add_bos']).lower()}",
+        f"  batch     {plan['global_batch_size']} rows x {plan['seq_len']} = {plan['tokens_per_step']:,} tokens per "
+        f"step; {plan['rows_per_chip']} rows per chip{shared}, {plan['rows_per_microbatch']} per microbatch "
+        f"({plan['microbatches']} microbatches)",
+        f"  run       {plan['steps']:,} steps x {plan['tokens_per_step']:,} tokens = "
+        f"{tokens(plan['token_budget'])} tokens ({plan['token_budget'] / plan['params']:.1f} per parameter)"
+        + (f"; at least {duration(plan['days_at_peak'])} (every chip at its peak FLOP/s)"
+           if plan["days_at_peak"] else ""),
+        f"  schedule  lr {plan['lr']:g}, linear warmup {plan['warmup_steps']:,} steps "
+        f"({tokens(plan['warmup_steps'] * plan['tokens_per_step'])} tokens), cosine decay to {plan['min_lr']:g} "
+        f"at step {plan['decay_steps']:,}" + (" (then held)" if plan["decay_steps"] < plan["steps"] else ""),
+    ]
+    if plan["schedule_notice"]:
+        lines.append(f"  {plan['schedule_notice']}")
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------- CLI
 
 
 def compose(overrides: list[str]):
-    """The run's config as train.py would see it (Hydra compose; no run directory is created)."""
+    """The run's config as train.py would see it (Hydra compose; no run directory is created: its
+    path is the one train.py's Hydra would give it, runs/<name>)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
     import train  # registers the ${project_root:} resolver
 
     with initialize_config_dir(config_dir=str(train.PROJECT_ROOT / "configs"), version_base="1.3"):
-        return hydra_compose(config_name="train", overrides=overrides)
+        return hydra_compose(config_name="train", overrides=["paths.run_dir=${paths.runs_dir}/${name}", *overrides])
 
 
 def main(argv=None) -> int:
@@ -310,33 +467,57 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help="~3x faster compile with no effort on the program's speed; memory figures within a "
                              "few per cent of the full compile's (to compare variants, not to quote)")
+    parser.add_argument("--no-compile", action="store_true",
+                        help="stop after train.py's checks and the mesh over the planned devices, and print the "
+                             "plan (hosts, mesh, shards, rows per chip, tokens, steps, schedule); an experiment "
+                             "without tpu.topology is checked at plan.hosts x plan.devices_per_host")
     parser.add_argument("--dcn-gbps", type=float, default=DEFAULT_DCN_GBPS,
                         help="over several slices (tpu.slices=N): the DCN bandwidth of one host in Gbit/s that the "
                              f"transfers between slices are priced at (default {DEFAULT_DCN_GBPS:g}, a stated figure)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py (experiment=...)")
     args = parser.parse_intermixed_args(argv)   # overrides before and after the options
 
-    cfg = compose(args.overrides)
-    name = args.topology or cfg.tpu.topology
-    if not name:
-        raise SystemExit("compile_tpu: no TPU topology: pass --topology (e.g. v4-32) or set tpu.topology "
-                         "in the experiment")
-    if args.dcn_gbps <= 0:
-        raise SystemExit(f"compile_tpu: --dcn-gbps {args.dcn_gbps:g}: expected a bandwidth above 0")
+    from omegaconf.errors import InterpolationResolutionError
+
     try:
-        tpu = parse_slice(name)
-        slices_from_cfg(cfg)
-    except ValueError as e:
-        raise SystemExit(f"compile_tpu: {e}") from None
-    require_libtpu()
-    libtpu_env(tpu)
+        cfg = compose(args.overrides)
+        name = args.topology or cfg.tpu.topology
+        if not name and not args.no_compile:
+            raise SystemExit("compile_tpu: no TPU topology: pass --topology (e.g. v4-32) or set tpu.topology "
+                             "in the experiment (--no-compile checks a GPU plan: plan.hosts, plan.devices_per_host)")
+        if args.dcn_gbps <= 0:
+            raise SystemExit(f"compile_tpu: --dcn-gbps {args.dcn_gbps:g}: expected a bandwidth above 0")
+        tpu = parse_slice(name) if name else None
+        n_slices = slices_from_cfg(cfg) if name else 1
+        if tpu is None:
+            hosts, per_host = stated_hosts(cfg)
+            force_cpu_devices(hosts * per_host)
+    except (ValueError, InterpolationResolutionError) as e:
+        print(f"compile_tpu: config error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+        return 2
+    if tpu is not None:
+        require_libtpu()
+        libtpu_env(tpu)
     try:
-        plan = compile_plan(cfg, tpu, quick=args.quick, dcn_gbps=args.dcn_gbps)
-    except ValueError as e:     # a config mistake (mesh, batch, microbatches): one line
-        raise SystemExit(f"compile_tpu: config error: {e}") from None
-    print(report(plan), flush=True)
+        if not args.no_compile:
+            plan = compile_plan(cfg, tpu, quick=args.quick, dcn_gbps=args.dcn_gbps)
+            print(plan_report(plan["plan"]), flush=True)
+            print(report(plan), flush=True)
+        else:
+            if tpu is not None:
+                devices, hardware = slice_devices(tpu, n_slices), slice_name(tpu, n_slices)
+            else:
+                devices = cpu_devices(hosts, per_host)
+                hardware = "plan.hosts x plan.devices_per_host, over fake CPU devices"
+            plan = make_plan(cfg, *check_run(cfg, devices), hardware)
+            print(plan_report(plan), flush=True)
+    except (ValueError, InterpolationResolutionError) as e:   # a config mistake (train.ConfigError included): one line
+        print(f"compile_tpu: config error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+        return 2
     if args.json:
         args.json.write_text(json.dumps(plan, indent=1) + "\n")
+    if args.no_compile:
+        return 0
     return 0 if plan["train_step"]["fits"] and plan["eval_step"]["fits"] else 1
 
 

@@ -1,6 +1,6 @@
 """Tokenize a corpus once into ArrayRecord files of documents, for `data.paths=DIR`.
 
-  python scripts/prepare_data.py --paths '/mnt/rp/*/en_head.json.gz' \
+  python scripts/prepare_data.py --paths '/mnt/rp/documents/*/*/en_head.json.gz' \
       --tokenizer data/sample/tokenizer.json --out /mnt/rp_tok
 
 Reads what the streaming path reads (JSON lines, JSON arrays, Parquet, Arrow: data/readers/formats.py;

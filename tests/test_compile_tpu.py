@@ -9,6 +9,7 @@ a quarter of the suite's CPU otherwise); its figures came out up to 3.7% below t
 """
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -87,6 +88,65 @@ def test_without_libtpu_it_fails_in_one_line(tmp_path):
     assert len(lines) == 1 and 'pip install -e ".[tpu]"' in lines[0], result.stderr
 
 
+# ---------------------------------------------------------------- plans (--no-compile): every experiment
+def experiments() -> list[str]:
+    """Every experiment file: a new one is checked without being listed here."""
+    return sorted(path.stem for path in (ROOT / "configs" / "experiment").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("experiment", experiments())
+def test_every_experiment_passes_every_check_before_anything_is_rented(experiment, tmp_path):
+    """train.py's start-up checks at the experiment's own hosts (a TPU slice's, or plan.hosts x
+    plan.devices_per_host), then the plan: seconds, nothing compiled, no data read. A pod or GPU
+    experiment carries a real job: its header states the token budget the config runs."""
+    if experiment in planned_experiments() and not HAS_LIBTPU:
+        pytest.skip('the slice\'s devices come from libtpu: pip install -e ".[tpu]"')
+    out = tmp_path / "plan.json"
+    result = run_script(f"experiment={experiment}", "--no-compile", "--json", str(out))
+    assert result.returncode == 0, result.stdout + result.stderr
+    plan = json.loads(out.read_text())
+    assert f"plan {experiment}: every check passed" in result.stdout
+    assert "train_step" not in plan and "compiled" not in result.stdout
+    assert plan["devices"] == plan["hosts"] * plan["devices_per_host"] == math.prod(plan["mesh"].values())
+    assert plan["global_batch_size"] % plan["num_shards"] == 0 and plan["num_shards"] % plan["hosts"] == 0
+    assert plan["token_budget"] == plan["steps"] * plan["global_batch_size"] * plan["seq_len"]
+    if experiment.startswith("sample"):
+        return
+    header = (ROOT / "configs" / "experiment" / f"{experiment}.yaml").read_text()
+    assert f"{plan['steps']:,} steps x {plan['tokens_per_step']:,} tokens" in header, "the header's budget"
+    assert plan["token_budget"] >= 1e9 and plan["warmup_steps"] < plan["steps"] and plan["lr"] <= 3e-4
+    assert plan["add_bos"] is True    # every experiment trains a Llama tokenizer, which puts BOS first
+
+
+@pytest.mark.parametrize("override, key", [
+    ("data.num_shards=3", "data.num_shards=3"),                  # does not divide the batch of 512
+    ("data.num_workers=256", "data.num_shards=512"),             # 4 hosts x 256 workers > 512 shards
+    ("mesh.tensor=3", "mesh.fsdp=-1 cannot fill 16 devices"),    # 3 does not divide the v4-32's 16
+    ("train.microbatches=64", "train.microbatches=64"),          # 32 rows per chip
+    ("train.loss_chunk=1000", "train.loss_chunk=1000"),          # does not divide seq 1024
+    ("data.seq_len=4096", "data.seq_len=4096"),                  # above model.max_seq_len
+])
+@needs_libtpu
+def test_a_broken_experiment_fails_in_one_line_naming_the_key(override, key):
+    result = run_script("experiment=v4_32_llama_1b", override, "--no-compile")
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("compile_tpu: config error: ") and key in lines[0], result.stderr
+    assert "plan " not in result.stdout
+
+
+def test_a_gpu_plan_checks_its_tokenizer_and_states_its_hardware():
+    # A local tokenizer is loaded and checked against the model (the sample's 4,096 ids)...
+    result = run_script("experiment=sample_125m", "model.vocab_size=1000", "--no-compile")
+    assert result.returncode == 2 and "model.vocab_size=1000 is smaller than the tokenizer's 4096" in result.stderr
+    # ... and a plan without a TPU slice names the keys that state its hardware.
+    result = run_script("experiment=sample_125m", "plan.hosts=null", "--no-compile")
+    assert result.returncode == 2 and "plan.hosts=None" in result.stderr, result.stderr
+    result = run_script("experiment=gpu_8_llama_1b", "plan.hosts=3", "--no-compile")   # the batch of 256 over 3 hosts
+    assert result.returncode == 2 and "data.global_batch_size=256 is not divisible by the process count 3" \
+        in result.stderr, result.stderr
+
+
 # ---------------------------------------------------------------- compiles (libtpu)
 @pytest.mark.slow
 @needs_libtpu
@@ -137,8 +197,7 @@ def test_experiment_compiles_for_its_slice_and_fits(experiment):
 
 
 def _compile_and_check(experiment):
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        cfg = compose("train", overrides=[f"experiment={experiment}"])
+    cfg = ct.compose([f"experiment={experiment}"])    # as the script composes it (the run's directory named)
     tpu = ct.parse_slice(cfg.tpu.topology)
     ct.libtpu_env(tpu)   # before libtpu's first use in this process
     import jax

@@ -93,6 +93,52 @@ def test_listing_matches_glob_with_at_most_one_call_per_file(tmp_path, rel_patte
     assert [e for e, _ in events] == ["os.scandir"] * dirs_read, events
 
 
+def make_redpajama_v2(root: Path) -> Path:
+    """RedPajama-v2's own layout, documents/<snapshot>/<shard>/<lang>_<part>.json.gz: 2 snapshots x 3
+    shards, each with English head and middle and German head; the bucket's root holds more than
+    documents/ (quality signals)."""
+    for snap in ("2023-06", "2023-14"):
+        for shard in ("0000", "0001", "0002"):
+            d = root / "documents" / snap / shard
+            d.mkdir(parents=True)
+            for name in ("en_head", "en_middle", "de_head"):
+                (d / f"{name}.json.gz").write_bytes(b"")
+            q = root / "quality_signals" / snap / shard
+            q.mkdir(parents=True)
+            (q / "en_head.signals.json.gz").write_bytes(b"")
+    return root
+
+
+@pytest.mark.parametrize("rel, n_files, dirs_read, stats", [
+    # documents/, then each snapshot's directory; one stat per literal en_head.json.gz
+    ("documents/*/*/en_head.json.gz", 6, 3, 6),
+    # documents/, each snapshot's and each shard's directory read once (the types come with it): no stat
+    ("documents/**/en_head.json.gz", 6, 9, 0),
+    ("documents/2023-06/*/en_head.json.gz", 3, 1, 3),     # one snapshot: one directory read
+])
+def test_redpajama_v2_layout_lists_its_english_head_files(tmp_path, rel, n_files, dirs_read, stats):
+    root = make_redpajama_v2(tmp_path / "redpajama-v2")
+    listing, events = _recorded(lambda: list_paths([str(root / rel)]))
+    assert listing.files == reference([str(root / rel)])
+    assert len(listing.files) == n_files and all(f.endswith("/en_head.json.gz") for f in listing.files)
+    assert all("/documents/" in f for f in listing.files)
+    assert (listing.dirs_read, listing.stats) == (dirs_read, stats)
+    assert [e for e, _ in events] == ["os.scandir"] * dirs_read, events   # no directory read twice
+
+
+def test_the_redpajama_v2_config_names_the_datasets_own_layout(tmp_path, monkeypatch):
+    """configs/data/redpajama_v2.yaml's default data.paths finds the English head files of a bucket
+    mounted where it says (~/folder-for-bucket/redpajama-v2), in RedPajama-v2's own layout."""
+    from omegaconf import OmegaConf
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    make_redpajama_v2(tmp_path / "folder-for-bucket" / "redpajama-v2")
+    paths = OmegaConf.load(ROOT / "configs" / "data" / "redpajama_v2.yaml").paths
+    files = list_paths(list(paths)).files
+    assert [f.split("/documents/")[1] for f in files] == [
+        f"{snap}/{shard}/en_head.json.gz" for snap in ("2023-06", "2023-14") for shard in ("0000", "0001", "0002")]
+
+
 def test_relative_patterns_stay_relative(tmp_path, monkeypatch):
     make_tree(tmp_path)
     monkeypatch.chdir(tmp_path)

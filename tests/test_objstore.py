@@ -243,6 +243,30 @@ def test_listing_is_one_request_per_pattern_and_none_per_file(gcs):
     assert len(em.per_object()) - m0 == 0
 
 
+@pytest.mark.parametrize("rel", ["documents/*/*/en_head.json.gz", "documents/**/en_head.json.gz"])
+def test_redpajama_v2_layout_on_gs_is_one_listing(gcs, rel):
+    """RedPajama-v2's own layout (documents/<snapshot>/<shard>/<lang>_<part>.json.gz) at a gs:// URL:
+    both globs find the English head files, in one list request (the objects under documents/) and
+    none per object."""
+    em, _, _ = gcs
+    fs = gcsfs.GCSFileSystem(token="anon", project="test")
+    want = []
+    for snap in ("2023-06", "2023-14"):
+        for shard in ("0000", "0001"):
+            for name in ("en_head", "en_middle", "de_head"):
+                key = f"{BUCKET}/redpajama-v2/documents/{snap}/{shard}/{name}.json.gz"
+                fs.pipe(key, b"")
+                if name == "en_head":
+                    want.append(f"gs://{key}")
+    fs.pipe(f"{BUCKET}/redpajama-v2/quality_signals/2023-06/0000/en_head.signals.json.gz", b"")
+    gcsfs.GCSFileSystem.clear_instance_cache()   # no listing cached from the uploads
+    n0, m0 = len(em.lists()), len(em.per_object())
+    listing = data.list_paths([f"gs://{BUCKET}/redpajama-v2/{rel}"])
+    assert listing.files == sorted(want)
+    assert len(em.lists()) - n0 == 1
+    assert len(em.per_object()) - m0 == 0
+
+
 def test_list_files_name_urls_and_live_on_the_bucket(gcs, tmp_path):
     """An @list file may name URLs (a local list) or live on the bucket itself, its relative
     entries relative to its place there; the files and batches are those of the pattern, and the

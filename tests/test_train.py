@@ -204,6 +204,9 @@ BAD_CONFIGS = [
     (["train.steps=5", "optimizer.decay_steps=20"], "optimizer.warmup_steps=30 must be below optimizer.decay_steps=20"),
     (["checkpoint.on_damaged=ignore"], "checkpoint.on_damaged=ignore must be fall_back or stop"),
     (["train.spikes.enabled=true", "train.spikes.min_steps=1"], "train.spikes: need window >= 2, 2 <= min_steps"),
+    # train.py's check_plan (scripts/compile_tpu.py runs the same before a slice is rented)
+    (["model.vocab_size=1000"], "model.vocab_size=1000 is smaller than the tokenizer's 4096 pieces"),
+    (["train.loss_chunk=100"], "train.loss_chunk=100 must divide data.seq_len=256"),
 ]
 
 
