@@ -15,7 +15,8 @@ Both use the "rotate half" RoPE layout, so no q/k permutation is needed either w
 Families (config.json model_type): llama, mistral, qwen2, qwen3 (HF_FAMILIES); the model config
 records which (hf_model_type), so an export writes the family it was imported from.
 
-Reading and writing parameter-only checkpoints is model/runtime/checkpoint.py's (load_params, save_params).
+Reading and writing parameter-only checkpoints is model/runtime/checkpoint.py's (HostParams, load_params,
+save_params, LazyLeaf).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import dataclasses
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import jax
 import numpy as np
@@ -124,9 +125,10 @@ def from_hf_config(hf: Mapping[str, Any], **runtime) -> LlamaConfig:
         hf_model_type=model_type, **_rope_from_hf(hf), **runtime)
 
 
-def to_hf_config(cfg: LlamaConfig, bos_token_id: int | None = None, eos_token_id: int | None = None) -> dict:
+def to_hf_config(cfg: LlamaConfig, bos_token_id: int | None = None, eos_token_id: int | None = None,
+                 dtype: str = "float32") -> dict:
     """config.json of the transformers class `cfg.hf_model_type` names, with our shapes (weights
-    stored fp32). RoPE is written in both spellings, equal: `rope_theta` + `rope_scaling` (what
+    stored in `dtype`). RoPE is written in both spellings, equal: `rope_theta` + `rope_scaling` (what
     transformers 4.x, vLLM and llama.cpp's converter read) and `rope_parameters` (transformers 5).
     A network the family cannot express (e.g. q/k norms in a llama config) is a ValueError."""
     family = cfg.hf_model_type
@@ -162,7 +164,7 @@ def to_hf_config(cfg: LlamaConfig, bos_token_id: int | None = None, eos_token_id
         "use_cache": True,
         "bos_token_id": bos_token_id,
         "eos_token_id": eos_token_id,
-        "torch_dtype": "float32",
+        "torch_dtype": dtype,
     }
     config["head_dim"] = cfg.head_dim  # every family's attention reads it when present
     if family in ("llama", "qwen3"):
@@ -225,55 +227,124 @@ def _set(tree: dict, path, value) -> None:
     tree[path[-1]] = value
 
 
+@dataclasses.dataclass(frozen=True)
+class LeafMap:
+    """One leaf of our params and the HF tensors it holds: `names[0]` for a plain leaf, `names[i]`
+    for layer i of a stacked one (scan_layers). `to_hf` / `from_hf` convert one layer's slice."""
+    path: tuple
+    names: tuple[str, ...]
+    stacked: bool
+    to_hf: Callable
+    from_hf: Callable
+
+
+def leaf_maps(cfg: LlamaConfig) -> list[LeafMap]:
+    """Every leaf of our params with its HF names, in the order export writes them (embeddings,
+    the layers' weights, final norm, lm_head): what lets export and import move one tensor at a
+    time instead of a whole state dict."""
+    same = lambda w: w  # noqa: E731
+    T = lambda w: w.T  # noqa: E731
+    maps = [LeafMap(("embed_vd",), ("model.embed_tokens.weight",), False, same, same)]
+    table = _layer_table(cfg)
+    if cfg.scan_layers:
+        maps += [LeafMap(("layers", *path), tuple(f"model.layers.{i}.{name}" for i in range(cfg.n_layers)), True,
+                         to_hf, from_hf) for path, name, to_hf, from_hf in table]
+    else:
+        maps += [LeafMap(("layers", i, *path), (f"model.layers.{i}.{name}",), False, to_hf, from_hf)
+                 for i in range(cfg.n_layers) for path, name, to_hf, from_hf in table]
+    maps.append(LeafMap(("final_norm", "scale_d"), ("model.norm.weight",), False, same, same))
+    if not cfg.tie_embeddings:
+        maps.append(LeafMap(("lm_head_dv",), ("lm_head.weight",), False, T, T))
+    return maps
+
+
+def hf_tensors_of_leaf(m: LeafMap, leaf) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF name, array) for each tensor of one of our leaves, one at a time. The arrays may be
+    views (a transpose): the writer makes each contiguous in its own dtype, one copy."""
+    if m.stacked:
+        for i, name in enumerate(m.names):
+            yield name, m.to_hf(leaf[i])
+    else:
+        yield m.names[0], m.to_hf(leaf)
+
+
+def hf_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """{HF name: shape} this config implies (no arrays made)."""
+    abstract = abstract_params(cfg)
+    shapes = {}
+    for m in leaf_maps(cfg):
+        leaf = _get(abstract, m.path)
+        one = jax.ShapeDtypeStruct(leaf.shape[1:] if m.stacked else leaf.shape, leaf.dtype)
+        shape = tuple(jax.eval_shape(m.to_hf, one).shape)
+        shapes.update({name: shape for name in m.names})
+    return shapes
+
+
 def to_hf_state_dict(params: Mapping, cfg: LlamaConfig) -> dict[str, np.ndarray]:
     """Our params (plain nested dict) -> {HF name: contiguous fp32 numpy array}."""
-    p = jax.tree.map(lambda x: np.asarray(x, np.float32), dict(params))
-    out = {"model.embed_tokens.weight": p["embed_vd"], "model.norm.weight": p["final_norm"]["scale_d"]}
-    if not cfg.tie_embeddings:
-        out["lm_head.weight"] = p["lm_head_dv"].T
-    for i in range(cfg.n_layers):
-        layer = jax.tree.map(lambda x, i=i: x[i], p["layers"]) if cfg.scan_layers else p["layers"][i]
-        for path, name, to_hf, _ in _layer_table(cfg):
-            out[f"model.layers.{i}.{name}"] = to_hf(_get(layer, path))
-    return {k: np.ascontiguousarray(v) for k, v in out.items()}
+    out = {}
+    for m in leaf_maps(cfg):
+        out.update((name, np.ascontiguousarray(w))
+                   for name, w in hf_tensors_of_leaf(m, np.asarray(_get(params, m.path), np.float32)))
+    return out
 
 
-def from_hf_state_dict(sd: Mapping[str, np.ndarray], cfg: LlamaConfig) -> dict:
-    """{HF name: array} -> our params (fp32 numpy), checked against the shapes `cfg` implies.
+def leaf_from_hf(m: LeafMap, take: Callable[[str], np.ndarray], shape) -> np.ndarray:
+    """One of our leaves (fp32) from its HF tensors, `take(name)` reading one at a time: a stacked
+    leaf is filled layer by layer, so only it and one HF tensor are ever in memory."""
+    if not m.stacked:
+        return np.ascontiguousarray(m.from_hf(np.asarray(take(m.names[0]), np.float32)))
+    out = np.empty(shape, np.float32)
+    for i, name in enumerate(m.names):
+        out[i] = m.from_hf(np.asarray(take(name), np.float32))
+    return out
 
-    Names HF does not need for inference (rotary inv_freq buffers) and a tied checkpoint's
-    redundant lm_head are ignored; a missing or misshapen weight is a ValueError, and so is a
-    weight this network has no place for (an o_proj bias, say): it would be dropped silently.
-    """
-    used = {name for name in sd if name.endswith("rotary_emb.inv_freq")}
-    if cfg.tie_embeddings:
-        used.add("lm_head.weight")
 
-    def take(name):
-        if name not in sd:
+def check_hf_names(names, cfg: LlamaConfig, shape_of: Callable[[str], tuple] | None = None) -> None:
+    """A weight this config needs that is missing or misshapen, or one it has no place for (an
+    o_proj bias, say: it would be dropped silently), is a one-line ValueError. Rotary inv_freq
+    buffers and a tied checkpoint's redundant lm_head are ignored."""
+    want = hf_shapes(cfg)
+    names = set(names)
+    for name, shape in want.items():
+        if name not in names:
             raise ValueError(f"weight {name!r} missing from the safetensors files")
-        used.add(name)
-        return np.asarray(sd[name], np.float32)
-
-    table = _layer_table(cfg)
-    layers = []
-    for i in range(cfg.n_layers):
-        layer: dict = {}
-        for path, name, _, from_hf in table:
-            _set(layer, path, from_hf(take(f"model.layers.{i}.{name}")))
-        layers.append(layer)
-    params = {"embed_vd": take("model.embed_tokens.weight"),
-              "final_norm": {"scale_d": take("model.norm.weight")},
-              "layers": (jax.tree.map(lambda *xs: np.stack(xs), *layers) if cfg.scan_layers
-                         else dict(enumerate(layers)))}
-    if not cfg.tie_embeddings:
-        params["lm_head_dv"] = take("lm_head.weight").T
-    unused = sorted(set(sd) - used)
+        if shape_of is not None and tuple(shape_of(name)) != shape:
+            raise ValueError(f"weight {name!r}: shape {tuple(shape_of(name))}, config.json implies {shape}")
+    ignored = {n for n in names if n.endswith("rotary_emb.inv_freq")}
+    if cfg.tie_embeddings:
+        ignored.add("lm_head.weight")
+    unused = sorted(names - set(want) - ignored)
     if unused:
         raise ValueError(f"weight {unused[0]!r} (and {len(unused) - 1} more) in the safetensors files has no "
                          "place in model/llama.py for this config.json")
+
+
+def from_hf_state_dict(sd: Mapping[str, np.ndarray], cfg: LlamaConfig) -> dict:
+    """{HF name: array} -> our params (fp32 numpy), checked against the shapes `cfg` implies
+    (check_hf_names)."""
+    check_hf_names(sd, cfg, lambda name: np.shape(sd[name]))
+    params: dict = {}
+    for path, _, make in leaf_makers(cfg, sd.__getitem__):
+        set_path(params, path, make())
     _check_shapes(params, cfg)
     return params
+
+
+def leaf_makers(cfg: LlamaConfig, take: Callable[[str], np.ndarray]) -> list[tuple[tuple, tuple, Callable]]:
+    """(path in our params, shape, make) for every leaf, `make()` building that leaf (fp32) from
+    `take(name)`'s HF tensors when called: the import makes and writes one leaf at a time."""
+    abstract = abstract_params(cfg)
+    out = []
+    for m in leaf_maps(cfg):
+        shape = tuple(_get(abstract, m.path).shape)
+        out.append((m.path, shape, lambda m=m, shape=shape: leaf_from_hf(m, take, shape)))
+    return out
+
+
+def set_path(tree: dict, path, value) -> None:
+    """tree[path[0]][path[1]]... = value, making the dicts on the way."""
+    _set(tree, path, value)
 
 
 def abstract_params(cfg: LlamaConfig) -> dict:
@@ -292,23 +363,155 @@ def _check_shapes(params, cfg: LlamaConfig) -> None:
             raise ValueError(f"{jax.tree_util.keystr(path)}: shape {shape}, config.json implies {abstract.shape}")
 
 
-def read_safetensors(hf_dir: str | os.PathLike) -> dict[str, np.ndarray]:
-    """model.safetensors, or the shards listed by model.safetensors.index.json; any dtype
-    (bf16 included: read through JAX, which has it) -> numpy arrays in their stored dtype."""
-    from safetensors import safe_open
-
+def safetensors_files(hf_dir: str | os.PathLike) -> list[str]:
+    """The weight files of an HF directory: the shards model.safetensors.index.json lists, else
+    model.safetensors."""
     hf_dir = Path(hf_dir)
     index = hf_dir / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (hf_dir / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        raise FileNotFoundError(f"{hf_dir}: no model.safetensors or model.safetensors.index.json "
-                                "(PyTorch .bin checkpoints are not read; convert them to safetensors)")
-    sd = {}
-    for name in files:
-        with safe_open(str(hf_dir / name), framework="flax") as f:
-            for key in f.keys():
-                sd[key] = np.asarray(f.get_tensor(key))
-    return sd
+        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    if (hf_dir / "model.safetensors").is_file():
+        return ["model.safetensors"]
+    raise FileNotFoundError(f"{hf_dir}: no model.safetensors or model.safetensors.index.json "
+                            "(PyTorch .bin checkpoints are not read; convert them to safetensors)")
+
+
+class LazySafetensors:
+    """An HF directory's tensors read one at a time (safetensors' `safe_open`: the header is
+    parsed, a tensor is read only when asked for), in their stored dtype (bf16 included, as
+    ml_dtypes.bfloat16). `names()`, `shape(name)`, `get(name)`."""
+
+    def __init__(self, hf_dir: str | os.PathLike):
+        from safetensors import safe_open
+
+        self.dir = Path(hf_dir)
+        self._where: dict[str, str] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        for fname in safetensors_files(self.dir):
+            with safe_open(str(self.dir / fname), framework="numpy") as f:
+                for key in f.keys():
+                    self._where[key] = fname
+                    self._shapes[key] = tuple(f.get_slice(key).get_shape())
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._shapes[name]
+
+    def get(self, name: str) -> np.ndarray:
+        from safetensors import safe_open
+
+        with safe_open(str(self.dir / self._where[name]), framework="numpy") as f:
+            return f.get_tensor(name)
+
+
+def read_safetensors(hf_dir: str | os.PathLike) -> dict[str, np.ndarray]:
+    """Every tensor of model.safetensors, or of the shards listed by model.safetensors.index.json,
+    as numpy arrays in their stored dtype (bf16 as ml_dtypes.bfloat16). For tests and small
+    models: the import reads one tensor at a time (LazySafetensors)."""
+    lazy = LazySafetensors(hf_dir)
+    return {name: lazy.get(name) for name in lazy.names()}
+
+
+# ----------------------------------------------------------------------------- sharded safetensors
+_ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+_SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes of "5GB" (10^9, as the hub's max_shard_size), "500MiB" (2^20) or a plain integer."""
+    if isinstance(text, int):
+        return text
+    t = str(text).strip().upper().replace(" ", "")
+    digits = t.rstrip("KMGTIB")
+    unit = t[len(digits):] or "B"
+    try:
+        value = float(digits)
+    except ValueError:
+        value = -1.0
+    if unit not in _SIZE_UNITS or value <= 0:
+        raise ValueError(f"--max-shard-size={text!r}: expected a size such as 5GB, 500MB, 2GiB or a byte count")
+    return int(value * _SIZE_UNITS[unit])
+
+
+class ShardedSafetensorsWriter:
+    """Writes an HF model's tensors as the hub does: `model-00001-of-0000N.safetensors` files of at
+    most `max_shard_bytes` each (a tensor larger than that gets a file of its own) plus
+    model.safetensors.index.json ({"metadata": {"total_size"}, "weight_map"}), or one
+    model.safetensors when everything fits in one file.
+
+    Every tensor's name, shape and dtype are known before any is made (`plan`: (name, shape) in
+    the order they will come), so each file's header is written first and each tensor streamed
+    into its file as it arrives (`write`): no shard is ever assembled in memory."""
+
+    def __init__(self, out_dir: str | os.PathLike, plan: list[tuple[str, tuple[int, ...]]], dtype: str,
+                 max_shard_bytes: int):
+        if dtype not in _ST_DTYPES:
+            raise ValueError(f"--dtype={dtype!r}: expected one of {', '.join(_ST_DTYPES)}")
+        self.out, self.dtype = Path(out_dir), np.dtype(_np_dtype(dtype))
+        self._st_dtype = _ST_DTYPES[dtype]
+        shards: list[list[tuple[str, tuple[int, ...], int]]] = [[]]
+        size = 0
+        for name, shape in plan:
+            nbytes = int(np.prod(shape, dtype=np.int64)) * self.dtype.itemsize
+            if shards[-1] and size + nbytes > max_shard_bytes:
+                shards.append([])
+                size = 0
+            shards[-1].append((name, tuple(shape), nbytes))
+            size += nbytes
+        n = len(shards)
+        self.files = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+                                                            for i in range(n)]
+        self._shards = shards
+        self._order = [(fi, name, shape) for fi, shard in enumerate(shards) for name, shape, _ in shard]
+        self._next = 0
+        self._fh = None
+        self.total_size = sum(nb for shard in shards for _, _, nb in shard)
+
+    def _open(self, fi: int):
+        if self._fh is not None:
+            self._fh.close()
+        header, offset = {}, 0
+        for name, shape, nbytes in self._shards[fi]:
+            header[name] = {"dtype": self._st_dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        header["__metadata__"] = {"format": "pt"}
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)         # the data starts 8-byte aligned, as safetensors writes
+        self._fh = open(self.out / self.files[fi], "wb")
+        self._fh.write(len(text).to_bytes(8, "little"))
+        self._fh.write(text)
+
+    def write(self, name: str, array: np.ndarray) -> None:
+        """The next tensor of the plan, cast to the writer's dtype."""
+        fi, want, shape = self._order[self._next]
+        if name != want or tuple(array.shape) != shape:
+            raise ValueError(f"{name} {tuple(array.shape)} written where the plan has {want} {shape}")
+        if self._next == 0 or self._order[self._next - 1][0] != fi:
+            self._open(fi)
+        self._fh.write(np.ascontiguousarray(array, self.dtype).reshape(-1).view(np.uint8))
+        self._next += 1
+
+    def close(self) -> None:
+        """Closes the last file and writes the index (several files); every planned tensor must
+        have been written."""
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+        if self._next != len(self._order):
+            raise ValueError(f"{len(self._order) - self._next} planned tensors were not written "
+                             f"(next: {self._order[self._next][1]})")
+        if len(self.files) > 1:
+            index = {"metadata": {"total_size": self.total_size},
+                     "weight_map": {name: self.files[fi] for fi, name, _ in self._order}}
+            (self.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _np_dtype(name: str):
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return np.dtype(name)

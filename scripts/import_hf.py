@@ -2,13 +2,20 @@
 
     python scripts/import_hf.py /models/TinyLlama-1.1B ckpt/tinyllama
     python train.py model=1b checkpoint.init_from=ckpt/tinyllama tokenizer.path=/models/TinyLlama-1.1B
+    python scripts/import_hf.py /models/Llama-3.1-8B gs://BUCKET/jaxpt/imports/llama3_1_8b
 
 HF_DIR holds config.json and model.safetensors, or shards listed in
-model.safetensors.index.json (any dtype; stored here as fp32 masters). OUT_CKPT_DIR becomes an
-Orbax checkpoint directory with one step (0) whose "state" item is {"params": ...} and whose
-"meta" item records the model config, so `checkpoint.init_from` reads it and
-`scripts/generate.py --checkpoint OUT_CKPT_DIR` samples from it. The model config to train
-with is printed (as configs/model/*.yaml text and as overrides); shape settings must match it.
+model.safetensors.index.json (any dtype; stored here as fp32 masters). OUT_CKPT_DIR (a local
+path or a gs:// URL) becomes an Orbax checkpoint directory with one step (0) whose "state" item
+is {"params": ...} and whose "meta" item records the model config, so `checkpoint.init_from`
+reads it and `scripts/generate.py --checkpoint OUT_CKPT_DIR` samples from it. The model config
+to train with is printed (as configs/model/*.yaml text and as overrides); shape settings must
+match it.
+
+Memory: the weights are read one tensor at a time (safetensors' lazy safe_open) and each of our
+parameters is made just before Orbax writes it and freed after (a stacked [layers, ...] one is
+filled layer by layer), so the peak is about one parameter in fp32 twice over, not the model: an
+8B imports on a workstation, on the CPU alone.
 """
 from __future__ import annotations
 
@@ -23,15 +30,19 @@ def import_hf(hf_dir: str, out_dir: str, **runtime) -> tuple:
     model config recorded in the meta and printed (LlamaConfig defaults otherwise)."""
     import dataclasses
 
-    from model.hf import from_hf_config, from_hf_state_dict, read_safetensors
-    from model.runtime.checkpoint import save_params
+    from model.hf import LazySafetensors, check_hf_names, from_hf_config, leaf_makers, set_path
+    from model.runtime.checkpoint import LazyLeaf, save_params
 
     hf = Path(hf_dir).resolve()
     config_file = hf / "config.json"
     if not config_file.is_file():
         raise SystemExit(f"{hf}: no config.json")
     cfg = from_hf_config(json.loads(config_file.read_text()), **runtime)
-    params = from_hf_state_dict(read_safetensors(hf), cfg)
+    weights = LazySafetensors(hf)
+    check_hf_names(weights.names(), cfg, weights.shape)     # before anything is written
+    params: dict = {}
+    for path, shape, make in leaf_makers(cfg, weights.get):
+        set_path(params, path, LazyLeaf(shape, "float32", make))
     config = {"model": dataclasses.asdict(cfg)}
     if (hf / "tokenizer.json").is_file():
         config["tokenizer"] = {"path": str(hf / "tokenizer.json")}
@@ -50,7 +61,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("hf_dir", help="Hugging Face directory (config.json + safetensors) of model_type llama, "
                                    "mistral, qwen2 or qwen3")
-    ap.add_argument("out_ckpt_dir", help="new checkpoint directory")
+    ap.add_argument("out_ckpt_dir", help="new checkpoint directory: a local path or gs://BUCKET/...")
     ap.add_argument("--dtype", default="bfloat16", help="compute dtype recorded in the model config")
     ap.add_argument("--remat", default="full", help="remat policy recorded in the model config")
     args = ap.parse_args(argv)
@@ -61,7 +72,10 @@ def main(argv=None) -> None:
 
     from model.hf import model_yaml
 
-    cfg, directory = import_hf(args.hf_dir, args.out_ckpt_dir, dtype=args.dtype, remat=args.remat)
+    try:
+        cfg, directory = import_hf(args.hf_dir, args.out_ckpt_dir, dtype=args.dtype, remat=args.remat)
+    except (ValueError, FileExistsError, FileNotFoundError) as e:    # one line naming the key, weight or path
+        raise SystemExit(f"import_hf: {e}") from None
     text = model_yaml(cfg)
     overrides = " ".join(model_overrides(cfg))
     tokenizer = Path(args.hf_dir).resolve() / "tokenizer.json"

@@ -78,7 +78,7 @@ def exported(tmp_path_factory):
     """(trained run dir, its HF export, the export imported back)."""
     base = tmp_path_factory.mktemp("hf")
     train_mod.train(make_cfg(base / "run", *TINY_RUN, "train.steps=3"))
-    export_hf.export(str(base / "run"), str(base / "hf"))
+    export_hf.export(str(base / "run"), str(base / "hf"), dtype="float32")
     import_hf.import_hf(str(base / "hf"), str(base / "imported"), dtype="float32", remat="none")
     return base / "run", base / "hf", base / "imported"
 
@@ -184,7 +184,7 @@ def test_exported_model_logits_match_transformers(tmp_path, tie):
                       rope_theta=5000.0, norm_eps=1e-5, max_seq_len=64, tie_embeddings=tie,
                       dtype="float32", remat="none")
     params = random_checkpoint(tmp_path / "ckpt", cfg)
-    export_hf.export(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
+    export_hf.export(str(tmp_path / "ckpt"), str(tmp_path / "hf"), dtype="float32")
 
     model = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"), attn_implementation="eager").eval()
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 24))
@@ -196,6 +196,58 @@ def test_exported_model_logits_match_transformers(tmp_path, tie):
                                                     jnp.ones((b, t), jnp.int32)))
     assert np.abs(want).max() > 1.0  # not vacuous
     assert np.abs(got - want).max() <= 1e-4, np.abs(got - want).max()
+
+
+@pytest.mark.slow
+def test_export_writes_hub_style_bf16_shards_that_transformers_loads(tmp_path):
+    """Default export: bf16 weights; with a small --max-shard-size, several
+    model-0000i-of-0000N.safetensors files plus an index whose weight_map names every tensor once
+    and whose total_size is their bytes; no file over the limit unless one tensor is; transformers
+    loads the directory and holds our parameters rounded to bf16. One file when everything fits."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import ml_dtypes
+    from safetensors import safe_open
+
+    cfg = LlamaConfig(vocab_size=4096, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=160,
+                      max_seq_len=64, tie_embeddings=False, dtype="float32", remat="none")
+    params = random_checkpoint(tmp_path / "ckpt", cfg)
+    limit = 60_000      # bytes: a layer's tensors are 8-20 kB in bf16, the embeddings 512 kB
+    export_hf.main([str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--max-shard-size", f"{limit}B"])
+    out = tmp_path / "hf"
+
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    n = len(files)
+    assert n >= 3 and files == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    want = hf.hf_shapes(cfg)
+    assert sorted(index["weight_map"]) == sorted(want) and sorted(set(index["weight_map"].values())) == files
+    total = 0
+    for fname in files:
+        with safe_open(str(out / fname), framework="numpy") as f:
+            names = sorted(f.keys())
+            assert names == sorted(k for k, v in index["weight_map"].items() if v == fname)
+            sizes = []
+            for name in names:
+                w = f.get_tensor(name)
+                assert w.dtype == ml_dtypes.bfloat16 and w.shape == want[name], name
+                sizes.append(w.nbytes)
+        assert sum(sizes) <= limit or len(sizes) == 1, (fname, sizes)
+        total += sum(sizes)
+    assert index["metadata"]["total_size"] == total == sum(int(np.prod(s)) * 2 for s in want.values())
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+    model = transformers.LlamaForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    expected = {k: v.astype(ml_dtypes.bfloat16).astype(np.float32) for k, v in hf.to_hf_state_dict(params, cfg).items()}
+    got = {k: v.numpy() for k, v in model.state_dict().items()}
+    assert sorted(got) == sorted(expected)
+    for name, w in expected.items():
+        np.testing.assert_array_equal(got[name], w, err_msg=name)
+
+    export_hf.export(str(tmp_path / "ckpt"), str(tmp_path / "one"))      # the default: 5GB files
+    assert sorted(p.name for p in (tmp_path / "one").glob("*.safetensors*")) == ["model.safetensors"]
+    with pytest.raises(SystemExit, match=r"^export_hf: --max-shard-size='5 parsecs': expected a size"):
+        export_hf.main([str(tmp_path / "ckpt"), str(tmp_path / "bad"), "--max-shard-size", "5 parsecs"])
 
 
 def test_exported_tokenizer_loads_offline(exported):
@@ -242,7 +294,7 @@ def test_import_then_export_writes_the_same_directory(name, tmp_path):
     variants = _family_variants()
     variants.save_variant(name, tmp_path / "hf")
     cfg, _ = import_hf.import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"), dtype="float32", remat="none")
-    export_hf.export(str(tmp_path / "ckpt"), str(tmp_path / "out"))
+    export_hf.export(str(tmp_path / "ckpt"), str(tmp_path / "out"), dtype="float32")
     source = json.loads((tmp_path / "hf" / "config.json").read_text())
     written = json.loads((tmp_path / "out" / "config.json").read_text())
     for key in ("model_type", "architectures", "hidden_size", "num_key_value_heads", "tie_word_embeddings",
@@ -283,7 +335,7 @@ def test_import_train_export_loads_in_transformers(name, tmp_path):
     assert cfg_run == cfg
     before = ckpt_lib.load_params(ckpt)[1]
     assert np.abs(np.asarray(params["embed_vd"]) - np.asarray(before["embed_vd"])).max() > 0  # it trained
-    export_hf.export(str(tmp_path / "run"), str(tmp_path / "out"))
+    export_hf.export(str(tmp_path / "run"), str(tmp_path / "out"), dtype="float32")
 
     model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), attn_implementation="eager")
     assert type(model).__name__ == variants.VARIANTS[name][0]

@@ -130,7 +130,7 @@ def setup(tmp_path_factory):
     params = trained_params()
     meta = {"config": {"model": dataclasses.asdict(CFG), "tokenizer": {"path": TOKENIZER}, "data": {"add_bos": False}}}
     ckpt = ckpt_lib.save_params(base / "ckpt", params, meta)
-    load_script("export_hf").export(ckpt, str(base / "hf"))
+    load_script("export_hf").export(ckpt, str(base / "hf"), dtype="float32")
     lines = (SAMPLE / "definitions_mc.jsonl").read_text().splitlines()
     long_ctx = " ".join(["A word, defined at length, with its etymology and uses."] * 20)   # > SEQ tokens
     lines.append(json.dumps({"context": long_ctx + " The young of a cat is a", "choices": ["kitten", "puppy"],
@@ -286,7 +286,7 @@ def test_each_family_matches_the_hf_backend_per_request(family, setup, tmp_path)
     meta = {"config": {"model": dataclasses.asdict(cfg), "tokenizer": {"path": TOKENIZER},
                        "data": {"add_bos": False}}}
     ckpt = ckpt_lib.save_params(tmp_path / "ckpt", trained_params(cfg), meta)
-    load_script("export_hf").export(ckpt, str(tmp_path / "hf"))
+    load_script("export_hf").export(ckpt, str(tmp_path / "hf"), dtype="float32")
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == cfg.hf_model_type
     n_mc = len(_mc_lines(task_dir))
     docs = {"jx_mc": [0, 1, 2, 3, 4, 5, n_mc - 2, n_mc - 1], "jx_lambada": list(range(8))}

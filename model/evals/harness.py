@@ -63,7 +63,7 @@ class JaxptLM(TemplateLM):
             raise ValueError(f"jaxpt: unknown model_args {sorted(ignored)}; expected run_dir, step, batch_rows, "
                              "seq_len, dtype")
         path = run_dir if step is None else _step_dir(run_dir, int(step))
-        cfg, params, meta = load_params(path, dtype=dtype, remat="none")
+        cfg, params, meta = load_params(path, host=True, dtype=dtype, remat="none")   # sharded below
         run_cfg = meta.get("config") or {}
         tok_path = (run_cfg.get("tokenizer") or {}).get("path")
         if not tok_path:

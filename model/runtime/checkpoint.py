@@ -84,7 +84,7 @@ def use_array_handler() -> None:
 
 
 def _drop_own_override(record: logging.LogRecord) -> bool:
-    return not record.getMessage().startswith("Type handler registry type")
+    return not record.getMessage().startswith(("Type handler registry type", "Type handler registry overriding"))
 
 
 # Model settings that change how a step runs but not what the state holds: a run may resume
@@ -607,40 +607,149 @@ def resolve_checkpoint(path) -> tuple[str, int]:
     return point.directory, point.step
 
 
-def load_params(path, **model_overrides):
-    """(model config, params on the first device, meta) of a checkpoint; never reads the
-    optimizer state. `model_overrides` change runtime fields (e.g. dtype="float32")."""
-    from model.hf import abstract_params
+def _model_of(meta: dict, where: str, **model_overrides):
     from model.llama import LlamaConfig
 
-    directory, step = resolve_checkpoint(path)
-    with _read_only_manager(directory) as manager:
-        meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"] or {}
-        model_map = (meta.get("config") or {}).get("model")
-        if not model_map:
-            raise ValueError(f"{directory}/{step}: its meta holds no config.model; cannot tell the model's shapes")
-        cfg = LlamaConfig.from_mapping({**model_map, **model_overrides})
-        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        target = {"params": jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
-                                         abstract_params(cfg))}
-        args = ocp.args.PyTreeRestore(item=target, partial_restore=True,
-                                      restore_args=ocp.checkpoint_utils.construct_restore_args(target))
-        params = manager.restore(step, args=ocp.args.Composite(state=args))["state"]["params"]
-    return cfg, params, dict(meta, step=step, directory=directory)
+    model_map = (meta.get("config") or {}).get("model")
+    if not model_map:
+        raise ValueError(f"{where}: its meta holds no config.model; cannot tell the model's shapes")
+    return LlamaConfig.from_mapping({**model_map, **model_overrides})
+
+
+class HostParams:
+    """A checkpoint's parameters read one leaf at a time into host memory (numpy), never onto an
+    accelerator and never the whole tree at once: what export needs for a model larger than a
+    chip (an 8B's fp32 parameters are ~32 GB). Local paths and gs:// alike.
+
+        with HostParams(path) as ckpt:       # ckpt.cfg, ckpt.meta (with step, directory)
+            w = ckpt.read(("layers", "wq_dnh"))    # fp32 numpy, its stored shape
+    """
+
+    def __init__(self, path, **model_overrides):
+        from model.hf import abstract_params
+
+        self.directory, self.step = resolve_checkpoint(path)
+        self._manager = _read_only_manager(self.directory)
+        meta = self._manager.restore(self.step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"] or {}
+        self.cfg = _model_of(meta, f"{self.directory}/{self.step}", **model_overrides)
+        self.meta = dict(meta, step=self.step, directory=self.directory)
+        self.abstract = abstract_params(self.cfg)
+
+    def read(self, path: tuple) -> np.ndarray:
+        """One leaf of params (`path` into the params tree) as a numpy array, in its stored dtype."""
+        leaf = self.abstract
+        for key in path:
+            leaf = leaf[key]
+        target: dict = {"params": {}}
+        node = target["params"]
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = np.zeros((), leaf.dtype)      # a stand-in: only the leaf's place is read
+        restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)
+        args = ocp.args.PyTreeRestore(item=target, partial_restore=True, restore_args=restore_args)
+        value = self._manager.restore(self.step, args=ocp.args.Composite(state=args))["state"]["params"]
+        for key in path:
+            value = value[key]
+        if tuple(value.shape) != tuple(leaf.shape):
+            raise ValueError(f"{self.directory}/{self.step}: params.{'.'.join(map(str, path))} has shape "
+                             f"{tuple(value.shape)}, its config.model implies {tuple(leaf.shape)}")
+        return value
+
+    def close(self) -> None:
+        self._manager.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def load_params(path, *, host: bool = False, **model_overrides):
+    """(model config, params, meta) of a checkpoint; never reads the optimizer state.
+    `model_overrides` change runtime fields (e.g. dtype="float32").
+
+    The parameters are read leaf by leaf into host memory (HostParams), then put on the first
+    device one leaf at a time (what generate.py and the evals use: the host never holds a second
+    copy); host=True leaves them as numpy arrays."""
+    with HostParams(path, **model_overrides) as ckpt:
+        device = jax.devices()[0]
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(ckpt.abstract)
+        values = []
+        for key_path, _ in leaves:
+            value = ckpt.read(tuple(_key(k) for k in key_path))
+            values.append(value if host else jax.device_put(value, device))
+            del value
+        return ckpt.cfg, jax.tree_util.tree_unflatten(treedef, values), ckpt.meta
+
+
+def _key(k):
+    return getattr(k, "key", getattr(k, "idx", k))
+
+
+class LazyLeaf:
+    """A parameter save_params writes without holding it beforehand: `make()` returns the numpy
+    array (shape and dtype as given) when the save reaches it, and it is dropped once written."""
+
+    def __init__(self, shape, dtype, make: Callable[[], np.ndarray]):
+        self.shape, self.dtype, self.make = tuple(shape), np.dtype(dtype), make
+        self.size = int(np.prod(self.shape, dtype=np.int64))
+
+
+class _LazyLeafHandler(ocp.type_handlers.NumpyHandler):
+    """Writes LazyLeaf values one after another, each made just before it is written and freed
+    after, as the numpy arrays they become (the same files and metadata as np.ndarray leaves, so
+    a restore reads them as any saved array). Orbax's NumpyHandler writes all of its values
+    concurrently, which would hold them all at once."""
+
+    async def serialize(self, values, infos, args=None):
+        args = args or [ocp.type_handlers.SaveArgs()] * len(values)
+        return [ocp.future.CommitFutureAwaitingContractedSignals(self._one_by_one(values, infos, args),
+                                                                 name="lazy_leaf_handler")]
+
+    async def _one_by_one(self, values, infos, args):
+        for value, info, arg in zip(values, infos, args, strict=True):
+            array = value.make()
+            if tuple(array.shape) != value.shape or array.dtype != value.dtype:
+                raise ValueError(f"{info.name}: made {array.shape} {array.dtype}, expected {value.shape} {value.dtype}")
+            await self._background_serialize([array], [info], [arg])
+            del array
+
+
+def _use_lazy_leaf_handler() -> None:
+    """Registers _LazyLeafHandler for LazyLeaf (once per process). It shares NumpyHandler's typestr
+    ("np.ndarray", what the metadata records) on purpose: a restore that looks a handler up by
+    that name gets this one, whose reading is NumpyHandler's own."""
+    if ocp.type_handlers.has_type_handler(LazyLeaf):
+        return
+    absl_log = logging.getLogger("absl")
+    absl_log.addFilter(_drop_own_override)
+    try:
+        ocp.type_handlers.register_type_handler(LazyLeaf, _LazyLeafHandler(), override=True)
+    finally:
+        absl_log.removeFilter(_drop_own_override)
+
+
+def _is_url(path: str) -> bool:
+    return "://" in path
 
 
 def save_params(directory, params, meta: dict, step: int = 0) -> str:
     """A checkpoint `checkpoint.init_from=<directory>` accepts: item "state" = {"params": ...}
-    (no optimizer state, no data state) and item "meta". Refuses a directory with steps in it."""
-    import os
-
-    directory = os.path.abspath(os.fspath(directory))
-    if os.path.isdir(directory) and os.listdir(directory):
+    (no optimizer state, no data state) and item "meta". A local path or a gs:// URL. Leaves may
+    be arrays or LazyLeaf (made and written one at a time). Refuses a directory with anything in
+    it."""
+    directory = os.fspath(directory)
+    if not _is_url(directory):
+        directory = os.path.abspath(directory)
+    target = epath.Path(directory)
+    if target.exists() and any(True for _ in target.iterdir()):
         raise FileExistsError(f"{directory} is not empty; choose a new directory")
+    _use_lazy_leaf_handler()
     options = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False)
     use_array_handler()
     with ocp.CheckpointManager(directory, item_names=ITEMS, options=options) as manager:
-        manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave({"params": params}),
+        manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave({"params": params}),
                                                    meta=ocp.args.JsonSave(meta)))
         manager.wait_until_finished()
     return directory

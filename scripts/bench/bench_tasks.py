@@ -125,7 +125,7 @@ def main() -> None:
     spec = importlib.util.spec_from_file_location("export_hf", ROOT / "scripts" / "export_hf.py")
     export_hf = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(export_hf)
-    export_hf.export(ckpt, str(tmp / "hf"))
+    export_hf.export(ckpt, str(tmp / "hf"), dtype="float32")   # the same fp32 weights as ours
     (tmp / "tasks").mkdir()
     (tmp / "tasks" / "bench_mc.yaml").write_text(
         f"task: bench_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {task_file}\n"
