@@ -27,7 +27,7 @@ then its done/ marker, the manifest last; a restart lists --out once to find the
 
 On a pod every host converts its own share of the input files (input i goes to host
 i % process_count) into the same DIR on a shared bucket mount (or the same URL); the last host
-to finish writes the manifest (run it on all workers, each with its --process-index; see README).
+to finish writes the manifest (run it on all workers, each with its --process-index; see docs/data.md "Tokenize once").
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A tiny GPT trained in PyTorch on jaxpt's input pipeline (data/torch.py), the loop README "From
+"""A tiny GPT trained in PyTorch on jaxpt's input pipeline (data/torch.py), the loop docs/pytorch.md "From
 PyTorch" shows. On CPU, two ranks:
 
     torchrun --nproc-per-node 2 scripts/torch_example.py --steps 40 --out /tmp/torch_example

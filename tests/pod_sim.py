@@ -11,7 +11,7 @@ gives a shell, and nothing else:
     JAX_COORDINATOR_PORT, jax's own setting for the coordinator port (a free one instead of
     8482, so that simulations running side by side do not collide).
 
-By hand (rehearse the launcher on any machine; README "Rehearse on a simulated pod"):
+By hand (rehearse the launcher on any machine; docs/tpu-pod.md "Rehearse on a simulated pod"):
 
     python tests/pod_sim.py /tmp/pod-sim --workers 2      # prints the two exports to use
 """

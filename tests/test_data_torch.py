@@ -246,7 +246,7 @@ def test_two_gloo_ranks_with_stateful_dataloader_then_world_one(corpus, tmp_path
 
 @pytest.mark.slow
 def test_example_loop_learns_and_resumes_at_another_world(tmp_path):
-    """scripts/torch_example.py, README "From PyTorch": a tiny GPT's loss falls on the bundled sample
+    """scripts/torch_example.py, docs/pytorch.md: a tiny GPT's loss falls on the bundled sample
     over 2 gloo ranks; run again on 1 rank it continues from the saved model and data positions."""
     def run(ranks, steps):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),

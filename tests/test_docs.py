@@ -47,6 +47,8 @@ DELEGATED_CLI = {"scripts/run_lm_eval.py"}      # lm_eval's
 # What Hydra reads as an override's key: [+|++|~]key.path, list indices and @packages included.
 OVERRIDE_KEY = re.compile(r"^(\+\+|\+|~)?[A-Za-z_][\w./@-]*$")
 # Never copied for a runnable bash block (the repo copy it runs in).
+# A runnable snippet importing one of these runs only where its extra is installed (skips otherwise).
+OPTIONAL_IMPORTS = {"torch": "torch", "torchdata": "torch", "transformers": "hf", "lm_eval": "eval"}
 COPY_IGNORE = shutil.ignore_patterns(".git", "runs", "outputs", "multirun", "wandb", "__pycache__", ".pytest_cache",
                                      ".ruff_cache", "*.egg-info", ".whl", ".venv", "venv", ".gpu")
 
@@ -601,8 +603,84 @@ def test_runnable_blocks_exit_0(doc, block, tmp_path):
         blocks = runnable_blocks(SYNTHETIC_RUNNABLE)
         assert [(b.lang, b.line) for b in blocks] == [("python", 4)]
         doc, block = Path("SYNTHETIC.md"), blocks[0]
+    needs = {m for m in re.findall(r"^\s*(?:from|import) (\w+)", "\n".join(s for _, s in block.lines), re.M)
+             if m in OPTIONAL_IMPORTS}
+    for module in sorted(needs):    # a snippet of an optional extra's page runs where the extra is installed
+        pytest.importorskip(module, reason=f"{rel(doc)}:{block.line} needs the {OPTIONAL_IMPORTS[module]} extra")
     r = run_block(block, tmp_path)
     assert r.returncode == 0, f"{rel(doc)}:{block.line}: exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+
+
+# Markdown links: [text](target) and [text](target#anchor), not inside code.
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def heading_anchors(text: str) -> set[str]:
+    """The anchors GitHub gives a page: each heading's slug (lowercase; punctuation but - and _
+    dropped; spaces to -; repeats numbered -1, -2, ...) and every explicit <a id="...">."""
+    anchors: set[str] = set(re.findall(r'<a id="([^"]+)"', text))
+    seen: dict[str, int] = {}
+    blocks, _ = split_markdown(text)
+    in_code = {n for b in blocks for n, _ in b.lines} | {b.line for b in blocks}
+    for n, line in enumerate(text.splitlines(), 1):
+        m = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if not m or n in in_code:
+            continue
+        slug = re.sub(r"[^\w\- ]", "", m.group(1).lower()).replace(" ", "-")
+        k = seen.get(slug, 0)
+        seen[slug] = k + 1
+        anchors.add(slug if k == 0 else f"{slug}-{k}")
+    return anchors
+
+
+def link_errors(doc: Path, text: str) -> list[str]:
+    """Relative links that name a missing file, or an anchor the target page does not have."""
+    errors = []
+    blocks, _ = split_markdown(text)
+    in_code = {n for b in blocks for n, _ in b.lines}
+    for n, line in enumerate(text.splitlines(), 1):
+        if n in in_code:
+            continue
+        for target in LINK.findall(re.sub(r"`[^`]*`", "", line)):
+            if re.match(r"^[a-z]+:", target):          # http:, https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (doc.parent / path).resolve() if path else doc
+            if not dest.exists():
+                errors.append(f"{rel(doc)}:{n}: link to {path}: no such file")
+            elif anchor and dest.suffix == ".md" and anchor not in heading_anchors(dest.read_text()):
+                errors.append(f"{rel(doc)}:{n}: link to {target}: {rel(dest)} has no heading #{anchor}")
+    return errors
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=rel)
+def test_doc_links_reach_their_pages_and_headings(doc):
+    errors = link_errors(doc, doc.read_text())
+    assert not errors, "\n".join(errors)
+
+
+def test_link_checker_reports_a_missing_page_and_heading(tmp_path):
+    (tmp_path / "a.md").write_text("# A page\n\n## Some `code`: here\n")
+    doc = tmp_path / "b.md"
+    text = ("[ok](a.md) [ok](a.md#some-code-here) [x](nope.md)\n[y](a.md#nowhere) [web](https://x.org/a#b)\n"
+            "```\n[in code](nope.md)\n```\n")
+    assert [e.split(": ", 1)[1] for e in link_errors(doc, text)] == [
+        "link to nope.md: no such file", f"link to a.md#nowhere: {tmp_path / 'a.md'} has no heading #nowhere"]
+
+
+def test_readme_install_table_names_every_extra():
+    """README's install table (header `| extra |`) lists each extra of pyproject.toml, no more, no less."""
+    tomllib = pytest.importorskip("tomllib")
+    extras = set(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    lines = (REPO / "README.md").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| extra |"))
+    named = set()
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        named |= set(re.findall(r"`([\w-]+)`", line.split("|")[1]))
+    assert named == extras, f"README's install table: missing {sorted(extras - named)}, " \
+                            f"unknown {sorted(named - extras)}"
 
 
 def test_readme_experiments_table():

@@ -47,7 +47,7 @@ def test_every_experiment_composes(experiment, tmp_path, monkeypatch):
 # ---------------------------------------------------------------- the GPU host recipe
 @pytest.mark.parametrize("gpus, microbatches", [(8, 2), (4, 4), (2, 8), (1, 16)])
 def test_readme_gpu_overrides_build_for_their_device_count(gpus, microbatches, tmp_path):
-    """README "GPUs": gpu_8_llama_1b with the table's train.microbatches for 1, 2 and 4 GPUs builds
+    """docs/gpus.md: gpu_8_llama_1b with the table's train.microbatches for 1, 2 and 4 GPUs builds
     its program (mesh, shardings, batch split; no compile) on that many devices, 16 rows a GPU a pass."""
     import jax
 

@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from train import PROJECT_ROOT as ROOT  # the project is installed editable (README)
+from train import PROJECT_ROOT as ROOT  # the project is installed editable
 
 
 def run(setting: str, steps: int, log_every: int, measure: int, overrides: list[str], out: Path) -> dict:

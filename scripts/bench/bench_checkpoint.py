@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 
-from train import PROJECT_ROOT  # the repo root (the project is installed editable, README)
+from train import PROJECT_ROOT  # the repo root (the project is installed editable)
 
 
 def main() -> None:

@@ -32,7 +32,7 @@ import subprocess
 import sys
 import time
 
-from train import PROJECT_ROOT  # the repo root (the project is installed editable, README)
+from train import PROJECT_ROOT  # the repo root (the project is installed editable)
 
 REPO = str(PROJECT_ROOT)
 sys.path.insert(0, REPO)

@@ -24,7 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from train import PROJECT_ROOT as ROOT  # the project is installed editable (README)
+from train import PROJECT_ROOT as ROOT  # the project is installed editable
 
 # System calls that read a file's metadata without reading the file.
 METADATA = {"stat", "lstat", "newfstatat", "fstatat64", "statx", "access", "faccessat", "faccessat2",

@@ -34,7 +34,7 @@ import sys
 
 import bench_input  # beside this file  (the tokenizer-alone floor, pipeline runs, RSS sampling)
 
-from train import PROJECT_ROOT  # the project is installed editable (README)
+from train import PROJECT_ROOT  # the project is installed editable
 
 
 def convert(paths, tokenizer, out):

@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 
-from train import PROJECT_ROOT  # the repo root (the project is installed editable, README)
+from train import PROJECT_ROOT  # the repo root (the project is installed editable)
 
 SCRIPT = PROJECT_ROOT / "scripts" / "show_step.py"
 

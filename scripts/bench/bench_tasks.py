@@ -26,7 +26,7 @@ import jax
 import numpy as np
 import yaml
 
-from train import PROJECT_ROOT as ROOT  # the project is installed editable (README)
+from train import PROJECT_ROOT as ROOT  # the project is installed editable
 
 sys.path.insert(0, str(ROOT))
 from data.tokenizer import load_tokenizer  # noqa: E402
