@@ -107,7 +107,8 @@ def run(cfg: DictConfig) -> dict:
         saved_listing = None if cfg.checkpoint.allow_data_change else start.meta.get("files")
         listing = data_lib.run_listing(s.data.patterns(), s.eval_paths, saved_listing,
                                        from_process_0=distributed.from_process_0)
-        data_cfg, eval_cfg, train_files, eval_files = data_lib.split_eval(s.data, listing, s.holdout)
+        data_cfg, eval_cfg, train_files, eval_files = data_lib.split_eval(s.data, listing, s.holdout,
+                                                                          s.eval_min_doc_tokens)
         data_lib.check_files(data_cfg, process_count, train_files)
     events.add("listing")
     if is_main:
@@ -202,7 +203,8 @@ def run(cfg: DictConfig) -> dict:
         logger = MetricsLogger(cfg, s.run_dir, enabled=is_main, start_step=start_step,
                                wandb_id=start.meta.get("wandb_id"))
         cleanup.callback(logger.close)
-        rows = Rows(meter, LoopEvals(held_out, cfg.train.eval_every, tasks, cfg.train.steps), logger, events,
+        evals = LoopEvals(held_out, cfg.train.eval_every, tasks, cfg.train.steps, s.position_buckets)
+        rows = Rows(meter, evals, logger, events,
                     watchdog, log_every=cfg.train.log_every, last_step=cfg.train.steps)
         profile = Profiler(cfg.profile.steps, s.run_dir / "profile", enabled=is_main)
         cleanup.callback(profile.maybe_stop, None)
@@ -285,6 +287,8 @@ class Settings(NamedTuple):
     on_divergence: str
     divergence_skips: int
     warmup_notice: str | None
+    eval_min_doc_tokens: int = 0    # data.eval.min_doc_tokens: the held-out documents' length bucket
+    position_buckets: int = 0       # data.eval.position_buckets: the held-out loss by position
 
 
 @contextlib.contextmanager
@@ -298,7 +302,7 @@ def config_errors(*kinds):
 
 def check_config(cfg: DictConfig) -> Settings:
     """Every setting checked that can be without hosts, files or devices; raises ConfigError."""
-    from data.heldout import data_settings
+    from data.heldout import data_settings, eval_options
     from model.evals.evaluate import TasksConfig
     from model.optimizer import resolve_warmup
     from model.runtime import rollback as rollback_lib
@@ -321,14 +325,19 @@ def check_config(cfg: DictConfig) -> Settings:
                                                       cfg.tokenizer.path)
         _, _, warmup_notice = resolve_warmup(cfg.optimizer, cfg.train.steps)
         TasksConfig.from_mapping(OmegaConf.to_container(cfg.eval, resolve=True))   # eval.tasks, read later
+        eval_min_doc_tokens, position_buckets = eval_options(OmegaConf.to_container(cfg.data, resolve=True).get("eval"))
     if data_cfg.seq_len > model_cfg.max_seq_len:
         raise ConfigError(f"data.seq_len={data_cfg.seq_len} exceeds model.max_seq_len={model_cfg.max_seq_len}")
     loss_chunk = int(cfg.train.loss_chunk)
     if loss_chunk < 0 or (loss_chunk and data_cfg.seq_len % loss_chunk):
         raise ConfigError(f"train.loss_chunk={loss_chunk} must divide data.seq_len={data_cfg.seq_len} "
                           "(0: the whole sequence at once)")
+    if position_buckets > data_cfg.seq_len:
+        raise ConfigError(f"data.eval.position_buckets={position_buckets} exceeds data.seq_len={data_cfg.seq_len}: "
+                          "at most one bucket per position")
     return Settings(Path(cfg.paths.run_dir), model_cfg, tx, schedule, data_cfg, eval_paths, holdout,
-                    hang_timeout_s, on_divergence, divergence_skips, warmup_notice)
+                    hang_timeout_s, on_divergence, divergence_skips, warmup_notice, eval_min_doc_tokens,
+                    position_buckets)
 
 
 def check_plan(cfg: DictConfig, s: Settings, process_count: int, devices=None, *, hub_tokenizer: bool = True):

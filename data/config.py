@@ -6,6 +6,7 @@ import dataclasses
 from data.autoworkers import check_num_workers, check_ram_budget, is_auto
 from data.listing import list_paths
 from data.readers import formats
+from data.streams import buckets
 from data.tokenizer import BOS_NAMES, load_tokenizer, special_ids, tokenizer_file, tokenizer_hash
 
 PACKINGS = ("concat", "first_fit")
@@ -22,6 +23,8 @@ class SourceConfig:
     paths: tuple[str, ...]
     weight: float
     text_key: str | None = None
+    min_tokens: int | None = None   # a length bucket (data/streams/buckets.py): documents of at least /
+    max_tokens: int | None = None   # at most this many tokens (None or 0: no bound)
 
     @classmethod
     def from_mapping(cls, m, index: int) -> "SourceConfig":
@@ -42,7 +45,8 @@ class SourceConfig:
             weight = float(m["weight"])
         except (TypeError, ValueError):
             raise ValueError(f"{where}.weight={m['weight']!r}: must be a number > 0") from None
-        return cls(name=str(m["name"]), paths=paths, weight=weight, text_key=m.get("text_key"))
+        return cls(name=str(m["name"]), paths=paths, weight=weight, text_key=m.get("text_key"),
+                   min_tokens=m.get("min_tokens"), max_tokens=m.get("max_tokens"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +85,11 @@ class DataConfig:
     # every source continuing from its own saved position (data/state.py mixture_changes);
     # "refuse": any data change is refused.
     mixture_change: str = "refuse"
+    # A length bucket for data.paths (data/streams/buckets.py): keep only documents of at least /
+    # at most this many tokens (0 or None: no bound); a source of data.sources has its own
+    # min_tokens / max_tokens.
+    min_doc_tokens: int | None = 0
+    max_doc_tokens: int | None = 0
 
     def __post_init__(self):
         p = self.paths
@@ -100,6 +109,19 @@ class DataConfig:
 
     def source_text_key(self, src: SourceConfig) -> str:
         return src.text_key or self.text_key
+
+    def bucket(self) -> dict:
+        """data.paths' length bucket as StreamSpec fields (data/streams/shard.py)."""
+        lo, hi = buckets.check_bounds(self.min_doc_tokens, self.max_doc_tokens, "data.min_doc_tokens",
+                                      "data.max_doc_tokens")
+        return _bucket_fields(lo, hi, "data.min_doc_tokens" if lo else "data.max_doc_tokens")
+
+    def source_bucket(self, src: SourceConfig) -> dict:
+        """A source's length bucket as StreamSpec fields."""
+        where = f"data.sources[{src.name}]"
+        lo, hi = buckets.check_bounds(src.min_tokens, src.max_tokens, f"{where}.min_tokens",
+                                      f"{where}.max_tokens")
+        return _bucket_fields(lo, hi, f"{where}.min_tokens" if lo else f"{where}.max_tokens")
 
     @classmethod
     def from_mapping(cls, m) -> "DataConfig":
@@ -123,10 +145,19 @@ class DataConfig:
         return cls(**m)
 
 
+def _bucket_fields(lo: int, hi: int, key: str) -> dict:
+    return {"min_tokens": lo, "max_tokens": hi, "bucket_key": key if lo or hi else ""}
+
+
 def check_sources(cfg: DataConfig) -> None:
-    """The mixture's shape, checked when the config is read (no file system access)."""
+    """The mixture's shape and the length buckets, checked when the config is read (no file
+    system access)."""
+    cfg.bucket()
     if not cfg.sources:
         return
+    if cfg.min_doc_tokens or cfg.max_doc_tokens:
+        raise ValueError("data.min_doc_tokens / data.max_doc_tokens bucket data.paths: with data.sources, "
+                         "give each source its own min_tokens / max_tokens")
     if cfg.paths:
         raise ValueError("set data.paths (one source) or data.sources (a mixture), not both: "
                          "with data=... configs, override data.paths=[] to use data.sources")
@@ -144,6 +175,7 @@ def check_sources(cfg: DataConfig) -> None:
         if not src.paths:
             raise ValueError(f"{where}.paths is empty: give one or more globs of files ("
                              f"{formats.READ_FORMATS})")
+        cfg.source_bucket(src)
 
 
 def check_shards(cfg: DataConfig, process_count: int, n_files: int | None) -> None:

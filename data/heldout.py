@@ -15,10 +15,12 @@ from data.listing import all_files
 
 
 def eval_settings(eval_map: dict) -> tuple[list, int]:
-    """(data.eval.paths, data.eval.holdout_files), checked without touching the files."""
-    unknown = set(eval_map) - {"paths", "holdout_files"}
+    """(data.eval.paths, data.eval.holdout_files), checked without touching the files (and the
+    other data.eval settings: eval_options)."""
+    unknown = set(eval_map) - {"paths", "holdout_files", "min_doc_tokens", "position_buckets"}
     if unknown:
         raise ValueError(f"unknown setting(s): {', '.join(sorted('data.eval.' + k for k in unknown))}")
+    eval_options(eval_map)
     paths = eval_map.get("paths")
     # One glob or a list of globs (data.eval.paths='/mnt/rp/held_out/*.json.gz' works).
     eval_paths = [paths] if isinstance(paths, str) else list(paths or [])
@@ -26,6 +28,20 @@ def eval_settings(eval_map: dict) -> tuple[list, int]:
     if eval_paths and holdout:
         raise ValueError("set data.eval.paths or data.eval.holdout_files, not both")
     return eval_paths, holdout
+
+
+def eval_options(eval_map: dict | None) -> tuple[int, int]:
+    """(data.eval.min_doc_tokens, data.eval.position_buckets), checked: the held-out documents'
+    length bucket (data/streams/buckets.py; 0: all documents) and the number of position buckets
+    the held-out loss is also reported in (model/evals/evaluate.py position_losses; 0: none)."""
+    eval_map = eval_map or {}
+    out = []
+    for key in ("min_doc_tokens", "position_buckets"):
+        v = eval_map.get(key) or 0
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"data.eval.{key}={v!r}: must be an integer >= 0 (0: off)")
+        out.append(v)
+    return out[0], out[1]
 
 
 def data_settings(data_map: dict, tokenizer: str) -> tuple[DataConfig, list, int]:
@@ -42,11 +58,13 @@ def data_settings(data_map: dict, tokenizer: str) -> tuple[DataConfig, list, int
     return data_cfg, eval_paths, holdout
 
 
-def split_eval(data_cfg: DataConfig, listing: dict, holdout: int):
+def split_eval(data_cfg: DataConfig, listing: dict, holdout: int, min_doc_tokens: int = 0):
     """(training config, held-out config or None, training files, held-out files). The held-out
     set is `data.eval.paths` (must not overlap training files), or the last
     `data.eval.holdout_files` files of the training list, removed from training. With
-    data.sources the held-out files come from data.eval.paths only, read with data.text_key."""
+    data.sources the held-out files come from data.eval.paths only, read with data.text_key.
+    Held-out documents are bucketed by `min_doc_tokens` (data.eval.min_doc_tokens) only, never by
+    the training data's bucket."""
     train_files, eval_files = listing["train"], listing["eval"]
     if eval_files:
         overlap = sorted(set(eval_files) & set(all_files(train_files)))
@@ -62,7 +80,8 @@ def split_eval(data_cfg: DataConfig, listing: dict, holdout: int):
         return data_cfg, None, train_files, []
     eval_cfg = dataclasses.replace(data_cfg, sources=(), num_workers=0,
                                    num_shards=_eval_shards(data_cfg.global_batch_size, len(eval_files)),
-                                   shuffle_window=0, files_per_stream=1)
+                                   shuffle_window=0, files_per_stream=1,
+                                   min_doc_tokens=min_doc_tokens, max_doc_tokens=0)
     return data_cfg, eval_cfg, train_files, eval_files
 
 
@@ -99,7 +118,7 @@ class HeldOutSet:
     """A fixed set of held-out batches, built once and kept on device, so every evaluation sees
     the same tokens. Every host reads the same eval rows and keeps its slice of each batch: the
     held-out set may be a single file, fewer than the hosts. `eval_step(params, batch)` returns
-    {"loss_sum", "n_tokens"} (model/step.py)."""
+    {"loss_sum", "n_tokens", "loss_by_pos", "tokens_by_pos"} (model/step.py)."""
 
     def __init__(self, eval_cfg: DataConfig, files: list[str], n_batches: int, sharding,
                  eval_step: Callable, tokenizer):
@@ -119,8 +138,15 @@ class HeldOutSet:
             it.close()
         self.eval_step = eval_step
 
-    def loss(self, params) -> float:
+    def sums(self, params) -> dict:
+        """The eval step's sums over all held-out batches, on the host: loss_sum and n_tokens
+        (scalars), loss_by_pos and tokens_by_pos ([seq_len]: by the token's position in its
+        document within the row)."""
         import jax
 
         sums = jax.device_get([self.eval_step(params, b) for b in self.batches])
-        return float(sum(s["loss_sum"] for s in sums) / max(1, sum(s["n_tokens"] for s in sums)))
+        return {k: sum(s[k] for s in sums) for k in sums[0]}
+
+    def loss(self, params) -> float:
+        s = self.sums(params)
+        return float(s["loss_sum"] / max(1, s["n_tokens"]))

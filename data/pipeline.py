@@ -48,7 +48,7 @@ def stream_spec(cfg: DataConfig, process_index: int, process_count: int, files, 
         eos_id=eos, bos_id=-1 if bos is None else bos)
     if cfg.sources:
         return mixture_spec(spec, cfg, files)
-    return dataclasses.replace(spec, sizes=url_sizes(files), **records.stream_fields(files))
+    return dataclasses.replace(spec, sizes=url_sizes(files), **records.stream_fields(files), **cfg.bucket())
 
 
 def make_host_dataset(cfg: DataConfig, process_index: int, process_count: int,
@@ -219,6 +219,7 @@ def consumed_figures(state, base_state) -> dict:
         "padding_frac": pad / max(1, tokens + pad),
         "docs_per_row": d["segs"] / max(1, rows),
         "truncated_tokens": d["trunc"], "dropped_tokens": d["drop"],
+        "out_of_bucket_documents": d["oob"],
         "bad_records": {k: v for k, v in bad.items() if v},
         "bad_examples": c["badex"][:10],
         **_source_figures(state, base_state),
@@ -246,6 +247,7 @@ def _source_figures(state, base_state) -> dict:
             f"source/{name}/rows": d["rows"], f"source/{name}/padding_tokens": d["pad"],
             f"source/{name}/epoch": now[name]["epoch"],
             f"source/{name}/bad_records": sum(bad_now.values()) - sum(bad_base.values()),
+            f"source/{name}/out_of_bucket_documents": d["oob"],
             f"source/{name}/token_share": d["tokens"] / tokens,
             f"source/{name}/row_share": d["rows"] / rows,
         })

@@ -86,6 +86,12 @@ def _split_marks(key: str, files: list[str], num_shards: int) -> dict:
     return marks
 
 
+def bucket_marks(min_key: str, max_key: str, bucket: dict) -> dict:
+    """A length bucket's bounds (data/streams/buckets.py), named only when set: the fingerprint
+    of a run without one stays what it was."""
+    return {k: bucket[f] for k, f in ((min_key, "min_tokens"), (max_key, "max_tokens")) if bucket[f]}
+
+
 def fingerprint(cfg: DataConfig, tokenizer=None,
                 files: list[str] | dict[str, list[str]] | None = None) -> dict:
     """What the saved data positions depend on. A mixture adds, per source,
@@ -103,6 +109,7 @@ def fingerprint(cfg: DataConfig, tokenizer=None,
     # then, so that the fingerprint of an unsplit run stays what it was
     if not cfg.sources:
         fp.update(_split_marks("file_split", flat, cfg.num_shards))
+        fp.update(bucket_marks("min_doc_tokens", "max_doc_tokens", cfg.bucket()))
     else:
         total = sum(src.weight for src in cfg.sources)
         fp["sources"] = [src.name for src in cfg.sources]
@@ -111,6 +118,8 @@ def fingerprint(cfg: DataConfig, tokenizer=None,
                        f"source.{src.name}.files": files_hash(files[src.name]),
                        f"source.{src.name}.num_files": len(files[src.name]),
                        f"source.{src.name}.text_key": cfg.source_text_key(src)})
+            fp.update(bucket_marks(f"source.{src.name}.min_tokens", f"source.{src.name}.max_tokens",
+                                   cfg.source_bucket(src)))
             fp.update(_split_marks(f"source.{src.name}.file_split", files[src.name], cfg.num_shards))
     # A converted directory: the manifest holds documents and tokens per file, so its hash
     # identifies the corpus without reading (or walking) the files.
@@ -223,7 +232,7 @@ def sum_counters(shard_states: dict) -> dict:
     for _, st in sorted(shard_states.items(), key=lambda kv: int(kv[0])):
         c = st["c"]
         for k in COUNTER_KEYS:
-            tot[k] += int(c[k])
+            tot[k] += int(c.get(k, 0))
         for k, v in c["bad"].items():
             bad[k] = bad.get(k, 0) + int(v)
         ex.extend(c["badex"])

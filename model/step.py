@@ -276,7 +276,10 @@ def make_train_step(model_cfg, tx, mesh: Mesh, rules, state_shardings, z_loss: f
 
 
 def make_eval_step(model_cfg, mesh: Mesh, rules, state_shardings, loss_chunk: int = 0) -> Callable:
-    """jitted (params, batch) -> {"loss_sum", "n_tokens"} over loss_mask tokens."""
+    """jitted (params, batch) -> {"loss_sum", "n_tokens"} over loss_mask tokens, and the same by
+    the input token's position in its document ("loss_by_pos", "tokens_by_pos": [t]; positions
+    restart at each document and row start), for the held-out loss by position
+    (model/evals/evaluate.py position_losses)."""
     cfg = as_cfg(model_cfg)
     graphdef, _ = abstract_model(cfg)
     b_sh = batch_sharding(mesh, rules)
@@ -285,7 +288,11 @@ def make_eval_step(model_cfg, mesh: Mesh, rules, state_shardings, loss_chunk: in
         with shd.activation_sharding(mesh, rules):
             ce_bt, _ = model_token_losses(nnx.merge(graphdef, params), batch, loss_chunk)
         mask_bt = batch["loss_mask"].astype(jnp.float32)
-        return {"loss_sum": (ce_bt * mask_bt).sum(), "n_tokens": mask_bt.sum()}
+        t = mask_bt.shape[1]
+        pos_bt = jnp.clip(batch["positions"], 0, t - 1)
+        by_pos = lambda x_bt: jnp.zeros(t, jnp.float32).at[pos_bt].add(x_bt)  # noqa: E731
+        return {"loss_sum": (ce_bt * mask_bt).sum(), "n_tokens": mask_bt.sum(),
+                "loss_by_pos": by_pos(ce_bt * mask_bt), "tokens_by_pos": by_pos(mask_bt)}
 
     return jax.jit(step, in_shardings=(state_shardings["params"], {k: b_sh for k in BATCH_KEYS}),
                    out_shardings=shd.replicated(mesh))

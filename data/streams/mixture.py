@@ -80,7 +80,7 @@ def mixture_spec(base: StreamSpec, cfg, files: dict[str, list[str]]) -> StreamSp
         (src.name, src.weight,
          dataclasses.replace(base, files=tuple(files[src.name]), text_key=cfg.source_text_key(src),
                              seed=source_seed(cfg.seed, src.name), sizes=url_sizes(files[src.name]),
-                             **records.stream_fields(files[src.name])))
+                             **records.stream_fields(files[src.name]), **cfg.source_bucket(src)))
         for src in cfg.sources))
 
 
@@ -164,7 +164,7 @@ def add_counters(states) -> dict:
     for st in states:
         c = st["c"]
         for key in COUNTER_KEYS:
-            tot[key] += int(c[key])
+            tot[key] += int(c.get(key, 0))
         for key, v in c["bad"].items():
             tot["bad"][key] = tot["bad"].get(key, 0) + int(v)
         tot["badex"].extend(c["badex"])

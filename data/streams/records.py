@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from data.streams import packing
+from data.streams import buckets, packing
 from data.streams.permutation import FeistelPermutation
 from data.streams.shard import COUNTER_KEYS, WindowRows, zero_counters
 
@@ -347,8 +347,9 @@ class RecordShardStream(WindowRows):
         self._ahead.clear()
         self._next = (int(s["epoch"]), int(s["pos"]))
         self.packer.set_carry(s["carry"])
-        self.c = {k: int(s["c"][k]) for k in COUNTER_KEYS}
+        self.c = {k: int(s["c"].get(k, 0)) for k in COUNTER_KEYS}
         self._start = s
+        self._kept_epoch = int(s["epoch"])   # a bucketed shard's last epoch with a kept document
         self._install(self._pack_window())
         self._skip_emitted(int(st["emitted"]), len(self.tok))
 
@@ -362,17 +363,27 @@ class RecordShardStream(WindowRows):
 
     def _pack_window(self) -> tuple:
         """Whole blocks until at least one row: their documents with EOS (BOS), packed ->
-        (tok, did, seg, pos, m_tok, m_docs, m_segs). Advances the read-ahead and the packer:
-        run by one thread at a time (the caller's, or the packing thread for the next window
-        while the caller hands out the current one's rows)."""
-        parts, n = [], 0
+        (tok, did, seg, pos, m_tok, m_docs, m_segs, documents dropped by the length bucket).
+        Advances the read-ahead and the packer: run by one thread at a time (the caller's, or
+        the packing thread for the next window while the caller hands out the current one's rows)."""
+        parts, n, oob = [], 0, 0
+        sp = self.spec
         while n == 0:
             self._fill_ahead()
             blk = self._ahead.popleft()
             flat, lens = blk.tokens(self.dtype)
-            ones = np.ones(blk.count, bool)
             # doc ids unique over epochs: segment ids never merge one document's two epochs
             dids = blk.epoch * self.N + blk.docs
+            if sp.min_tokens or sp.max_tokens:
+                flat, lens, dids, dropped = buckets.keep_records(flat, lens, dids, sp.min_tokens, sp.max_tokens)
+                oob += dropped
+                if not len(lens):
+                    if blk.epoch >= self._kept_epoch + 2:
+                        raise buckets.stuck(self.shard, len(sp.files), sp.min_tokens, sp.max_tokens,
+                                            sp.bucket_key)
+                    continue
+                self._kept_epoch = blk.epoch
+            ones = np.ones(len(lens), bool)
             tok, did, first = packing.assemble(flat, lens, dids, ones, ones, self.eos, self.bos)
             if isinstance(self.packer, packing.FirstFitPacker):
                 rows = self.packer.add(tok, did, first, lasts_end=True)
@@ -388,7 +399,7 @@ class RecordShardStream(WindowRows):
             tok, did, first = (np.concatenate([p[i] for p in parts]) for i in range(3))
         seg, pos = packing.segments_positions(did)
         return (tok, did, seg, pos, (did >= 0).sum(1).tolist(), first.sum(1).tolist(),
-                seg.max(1).tolist())
+                seg.max(1).tolist(), oob)
 
     def _install(self, window: tuple) -> None:
         """Makes `window` the current one and starts packing the next on the packing thread.
@@ -399,7 +410,8 @@ class RecordShardStream(WindowRows):
         over the batches in between; the next window's start is taken before its packing
         moves the read-ahead and the packer."""
         (self.tok, self.did, self.seg, self.pos, self.m_tok, self.m_docs,
-         self.m_segs) = window
+         self.m_segs, oob) = window
+        self.c["oob"] += oob     # the window's out-of-bucket documents, counted when it starts
         self.emitted = 0
         self._next_start = self._snapshot()
         self._next_window = _packing_thread().submit(self._pack_window)

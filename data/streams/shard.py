@@ -36,7 +36,7 @@ import numpy as np
 
 from data.readers import objstore
 from data.readers.sources import BadRecords, ShardReader
-from data.streams import packing
+from data.streams import buckets, packing
 from data.timing import zero_times
 from data.tokenizer import BatchEncoder
 
@@ -44,7 +44,9 @@ from data.tokenizer import BatchEncoder
 # points, files split across shards when there are fewer files than shards
 STATE_VERSION = 3
 STATE_MARK = "__vshards__"
-COUNTER_KEYS = ("rows", "docs", "tokens", "pad", "segs", "trunc", "drop")
+# "oob": documents dropped by a length bucket (data/streams/buckets.py), counted per window built;
+# states saved before it existed lack it (read with .get)
+COUNTER_KEYS = ("rows", "docs", "tokens", "pad", "segs", "trunc", "drop", "oob")
 # Characters per tokenizer call: about one shuffle window of text, at most CHUNK_CHARS.
 # Windows are whole chunks, so this is part of the data order: changing it changes the
 # batches (and needs a new STATE_VERSION).
@@ -102,6 +104,11 @@ class StreamSpec:
     # ((url, size), ...) of `files` listed from URL patterns: a worker process opens them without
     # asking the store for their metadata (data/readers/objstore.py SIZES); () for local files
     sizes: tuple = ()
+    # A length bucket (data/streams/buckets.py): keep documents of min_tokens..max_tokens tokens
+    # (0: no bound); bucket_key names the setting in messages
+    min_tokens: int = 0
+    max_tokens: int = 0
+    bucket_key: str = ""
 
 
 def url_sizes(files) -> tuple:
@@ -210,10 +217,11 @@ class ShardStream(WindowRows):
         self.packer.set_carry(s["carry"])
         self.win = int(s["win"])
         c = s["c"]
-        self.c = {k: int(c[k]) for k in COUNTER_KEYS}
+        self.c = {k: int(c.get(k, 0)) for k in COUNTER_KEYS}
         self.bad.counts = {k: int(v) for k, v in c["bad"].items()}
         self.bad.examples = list(c["badex"])
         self._start = s
+        self._kept_epoch = int(s["reader"]["epoch"])   # a bucketed shard's last epoch with a kept document
         k, n = int(st["emitted"]), st.get("rows")
         if head_rows and n is not None and k + head_rows <= int(n):
             self._restore_head(st, k, int(n), head_rows)
@@ -240,7 +248,7 @@ class ShardStream(WindowRows):
         self.rows = n
         self.emitted = k
         c = st["c"]
-        self.c = {key: int(c[key]) for key in COUNTER_KEYS}
+        self.c = {key: int(c.get(key, 0)) for key in COUNTER_KEYS}
         self._bad_now = (dict(c["bad"]), list(c["badex"]))
 
     def _window_perm(self, n: int) -> list:
@@ -270,12 +278,14 @@ class ShardStream(WindowRows):
         """Reads pieces up to chunk_chars and hands them to the encoder's pool at once, so the
         tokenizer (Rust, GIL released) runs while this thread reads the next chunk and packs
         the previous one. A chunk depends only on the reader position it starts at, which
-        keeps windows (whole chunks) identical after a restore."""
+        keeps windows (whole chunks) identical after a restore. With a length bucket a chunk ends
+        with a document's last piece: a document is judged whole (data/streams/buckets.py)."""
         ch = _Chunk(self.reader.get_state(), dict(self.bad.counts), list(self.bad.examples))
         texts, dids, firsts, lasts = [], [], [], []
         chars = 0
         next_piece = self.reader.next_piece
-        while chars < self.chunk_chars:
+        whole = bool(self.spec.min_tokens or self.spec.max_tokens)
+        while chars < self.chunk_chars or (whole and not lasts[-1]):
             text, did, first, last = next_piece()
             texts.append(text)
             dids.append(did)
@@ -320,6 +330,11 @@ class ShardStream(WindowRows):
             t1 = time.perf_counter()
             times["tokenize_wait"] += t1 - t0
             dids, firsts, lasts = ch.meta
+            if self.spec.min_tokens or self.spec.max_tokens:
+                kept = self._in_bucket(ch, flat, lens)
+                if kept is None:     # no document of this chunk is in the bucket
+                    continue
+                flat, lens, dids, firsts, lasts = kept
             tok, did, first = packing.assemble(
                 flat, lens, dids, firsts, lasts, self.enc.eos,
                 self.enc.bos if self.spec.add_bos else None)
@@ -353,6 +368,21 @@ class ShardStream(WindowRows):
         self.emitted = 0
         self.win += 1
         times["pack"] += time.perf_counter() - t1
+
+    def _in_bucket(self, ch: "_Chunk", flat, lens):
+        """The chunk's pieces without its documents outside the bucket (counted in "oob"), as
+        (flat, lens, dids, firsts, lasts); None when none is left."""
+        sp = self.spec
+        *kept, dropped = buckets.keep_documents(flat, lens, *ch.meta, sp.min_tokens, sp.max_tokens)
+        self.c["oob"] += dropped
+        epoch = int(ch.reader_state["epoch"])
+        if kept[2]:
+            self._kept_epoch = epoch
+            return kept
+        if epoch >= self._kept_epoch + 2:
+            raise buckets.stuck(self.shard, len(self.reader.files), sp.min_tokens, sp.max_tokens,
+                                sp.bucket_key)
+        return None
 
     def _take(self) -> int:
         i = self.perm[self.emitted]

@@ -36,10 +36,12 @@ from model.evals.tasks import (
     ON_BAD_LINE,
     Example,
     PackedRows,
+    PasskeyConfig,
     Request,
     RequestEncoder,
     TaskSpec,
     pack_requests,
+    passkey_examples,
     read_task,
 )
 from model.llama import LlamaConfig
@@ -60,12 +62,13 @@ class TasksConfig:
     seq_len: int | None = None        # tokens per packed row (null: data.seq_len)
     batch_rows: int | None = None     # rows per scoring step (null: data.global_batch_size)
     on_bad_line: str = "error"        # error | skip (counted) for malformed task lines
+    passkey: PasskeyConfig = PasskeyConfig()   # the synthetic passkey task (off: no lengths)
 
     @classmethod
     def from_mapping(cls, m: Mapping[str, Any] | None) -> "TasksConfig":
         """One-line ValueError naming the key for any mistake; reads no file."""
         m = dict((m or {}).items())
-        unknown = set(m) - {"tasks", "tasks_every", "seq_len", "batch_rows", "on_bad_line"}
+        unknown = set(m) - {"tasks", "tasks_every", "seq_len", "batch_rows", "on_bad_line", "passkey"}
         if unknown:
             raise ValueError(f"unknown setting(s): {', '.join(sorted('eval.' + k for k in unknown))}")
         tasks = m.get("tasks") or []
@@ -84,8 +87,15 @@ class TasksConfig:
         on_bad = m.get("on_bad_line") or "error"
         if on_bad not in ON_BAD_LINE:
             raise ValueError(f"eval.on_bad_line={on_bad!r}; expected one of {list(ON_BAD_LINE)}")
+        passkey = PasskeyConfig.from_mapping(m.get("passkey"))
+        if passkey.lengths and "passkey" in names:
+            raise ValueError("eval.tasks: the name passkey is taken by eval.passkey; rename that task")
         return cls(tasks=specs, tasks_every=int(m.get("tasks_every") or 0), seq_len=m.get("seq_len"),
-                   batch_rows=m.get("batch_rows"), on_bad_line=on_bad)
+                   batch_rows=m.get("batch_rows"), on_bad_line=on_bad, passkey=passkey)
+
+    @property
+    def any(self) -> bool:
+        return bool(self.tasks or self.passkey.lengths)
 
 
 def _not_mapping(t, i):
@@ -183,6 +193,15 @@ def task_metrics(examples: Sequence[Example], ll: np.ndarray, greedy: np.ndarray
     return out
 
 
+def passkey_metrics(groups: Sequence[str], greedy: np.ndarray) -> dict[str, float]:
+    """tasks/passkey/acc_len{L}_depth{D}: the share of that cell's keys that are the greedy
+    continuation of their context (tasks/passkey/acc is over all cells)."""
+    hits: dict[str, list[bool]] = {}
+    for g, ok in zip(groups, greedy.tolist(), strict=True):
+        hits.setdefault(g, []).append(bool(ok))
+    return {f"tasks/passkey/{g}": float(np.mean(v)) for g, v in hits.items()}
+
+
 class TaskEvaluator:
     """In-loop downstream evaluation of `eval.tasks`.
 
@@ -205,6 +224,14 @@ class TaskEvaluator:
             examples, skipped = read_task(spec, tasks_cfg.on_bad_line)
             self.tasks.append((spec, examples, skipped))
             pairs.extend((ex.context, c) for ex in examples for c in ex.choices)
+        # The passkey task (made here, from its seed): one loglikelihood request per example, its
+        # accuracy also per (length, depth) cell.
+        self.passkey_groups: list[str] = []
+        if tasks_cfg.passkey.lengths:
+            tasks_cfg.passkey.check_fits(seq_len)
+            examples, self.passkey_groups = passkey_examples(tasks_cfg.passkey, tokenizer, add_bos)
+            self.tasks.append((TaskSpec("passkey", "(synthetic: eval.passkey)", kind="loglikelihood"), examples, 0))
+            pairs.extend((ex.context, ex.choices[0]) for ex in examples)
         self.requests = encoder.encode(pairs)
         self.packed = self.scorer.pack(self.requests)
         self.n_examples = sum(len(ex) for _, ex, _ in self.tasks)
@@ -217,7 +244,7 @@ class TaskEvaluator:
     def from_run_config(cls, cfg: Mapping, program, tokenizer) -> "TaskEvaluator | None":
         """From the run's config (`eval`, `data`, `model`) and its Program; None when eval.tasks is empty."""
         tasks_cfg = TasksConfig.from_mapping(cfg.get("eval"))
-        if not tasks_cfg.tasks:
+        if not tasks_cfg.any:
             return None
         data = cfg["data"]
         return cls(tasks_cfg, tokenizer, model_cfg=LlamaConfig.from_mapping(cfg["model"]), mesh=program.mesh,
@@ -238,29 +265,54 @@ class TaskEvaluator:
             n = sum(len(ex.choices) for ex in examples)
             for name, value in task_metrics(examples, ll[k:k + n], greedy[k:k + n], spec.kind).items():
                 out[f"tasks/{spec.name}/{name}"] = value
+            if spec.name == "passkey" and self.passkey_groups:
+                out.update(passkey_metrics(self.passkey_groups, greedy[k:k + n]))
             k += n
         return out
 
 
+def position_losses(loss_by_pos, tokens_by_pos, buckets: int) -> dict[str, float]:
+    """The held-out loss by position: `buckets` equal spans of positions 0 .. seq_len - 1 (bucket
+    i: positions [i * seq_len / buckets, (i + 1) * seq_len / buckets)) -> {"eval_loss_pos/00": mean
+    loss of the tokens predicted from positions in the first span, ...}. A position is the input
+    token's place in its document within the row (a document continued from the previous row
+    starts again at 0: the context the model sees), not its column. Spans without a token are
+    left out."""
+    loss_by_pos, tokens_by_pos = np.asarray(loss_by_pos, np.float64), np.asarray(tokens_by_pos, np.float64)
+    t = len(loss_by_pos)
+    which = np.arange(t) * buckets // t
+    loss = np.bincount(which, loss_by_pos, minlength=buckets)
+    n = np.bincount(which, tokens_by_pos, minlength=buckets)
+    width = max(2, len(str(buckets - 1)))
+    return {f"eval_loss_pos/{i:0{width}d}": float(loss[i] / n[i]) for i in range(buckets) if n[i] > 0}
+
+
 class LoopEvals:
     """The training loop's evaluations: the held-out loss every `eval_every` steps
-    (data/heldout.py HeldOutSet) and the downstream tasks at their own interval. Their time is
-    paused time for the meter (out of tokens/s and MFU) and reported as `eval_s`."""
+    (data/heldout.py HeldOutSet), also by position when `position_buckets` (data.eval), and the
+    downstream tasks at their own interval. Their time is paused time for the meter (out of
+    tokens/s and MFU) and reported as `eval_s`."""
 
-    def __init__(self, held_out, eval_every: int | None, tasks: TaskEvaluator | None, last_step: int):
+    def __init__(self, held_out, eval_every: int | None, tasks: TaskEvaluator | None, last_step: int,
+                 position_buckets: int = 0):
         self.held_out, self.every, self.tasks, self.last_step = held_out, eval_every, tasks, last_step
+        self.position_buckets = position_buckets
 
     def due(self, step: int) -> tuple[bool, bool]:
         loss_now = self.held_out is not None and bool(self.every) and step % self.every == 0
         return loss_now, self.tasks is not None and self.tasks.should_run(step, self.last_step)
 
     def run(self, step: int, params, meter) -> dict:
-        """{"eval_loss", "tasks/...", "eval_s"} for what is due at `step`; every process calls it."""
+        """{"eval_loss", "eval_loss_pos/..", "tasks/...", "eval_s"} for what is due at `step`; every
+        process calls it."""
         loss_now, tasks_now = self.due(step)
         row: dict = {}
         t0 = time.perf_counter()
         if loss_now:
-            row["eval_loss"] = self.held_out.loss(params)
+            sums = self.held_out.sums(params)
+            row["eval_loss"] = float(sums["loss_sum"] / max(1, sums["n_tokens"]))
+            if self.position_buckets:
+                row.update(position_losses(sums["loss_by_pos"], sums["tokens_by_pos"], self.position_buckets))
         if tasks_now:
             row.update(self.tasks.evaluate(params))
         row["eval_s"] = time.perf_counter() - t0

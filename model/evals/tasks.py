@@ -359,3 +359,111 @@ def pack_requests(requests: Sequence[Request], seq_len: int, rows_multiple: int 
             row[i], start[i], end[i] = r, at + k - n_scored, at + k
             at += k
     return PackedRows(inputs, targets, segs, pos, branch, row, start, end)
+
+
+# ----------------------------------------------------------------------------- passkey retrieval
+# A synthetic long-context task, made locally (Mohtashami & Jaggi 2023, "Landmark Attention"): a
+# random number hidden at a depth in repeated filler text, asked for at the end. Scored as a
+# loglikelihood request: acc = the key's tokens are the greedy continuation of the context.
+PASSKEY_INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+                 "I will quiz you about the important information there.")
+PASSKEY_FILLER = (" The grass is green.", " The sky is blue.", " The sun is yellow.", " Here we go.",
+                  " There and back again.")
+PASSKEY_LINE = " The pass key is {key}. Remember it. {key} is the pass key."
+PASSKEY_QUESTION = " What is the pass key? The pass key is"
+
+
+@dataclasses.dataclass(frozen=True)
+class PasskeyConfig:
+    """`eval.passkey`: prompts of each length (tokens, context and key together) with the key at
+    each depth (0.0: right after the introduction, 1.0: right before the question), `samples`
+    keys each, from `seed`. Empty lengths: off."""
+
+    lengths: tuple[int, ...] = ()
+    depths: tuple[float, ...] = (0.0, 0.5, 1.0)
+    samples: int = 4
+    digits: int = 5
+    seed: int = 0
+
+    @classmethod
+    def from_mapping(cls, m: Mapping[str, Any] | None, where: str = "eval.passkey") -> "PasskeyConfig":
+        m = dict((m or {}).items())
+        unknown = set(m) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; expected lengths, depths, samples, "
+                             "digits, seed")
+        lengths, depths = m.get("lengths") or [], m.get("depths", cls.depths)
+        if isinstance(lengths, (int, str)) or any(isinstance(n, bool) or not isinstance(n, int) or n < 32
+                                                   for n in lengths):
+            raise ValueError(f"{where}.lengths={lengths!r}; expected a list of token counts >= 32")
+        if isinstance(depths, (int, float, str)) or not depths or any(
+                isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 <= d <= 1 for d in depths):
+            raise ValueError(f"{where}.depths={depths!r}; expected a non-empty list of fractions in [0, 1]")
+        for key, low, high in (("samples", 1, 100_000), ("digits", 1, 18), ("seed", 0, 2**63)):
+            v = m.get(key, getattr(cls, key))
+            if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
+                raise ValueError(f"{where}.{key}={v!r}; expected an integer in [{low}, {high}]")
+        return cls(lengths=tuple(int(n) for n in lengths), depths=tuple(float(d) for d in depths),
+                   samples=int(m.get("samples", cls.samples)), digits=int(m.get("digits", cls.digits)),
+                   seed=int(m.get("seed", cls.seed)))
+
+    def check_fits(self, seq_len: int) -> None:
+        too_long = [n for n in self.lengths if n > seq_len + 1]
+        if too_long:
+            raise ValueError(f"eval.passkey.lengths: {too_long[0]} tokens do not fit a scoring row of "
+                             f"eval.seq_len={seq_len} (+1; null: data.seq_len): raise eval.seq_len or "
+                             "shorten the prompt")
+
+
+def passkey_group(length: int, depth: float) -> str:
+    """The metric suffix of one (length, depth) cell: acc_len1024_depth50 (depth in percent)."""
+    return f"acc_len{length}_depth{round(depth * 100)}"
+
+
+def _filler(start: int, n: int) -> str:
+    return "".join(PASSKEY_FILLER[i % len(PASSKEY_FILLER)] for i in range(start, start + n))
+
+
+def _passkey_prompt(key: str, before: int, after: int) -> str:
+    """The introduction, `before` filler sentences, the key line, `after` more, the question."""
+    return (PASSKEY_INTRO + _filler(0, before) + PASSKEY_LINE.format(key=key) + _filler(before, after)
+            + PASSKEY_QUESTION)
+
+
+def passkey_examples(cfg: PasskeyConfig, tokenizer, add_bos: bool = False) -> tuple[list[Example], list[str]]:
+    """(examples, their metric group) of the passkey task, a pure function of cfg and the tokenizer:
+    for each length L, depth d and sample, a key of cfg.digits digits (from the seed) and the
+    most filler sentences n for which context + " " + key is at most L tokens (BOS included when
+    add_bos), round(d * n) of them before the key line."""
+    from data.tokenizer import special_ids
+
+    extra = 1 if add_bos and special_ids(tokenizer)[1] is not None else 0
+
+    def n_tokens(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False).ids) + extra
+
+    examples, groups = [], []
+    for li, length in enumerate(cfg.lengths):
+        for di, depth in enumerate(cfg.depths):
+            for k in range(cfg.samples):
+                rng = np.random.default_rng([cfg.seed, li, di, k])
+                key = str(int(rng.integers(10 ** (cfg.digits - 1), 10 ** cfg.digits)))
+                def fits(n: int, key=key, depth=depth, length=length) -> bool:
+                    before = round(depth * n)
+                    return n_tokens(_passkey_prompt(key, before, n - before) + " " + key) <= length
+
+                if not fits(0):
+                    raise ValueError(f"eval.passkey.lengths: {length} tokens cannot hold the prompt without "
+                                     f"filler ({n_tokens(_passkey_prompt(key, 0, 0))} tokens): raise it")
+                lo, hi = 0, 1
+                while fits(hi):
+                    lo, hi = hi, hi * 2
+                while hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+                before = round(depth * lo)
+                context = _passkey_prompt(key, before, lo - before)
+                examples.append(Example(task="passkey", line=len(examples) + 1, context=context,
+                                        choices=(" " + key,), gold=0, norm_lens=(float(len(key) + 1),)))
+                groups.append(passkey_group(length, depth))
+    return examples, groups
