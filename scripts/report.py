@@ -7,7 +7,9 @@ Reads the run directory only (metrics.jsonl, events.jsonl), so it works on a run
 directory copied from a pod, and on one on a bucket (RUN_DIR=gs://..., read through fsspec).
 The page holds its plots as inline PNG images (matplotlib, Agg): no server, no network, it opens
 offline. Plots: loss and eval loss; tokens/s and MFU; the data-wait fraction (and the slowest
-host's); goodput and badput as a stacked bar per start of the run. Tables: the goodput
+host's); goodput and badput as a stacked bar per start of the run; when the held-out loss is
+reported by position (data.eval.position_buckets), the loss against the position in the document,
+one line per evaluation (the last few). Tables: the goodput
 breakdown, the input pipeline's per-stage seconds, bad records, the slowest hosts, a mixture's
 source shares. `--png` writes the four plots as one image for a quick look from a terminal
 session. Needs the `[report]` extra (matplotlib).
@@ -140,6 +142,31 @@ def plot_goodput(ax, rows, breakdown):
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
 
 
+POSITION_PREFIX = "eval_loss_pos/"
+POSITION_LINES = 6      # evaluations drawn on the loss-by-position plot: the last few
+
+
+def position_rows(rows: list[dict]) -> list[dict]:
+    """The metrics rows holding the held-out loss by position (eval_loss_pos/NN), the last few."""
+    return [r for r in rows if any(k.startswith(POSITION_PREFIX) for k in r)][-POSITION_LINES:]
+
+
+def plot_loss_by_position(ax, rows, breakdown):
+    """Held-out loss against the position in the document (the bucket's first position as a
+    fraction of seq_len), one line per evaluation step, darker = later."""
+    import matplotlib.pyplot as plt
+
+    shown = position_rows(rows)
+    cmap = plt.get_cmap("viridis")
+    for i, r in enumerate(shown):
+        cells = sorted((k[len(POSITION_PREFIX):], v) for k, v in r.items() if k.startswith(POSITION_PREFIX))
+        n = max(int(c) for c, _ in cells) + 1
+        ax.plot([int(c) / n for c, _ in cells], [v for _, v in cells], marker="o", ms=3,
+                color=cmap(i / max(1, len(shown) - 1)), label=f"step {r['step']}")
+    ax.set(title="Held-out loss by position in the document", xlabel="position / seq_len", ylabel="loss")
+    ax.legend(fontsize=7)
+
+
 PLOTS = (("loss", plot_loss), ("throughput", plot_throughput), ("data_wait", plot_data_wait),
          ("goodput", plot_goodput))
 
@@ -154,7 +181,8 @@ def figures(rows, breakdown) -> dict[str, bytes]:
     import matplotlib.pyplot as plt
 
     out = {}
-    for name, draw in PLOTS:
+    plots = PLOTS + ((("loss_by_position", plot_loss_by_position),) if position_rows(rows) else ())
+    for name, draw in plots:
         fig, ax = plt.subplots(figsize=(6.4, 3.6))
         draw(ax, rows, breakdown)
         out[name] = _png(fig)
