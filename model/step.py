@@ -333,11 +333,12 @@ class Program:
 
 def build_program(model_cfg, tx, mesh_cfg: Mapping, *, global_batch: int, z_loss: float, microbatches: int,
                   loss_chunk: int = 0, spikes: SpikeConfig | None = None,
-                  devices: Sequence[jax.Device] | None = None) -> Program:
+                  devices: Sequence[jax.Device] | None = None, seq_len: int | None = None) -> Program:
     """The run's Program over `devices` (default: every process's devices).
 
     Raises ValueError naming the setting when the batch does not split over the mesh's batch
-    shards or the microbatches; nothing is allocated or compiled here.
+    shards or the microbatches, or (given seq_len) a row over its context chips; nothing is
+    allocated or compiled here.
     """
     cfg = as_cfg(model_cfg)
     mesh = shd.make_mesh(mesh_cfg, devices)
@@ -353,6 +354,8 @@ def build_program(model_cfg, tx, mesh_cfg: Mapping, *, global_batch: int, z_loss
         raise ValueError(f"mesh.context={mesh.shape['context']} but mesh.rules maps act_len to "
                          f"{list(shd.mesh_axes_for('act_len', rules))}: add [act_len, context]")
     context = ctx.shards(mesh, rules)
+    if seq_len is not None:
+        ctx.layout_index(seq_len, context)  # raises naming data.seq_len when the chips cannot share a row
     if context > 1 and cfg.attention != "xla":
         raise ValueError(f"model.attention={cfg.attention} with mesh.context={context}: context parallelism runs "
                          f"the XLA attention only for now (model.attention=xla; docs/long-context.md)")

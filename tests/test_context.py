@@ -227,6 +227,17 @@ def test_refusals_name_the_keys():
     assert dict(shd.make_mesh(mesh_cfg()).shape) == {"data": 1, "fsdp": 4, "context": 2, "tensor": 1}
 
 
+@pytest.mark.parametrize("overrides,needle", [
+    (["mesh=context", "data.seq_len=63"], "data.seq_len=63 does not split into the 2 parts mesh.context=2 needs"),
+    (["mesh=context", "model.attention=splash"], "model.attention=splash with mesh.context=2"),
+], ids=["seq_len", "splash"])
+def test_train_py_refuses_in_one_line(tmp_path, capsys, overrides, needle):
+    from tests.run_helpers import main_in_process
+
+    code, lines = main_in_process(capsys, tmp_path / "run", *overrides)
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("config error:") and needle in lines[0], lines
+
+
 # ----------------------------------------------------------------------------- whole runs
 
 RUN = ["model.d_model=64", "model.n_layers=2", "model.d_ff=128", "model.dtype=float32", "data.seq_len=64",
