@@ -378,7 +378,7 @@ def build_program(cfg: DictConfig, model_cfg, tx, devices=None):
 
     return step_lib.build_program(model_cfg, tx, cfg.mesh, global_batch=int(cfg.data.global_batch_size),
                                   z_loss=float(cfg.train.z_loss), microbatches=int(cfg.train.microbatches),
-                                  loss_chunk=int(cfg.train.loss_chunk), devices=devices,
+                                  loss_chunk=int(cfg.train.loss_chunk), devices=devices, seq_len=int(cfg.data.seq_len),
                                   spikes=step_lib.SpikeConfig.from_mapping(cfg.train.get("spikes")))
 
 

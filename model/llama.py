@@ -265,17 +265,22 @@ def attention_mask(segment_ids_bt, branch_ids_bt=None, window: int | None = None
     window (sliding-window attention): a query also sees only keys fewer than `window` positions
     back (HF: key > query - window). Distances are in positions when given (a branch's tokens sit
     after the earlier branches in the row but follow the prefix in position), else in row slots,
-    which within one training document are the same."""
+    which within one training document are the same.
+
+    Causality too is read from positions when given, not from row slots: within a document they
+    rise with the slot, so the mask is the same, and it stays right when the row's tokens are
+    reordered (context parallelism, model/context.py). Padding (segment 0, all at position 0) then
+    sees all of its padding: no loss reads it and no document sees it."""
     t = segment_ids_bt.shape[1]
-    causal_ts = jnp.tril(jnp.ones((t, t), dtype=bool))
+    pos_bt = jnp.broadcast_to(jnp.arange(t), segment_ids_bt.shape) if positions_bt is None else positions_bt
+    distance_bts = pos_bt[:, :, None] - pos_bt[:, None, :]  # query position - key position
     same_doc_bts = segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
-    mask_bts = causal_ts[None] & same_doc_bts
+    mask_bts = (distance_bts >= 0) & same_doc_bts
     if branch_ids_bt is not None:
         key_b1s = branch_ids_bt[:, None, :]
         mask_bts &= (key_b1s == 0) | (key_b1s == branch_ids_bt[:, :, None])
     if window is not None:
-        pos_bt = jnp.broadcast_to(jnp.arange(t), segment_ids_bt.shape) if positions_bt is None else positions_bt
-        mask_bts &= (pos_bt[:, :, None] - pos_bt[:, None, :]) < window
+        mask_bts &= distance_bts < window
     return mask_bts
 
 
@@ -295,6 +300,8 @@ def _gqa_attention(q_btnh, k_bskh, v_bskh, mask):
     q_btkgh = q_btnh.reshape(b, t, k, n // k, h)
     logits_bkgts = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=jnp.float32)
     logits_bkgts = logits_bkgts / math.sqrt(h)
+    # Queries stay split as the activations' length is (context parallelism); keys span the row.
+    logits_bkgts = shd.constrain(logits_bkgts, ("act_batch", "act_kv_heads", None, "act_len", None))
     # Finite fill (not -inf): the diagonal is always allowed, so no row is fully masked.
     logits_bkgts = jnp.where(mask, logits_bkgts, jnp.finfo(jnp.float32).min)
     probs_bkgts = jax.nn.softmax(logits_bkgts, axis=-1).astype(v_bskh.dtype)
@@ -584,6 +591,11 @@ class Block(nnx.Module):
 
     def __call__(self, x_btd, positions_bt, segment_ids_bt, branch_ids_bt=None):
         q_btnh, k_btkh, v_btkh = self._qkv(x_btd, positions_bt)
+        # Every query sees every key of its document: keys and values (and the keys' segment ids
+        # and positions) span the whole row, all-gathered over whatever splits `act_len`
+        # (context parallelism; nothing to gather otherwise). The queries stay split.
+        k_btkh = shd.constrain(k_btkh, ("act_batch", None, "act_kv_heads", None))
+        v_btkh = shd.constrain(v_btkh, ("act_batch", None, "act_kv_heads", None))
         o_btnh = attention(q_btnh, k_btkh, v_btkh, segment_ids_bt, self.attention_impl, branch_ids_bt,
                            self.sliding_window, positions_bt, self.cudnn_packed_segments)
         return self._out_and_mlp(x_btd, o_btnh)

@@ -9,7 +9,9 @@ configs/mesh/*.yaml maps each to a mesh axis, a list of mesh axes, or null (repl
       - [head_dim, null]
 
 Mesh axes: `data` (pure data parallel: parameters replicated), `fsdp` (batch split and
-parameters/optimizer state sharded, ZeRO-3 style), `tensor` (Megatron-style heads/MLP split).
+parameters/optimizer state sharded, ZeRO-3 style), `context` (the activations' sequence split:
+context parallelism, docs/long-context.md and model/context.py), `tensor` (Megatron-style
+heads/MLP split, innermost: the fastest links).
 Over several slices `mesh.dcn_data` and `mesh.dcn_fsdp` say how the slices extend `data` and
 `fsdp` across the data-center network (make_mesh).
 """
@@ -23,7 +25,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "context", "tensor")
 Rules = tuple[tuple[str, tuple[str, ...]], ...]
 
 
@@ -61,14 +63,14 @@ def _fill(mesh_cfg: Mapping[str, Any], axes: Sequence[str], total: int, what: st
 def hybrid_shape(mesh_cfg: Mapping[str, Any], n_devices: int, n_slices: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(per-slice shape, across-slices shape), both over MESH_AXES: `mesh.data/fsdp/tensor` split a
     slice's devices, `mesh.dcn_data/dcn_fsdp` the slices (defaults: -1 and 1, data parallel across
-    slices). The run's mesh is their product per axis. Tensor parallelism never leaves a slice: it
-    needs the fast links (ICI) at every layer. Raises one line naming mesh.* on a mismatch."""
+    slices). The run's mesh is their product per axis. Tensor and context parallelism never leave a
+    slice: they need the fast links (ICI) at every layer. Raises one line naming mesh.* on a mismatch."""
     if n_devices % n_slices:
         raise ValueError(f"{n_devices} devices do not split into {n_slices} equal slices")
     dcn_cfg = {"dcn_data": mesh_cfg.get("dcn_data", -1), "dcn_fsdp": mesh_cfg.get("dcn_fsdp", 1)}
     dcn = _fill(dcn_cfg, ("dcn_data", "dcn_fsdp"), n_slices, "slices")
     ici = _fill(mesh_cfg, MESH_AXES, n_devices // n_slices, "devices per slice" if n_slices > 1 else "devices")
-    return ici, (dcn[0], dcn[1], 1)
+    return ici, (dcn[0], dcn[1], 1, 1)
 
 
 class _SliceDevice:

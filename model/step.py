@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
@@ -24,6 +25,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from model import context as ctx
 from model import sharding as shd
 from model.llama import Llama, LlamaConfig
 
@@ -158,8 +160,9 @@ def init_train_state(model_cfg, tx, mesh: Mesh, rules, seed: int, spikes: SpikeC
 
 
 def batch_sharding(mesh: Mesh, rules) -> NamedSharding:
-    """[batch, seq] int32 arrays: batch split as the rules split "act_batch" (data, fsdp)."""
-    return NamedSharding(mesh, shd.logical_to_spec(("act_batch", "act_len"), rules))
+    """[batch, seq] int32 arrays: batch split as the rules split "act_batch" (data, fsdp); whole rows
+    on every chip of a row's `context` group (the step reorders them, then each keeps its share)."""
+    return NamedSharding(mesh, shd.logical_to_spec(("act_batch", None), rules))
 
 
 # ----------------------------------------------------------------------------- loss
@@ -226,11 +229,16 @@ def make_train_step(model_cfg, tx, mesh: Mesh, rules, state_shardings, z_loss: f
     graphdef, _ = abstract_model(cfg)
     b_sh = batch_sharding(mesh, rules)
     rep = shd.replicated(mesh)
+    context = ctx.shards(mesh, rules)
+    batch_groups = math.prod(mesh.shape[a] for a in shd.mesh_axes_for("act_batch", rules))
     grad_fn = jax.value_and_grad(
         lambda p, batch, denom: loss_fn(p, graphdef, batch, z_loss, denom, loss_chunk), has_aux=True)
 
     def grads_and_metrics(params, batch):
         with shd.activation_sharding(mesh, rules):
+            # Context parallelism: each row's tokens in the balanced order (model/context.py), then
+            # split over `context` by the activations' constraints. Sums over tokens: nothing to undo.
+            batch = ctx.reorder(batch, context)
             if microbatches == 1:
                 (_, metrics), grads = grad_fn(params, batch, None)
                 return grads, metrics
@@ -256,6 +264,10 @@ def make_train_step(model_cfg, tx, mesh: Mesh, rules, state_shardings, z_loss: f
 
     def step(state, batch):
         grads, metrics = grads_and_metrics(state["params"], batch)
+        if context > 1:
+            # max / mean causal attention work over a row's context chips (1.0: balanced)
+            metrics = dict(metrics, context_imbalance=ctx.batch_imbalance(
+                batch["segment_ids"], context, batch_groups, cfg.sliding_window))
         grads = jax.lax.with_sharding_constraint(grads, state_shardings["params"])
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
@@ -284,7 +296,10 @@ def make_eval_step(model_cfg, mesh: Mesh, rules, state_shardings, loss_chunk: in
     graphdef, _ = abstract_model(cfg)
     b_sh = batch_sharding(mesh, rules)
 
+    context = ctx.shards(mesh, rules)
+
     def step(params, batch):
+        batch = ctx.reorder(batch, context)
         with shd.activation_sharding(mesh, rules):
             ce_bt, _ = model_token_losses(nnx.merge(graphdef, params), batch, loss_chunk)
         mask_bt = batch["loss_mask"].astype(jnp.float32)
@@ -325,11 +340,12 @@ class Program:
 
 def build_program(model_cfg, tx, mesh_cfg: Mapping, *, global_batch: int, z_loss: float, microbatches: int,
                   loss_chunk: int = 0, spikes: SpikeConfig | None = None,
-                  devices: Sequence[jax.Device] | None = None) -> Program:
+                  devices: Sequence[jax.Device] | None = None, seq_len: int | None = None) -> Program:
     """The run's Program over `devices` (default: every process's devices).
 
     Raises ValueError naming the setting when the batch does not split over the mesh's batch
-    shards or the microbatches; nothing is allocated or compiled here.
+    shards or the microbatches, or (given seq_len) a row over its context chips; nothing is
+    allocated or compiled here.
     """
     cfg = as_cfg(model_cfg)
     mesh = shd.make_mesh(mesh_cfg, devices)
@@ -341,6 +357,15 @@ def build_program(model_cfg, tx, mesh_cfg: Mapping, *, global_batch: int, z_loss
         raise ValueError(f"train.microbatches={microbatches} does not divide the "
                          f"{global_batch // batch_ways} rows per batch shard")
     rules = shd.rules_from_cfg(mesh_cfg)
+    if mesh.shape["context"] > 1 and "context" not in shd.mesh_axes_for("act_len", rules):
+        raise ValueError(f"mesh.context={mesh.shape['context']} but mesh.rules maps act_len to "
+                         f"{list(shd.mesh_axes_for('act_len', rules))}: add [act_len, context]")
+    context = ctx.shards(mesh, rules)
+    if seq_len is not None:
+        ctx.layout_index(seq_len, context)  # raises naming data.seq_len when the chips cannot share a row
+    if context > 1 and cfg.attention != "xla":
+        raise ValueError(f"model.attention={cfg.attention} with mesh.context={context}: context parallelism runs "
+                         f"the XLA attention only for now (model.attention=xla; docs/long-context.md)")
     abstract_state, state_shardings = abstract_train_state(cfg, tx, mesh, rules, spikes)
     return Program(
         mesh=mesh, rules=rules, abstract_state=abstract_state, state_shardings=state_shardings,

@@ -275,8 +275,8 @@ def test_experiment_compiles_for_two_slices_with_its_dcn_traffic(tmp_path, exper
     tpu = ct.parse_slice(plan["topology"])
     assert plan["slices"] == plan["mesh_slices"] == slices and plan["chips"] == slices * tpu.chips
     # data parallel across the slices (mesh.dcn_data=-1), FSDP over each slice's chips
-    assert plan["mesh"] == {"data": slices, "fsdp": tpu.chips, "tensor": 1}
-    assert plan["mesh_dcn"] == {"data": slices, "fsdp": 1, "tensor": 1}
+    assert plan["mesh"] == {"data": slices, "fsdp": tpu.chips, "context": 1, "tensor": 1}
+    assert plan["mesh_dcn"] == {"data": slices, "fsdp": 1, "context": 1, "tensor": 1}
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         cfg = compose("train", overrides=[f"experiment={experiment}"])
     from model.llama import LlamaConfig

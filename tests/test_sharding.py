@@ -31,10 +31,10 @@ def mesh_cfg(name="default", **sizes):
 
 def test_mesh_fill_and_errors():
     assert jax.device_count() == 8
-    assert dict(shd.make_mesh(mesh_cfg("default")).shape) == {"data": 8, "fsdp": 1, "tensor": 1}
-    assert dict(shd.make_mesh(mesh_cfg("fsdp")).shape) == {"data": 1, "fsdp": 8, "tensor": 1}
-    assert dict(shd.make_mesh(mesh_cfg("fsdp_tp")).shape) == {"data": 1, "fsdp": 4, "tensor": 2}
-    with pytest.raises(ValueError, match=r"mesh\.data\*mesh\.fsdp\*mesh\.tensor = 6"):
+    assert dict(shd.make_mesh(mesh_cfg("default")).shape) == {"data": 8, "fsdp": 1, "context": 1, "tensor": 1}
+    assert dict(shd.make_mesh(mesh_cfg("fsdp")).shape) == {"data": 1, "fsdp": 8, "context": 1, "tensor": 1}
+    assert dict(shd.make_mesh(mesh_cfg("fsdp_tp")).shape) == {"data": 1, "fsdp": 4, "context": 1, "tensor": 2}
+    with pytest.raises(ValueError, match=r"mesh\.data\*mesh\.fsdp\*mesh\.context\*mesh\.tensor = 6"):
         shd.make_mesh(mesh_cfg(data=3, fsdp=2, tensor=1))
     with pytest.raises(ValueError, match=r"mesh\.fsdp=-1"):
         shd.make_mesh(mesh_cfg(data=1, fsdp=-1, tensor=3))
@@ -129,22 +129,22 @@ def test_hybrid_mesh_over_told_slices():
     by_id = lambda d: d.id // 4   # noqa: E731  (two slices of 4 devices)
     mesh = shd.make_mesh(mesh_cfg("default"), device_slice=by_id)
     # data = 4 in each slice x 2 slices; the slices are blocks along data, so only `data` spans them
-    assert dict(mesh.shape) == {"data": 8, "fsdp": 1, "tensor": 1}
-    assert [by_id(d) for d in mesh.devices[:, 0, 0]] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert dict(mesh.shape) == {"data": 8, "fsdp": 1, "context": 1, "tensor": 1}
+    assert [by_id(d) for d in mesh.devices[:, 0, 0, 0]] == [0, 0, 0, 0, 1, 1, 1, 1]
     mesh = shd.make_mesh(mesh_cfg("fsdp_tp", dcn_data=1, dcn_fsdp=-1), device_slice=by_id)
-    assert dict(mesh.shape) == {"data": 1, "fsdp": 4, "tensor": 2}
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 4, "context": 1, "tensor": 2}
     assert {by_id(d) for d in mesh.devices[0, :2].flat} == {0} and {by_id(d) for d in mesh.devices[0, 2:].flat} == {1}
     # tensor pairs never span slices
-    assert all(by_id(a) == by_id(b) for a, b in mesh.devices[0])
+    assert all(by_id(a) == by_id(b) for a, b in mesh.devices[0, :, 0])
     # wrong products fail in one line naming the keys, before anything compiles
     with pytest.raises(ValueError, match=r"mesh\.dcn_data\*mesh\.dcn_fsdp = 4 .* but there are 2 slices"):
         shd.make_mesh(mesh_cfg("default", dcn_data=2, dcn_fsdp=2), device_slice=by_id)
-    with pytest.raises(ValueError, match=r"mesh\.data\*mesh\.fsdp\*mesh\.tensor = 8 .* 4 devices per slice"):
+    with pytest.raises(ValueError, match=r"mesh\.data\*mesh\.fsdp\*mesh\.context\*mesh\.tensor = 8 .* 4 devices per "):
         shd.make_mesh(mesh_cfg(data=8), device_slice=by_id)
     with pytest.raises(ValueError, match="different device counts"):
         shd.make_mesh(mesh_cfg("default", dcn_data=-1), devices=jax.devices()[:6], device_slice=by_id)
     # one slice: exactly today's mesh, whatever the DCN keys say when they fill 1
-    assert (shd.make_mesh(mesh_cfg("fsdp")).devices == jax.make_mesh((1, 8, 1), shd.MESH_AXES).devices).all()
+    assert (shd.make_mesh(mesh_cfg("fsdp")).devices == jax.make_mesh((1, 8, 1, 1), shd.MESH_AXES).devices).all()
 
 
 @pytest.mark.slow

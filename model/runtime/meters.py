@@ -139,6 +139,9 @@ class IntervalMeter:
             # train.spikes: updates skipped in this interval and since the run began.
             row["skipped_steps"] = int(sum(float(m["skipped"]) for m in fetched))
             row["skipped_total"] = int(fetched[-1]["skipped_total"])
+        if "context_imbalance" in fetched[-1]:
+            # mesh.context > 1: the worst step's max / mean attention work over a row's chips
+            row["context_imbalance"] = max(float(m["context_imbalance"]) for m in fetched)
         if len(hosts) > 1:
             # Where the pod stalled: the host that waited longest for its input, and the slowest step.
             slow_wait = max(range(len(hosts)), key=lambda i: hosts[i][0])

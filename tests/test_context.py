@@ -1,0 +1,287 @@
+"""Context parallelism on 8 fake CPU devices (tests/conftest.py): each row's tokens split over
+`mesh.context` chips in the striped order (model/context.py), keys and values all-gathered.
+
+The train step at context 1, 2, 4, 8 (beside data, fsdp and tensor) gives the single device's loss,
+gradients and parameters (fp32, 1e-5 relative) on packed documents of mixed lengths that cross the
+chips' parts, with GQA and a sliding window shorter and longer than one chip's part; a change to
+one document leaves every other document's logits alone; the balance metric; the one-line refusals;
+a checkpoint saved at context 2 resumes at context 1 and 4; generate.py on a context-2 checkpoint.
+
+Run: pytest -n0 tests/test_context.py -q   (the fast tier: -m "not slow")
+"""
+import json
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import yaml
+from flax import nnx
+
+from model import context as ctx
+from model import llama, step
+from model import sharding as shd
+from model.llama import LlamaConfig
+
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+T = 32  # at context 8 each chip holds 4 tokens of a row
+
+
+def config(window=None, **kw):
+    return LlamaConfig(vocab_size=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, dtype="float32",
+                       remat="full", sliding_window=window, **kw)
+
+
+def mesh_cfg(name="context", **sizes):
+    with open(os.path.join(CONFIGS, "mesh", f"{name}.yaml")) as f:
+        m = yaml.safe_load(f)
+    m.update(sizes)
+    return m
+
+
+def packed_batch(b=8, t=T, seed=0):
+    """Rows of 2-4 documents of mixed lengths (one of them longer than a context-2 chip's part in
+    most rows), some rows ending in padding; every row different."""
+    rng = np.random.default_rng(seed)
+    seg, pos = np.zeros((b, t), np.int32), np.zeros((b, t), np.int32)
+    for r in range(b):
+        end = t - (3 if r % 2 else 0)
+        cuts = sorted(rng.choice(np.arange(1, end), rng.integers(1, 4), replace=False)) + [end]
+        start = 0
+        for i, stop in enumerate(cuts):
+            seg[r, start:stop], pos[r, start:stop] = i + 1, np.arange(stop - start)
+            start = stop
+    return {"inputs": rng.integers(0, 128, (b, t)), "targets": rng.integers(0, 128, (b, t)),
+            "segment_ids": seg, "positions": pos, "loss_mask": seg > 0}
+
+
+# ----------------------------------------------------------------------------- the order
+
+
+def test_layouts_are_permutations_and_striped_balances_packed_rows():
+    for layout in ctx.LAYOUTS:
+        assert sorted(ctx.layout_index(T, 4, layout)) == list(range(T))
+    assert list(ctx.layout_index(8, 2, "striped")) == [0, 2, 4, 6, 1, 3, 5, 7]
+    assert list(ctx.layout_index(8, 2, "zigzag")) == [0, 1, 6, 7, 2, 3, 4, 5]
+    with pytest.raises(ValueError, match=r"data\.seq_len=30 .* mesh\.context=4"):
+        ctx.layout_index(30, 4)
+    # the work each query does = the keys the causal, same-document mask lets it see
+    batch = packed_batch()
+    mask = np.asarray(llama.attention_mask(jnp.asarray(batch["segment_ids"]), window=5,
+                                           positions_bt=jnp.asarray(batch["positions"])))
+    real = batch["segment_ids"] > 0
+    np.testing.assert_array_equal(ctx.attention_work(batch["segment_ids"], 5)[real], mask.sum(-1)[real])
+    np.testing.assert_array_equal(np.asarray(ctx.attention_work(jnp.asarray(batch["segment_ids"]), 5)),
+                                  ctx.attention_work(batch["segment_ids"], 5))
+    # one document of 4096 tokens, and a packed row whose long document ends mid-row, over 8 chips:
+    # contiguous and zigzag leave chips idle where striped stays within 10% of the mean
+    t = 4096
+    one_doc = np.ones((1, t), np.int32)
+    packed = np.concatenate([np.full(2600, 1), np.repeat(np.arange(2, 17), 100)[: t - 2600]])[None]
+    imb = {(name, layout): float(ctx.imbalance(ctx.chip_work(ctx.attention_work(seg), 8, layout)))
+           for name, seg in (("one", one_doc), ("packed", packed)) for layout in ctx.LAYOUTS}
+    assert imb["one", "striped"] < 1.1 and imb["packed", "striped"] < 1.1
+    assert imb["one", "zigzag"] < 1.01 and imb["packed", "zigzag"] > 1.3
+    assert imb["one", "contiguous"] > 1.5
+    # the metric of a batch at context 1 is 1.0; groups: the worst batch shard counts
+    assert float(ctx.batch_imbalance(jnp.asarray(packed), 1, 1)) == 1.0
+    two_rows = np.concatenate([packed, one_doc])
+    assert float(ctx.batch_imbalance(two_rows, 8, 2, layout="zigzag")) == pytest.approx(imb["packed", "zigzag"])
+
+
+@pytest.mark.parametrize("window", [None, 3, 20])
+def test_reordered_row_gives_the_same_attention(window):
+    """attention_xla is exact under any reordering of the row: its mask reads positions and
+    segment ids, not slots (GQA: 4 query heads on 2 kv heads)."""
+    batch = packed_batch()
+    key = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(key[0], (8, T, 4, 16))
+    k, v = (jax.random.normal(kk, (8, T, 2, 16)) for kk in key[1:])
+    seg, pos = jnp.asarray(batch["segment_ids"]), jnp.asarray(batch["positions"])
+    want = llama.attention_xla(q, k, v, seg, window=window, positions_bt=pos)
+    idx = ctx.layout_index(T, 8)
+    got = llama.attention_xla(q[:, idx], k[:, idx], v[:, idx], seg[:, idx], window=window, positions_bt=pos[:, idx])
+    real = np.asarray(seg > 0)[:, idx]   # padding sees padding only, in either order
+    np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[:, idx][real], rtol=1e-6, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- the step
+
+
+def _run(cfg, sizes=None, mesh_name="context", steps=2, microbatches=1):
+    """Metrics of each step and params after `steps` SGD steps (one device when sizes is None)."""
+    if sizes is None:
+        m = mesh_cfg("default", data=1, fsdp=1, context=1, tensor=1)
+        mesh = shd.make_mesh(m, devices=jax.devices()[:1])
+    else:
+        m = mesh_cfg(mesh_name, **sizes)
+        mesh = shd.make_mesh(m)
+    rules = shd.rules_from_cfg(m)
+    tx = optax.sgd(0.5)  # large lr: a wrong gradient shows in the params after a step
+    state, shardings = step.init_train_state(cfg, tx, mesh, rules, seed=0)
+    train_step = step.make_train_step(cfg, tx, mesh, rules, shardings, z_loss=1e-3, microbatches=microbatches)
+    bsh = step.batch_sharding(mesh, rules)
+    batch = {k: jax.device_put(jnp.asarray(v, jnp.int32), bsh) for k, v in packed_batch().items()}
+    metrics = []
+    for _ in range(steps):
+        state, m_ = train_step(state, batch)
+        metrics.append(m_)
+    return jax.device_get(metrics), jax.device_get(state["params"])
+
+
+_REFERENCE = {}
+
+
+def reference(window):
+    if window not in _REFERENCE:
+        _REFERENCE[window] = _run(config(window))
+    return _REFERENCE[window]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sizes,window", [
+    (dict(data=2, fsdp=4, context=1), None),
+    (dict(data=2, fsdp=2, context=2), None),
+    (dict(data=1, fsdp=2, context=4), 3),       # window 3 < a chip's 8 tokens
+    (dict(data=1, fsdp=1, context=8), 20),      # window 20 > a chip's 4 tokens
+    (dict(data=2, fsdp=1, context=2, tensor=2, mb=2), 20),  # window 20 > a chip's 16 tokens
+], ids=["context1", "context2", "context4_window3", "context8_window20", "context2_tensor2_window20_microbatch2"])
+def test_train_step_at_every_context_size_matches_single_device(sizes, window):
+    ref_metrics, ref_params = reference(window)
+    sizes = dict(sizes)
+    metrics, params = _run(config(window), sizes, microbatches=sizes.pop("mb", 1))
+    for m, r in zip(metrics, ref_metrics, strict=True):
+        assert float(m["n_tokens"]) == float(r["n_tokens"]) == (packed_batch()["segment_ids"] > 0).sum()
+        for k in ("loss", "z_loss", "grad_norm", "param_norm"):
+            np.testing.assert_allclose(m[k], r[k], rtol=1e-5, err_msg=k)
+        assert ("context_imbalance" in m) == (sizes["context"] > 1)
+        if sizes["context"] > 1:
+            assert 1.0 <= float(m["context_imbalance"]) < 1.5
+    # params after 2 steps of SGD(0.5) = init - 0.5 * (g1 + g2): gradients agree elementwise
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), params, ref_params)
+
+
+@pytest.mark.slow
+def test_context_one_on_the_default_mesh_is_todays_step():
+    """mesh.context=1 on configs/mesh/default.yaml ([act_len, context] in its rules): the loss and
+    parameters of the mesh without the axis's rule, bit for bit."""
+    cfg = config()
+    today = mesh_cfg("default")
+    today["rules"] = [r if r[0] != "act_len" else ["act_len", None] for r in today["rules"]]
+    mesh = shd.make_mesh(today)
+    out = []
+    for m in (today, mesh_cfg("default")):
+        rules = shd.rules_from_cfg(m)
+        tx = optax.sgd(0.5)
+        state, shardings = step.init_train_state(cfg, tx, mesh, rules, seed=0)
+        train_step = step.make_train_step(cfg, tx, mesh, rules, shardings)
+        batch = {k: jax.device_put(jnp.asarray(v, jnp.int32), step.batch_sharding(mesh, rules))
+                 for k, v in packed_batch().items()}
+        state, metrics = train_step(state, batch)
+        out.append((jax.device_get(metrics), jax.device_get(state["params"])))
+    for k in out[0][0]:
+        np.testing.assert_array_equal(out[0][0][k], out[1][0][k], err_msg=k)
+    jax.tree.map(np.testing.assert_array_equal, out[0][1], out[1][1])
+
+
+@pytest.mark.slow
+def test_changing_one_document_leaves_the_others_logits_unchanged():
+    cfg = config(window=6)
+    m = mesh_cfg(data=1, fsdp=2, context=4)
+    mesh, rules = shd.make_mesh(m), shd.rules_from_cfg(m)
+    state, _ = step.init_train_state(cfg, optax.sgd(0.1), mesh, rules, seed=0)
+    graphdef, _ = step.abstract_model(cfg)
+    idx = ctx.layout_index(T, 4)
+    undo = np.argsort(idx)
+
+    @jax.jit
+    def logits(params, batch):
+        with shd.activation_sharding(mesh, rules):
+            b = ctx.reorder(batch, 4)
+            out = nnx.merge(graphdef, params)(b["inputs"], b["positions"], b["segment_ids"])
+        return out[:, undo]
+
+    batch = {k: jnp.asarray(v, jnp.int32) for k, v in packed_batch().items()}
+    seg = np.asarray(batch["segment_ids"])
+    changed = dict(batch, inputs=jnp.where(batch["segment_ids"] == 2, (batch["inputs"] + 1) % 128, batch["inputs"]))
+    before, after = np.asarray(logits(state["params"], batch)), np.asarray(logits(state["params"], changed))
+    others = (seg != 2) & (seg > 0)
+    np.testing.assert_array_equal(before[others], after[others])
+    assert np.abs(before[seg == 2] - after[seg == 2]).max() > 1e-3
+
+
+def test_refusals_name_the_keys():
+    tx = optax.sgd(0.1)
+    for impl in ("splash", "cudnn"):
+        with pytest.raises(ValueError, match=rf"model\.attention={impl} with mesh\.context=2"):
+            step.build_program(config(attention=impl), tx, mesh_cfg(), global_batch=8, z_loss=0.0, microbatches=1)
+    no_rule = mesh_cfg()
+    no_rule["rules"] = [r if r[0] != "act_len" else ["act_len", None] for r in no_rule["rules"]]
+    with pytest.raises(ValueError, match=r"mesh\.context=2 but mesh\.rules maps act_len to \[\]"):
+        step.build_program(config(), tx, no_rule, global_batch=8, z_loss=0.0, microbatches=1)
+    with pytest.raises(ValueError, match=r"mesh\.data\*mesh\.fsdp\*mesh\.context\*mesh\.tensor = 6"):
+        shd.make_mesh(mesh_cfg(data=1, fsdp=3, context=2))
+    assert dict(shd.make_mesh(mesh_cfg()).shape) == {"data": 1, "fsdp": 4, "context": 2, "tensor": 1}
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["mesh=context", "data.seq_len=63"], "data.seq_len=63 does not split into the 2 parts mesh.context=2 needs"),
+    (["mesh=context", "model.attention=splash"], "model.attention=splash with mesh.context=2"),
+], ids=["seq_len", "splash"])
+def test_train_py_refuses_in_one_line(tmp_path, capsys, overrides, needle):
+    from tests.run_helpers import main_in_process
+
+    code, lines = main_in_process(capsys, tmp_path / "run", *overrides)
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("config error:") and needle in lines[0], lines
+
+
+# ----------------------------------------------------------------------------- whole runs
+
+RUN = ["model.d_model=64", "model.n_layers=2", "model.d_ff=128", "model.dtype=float32", "data.seq_len=64",
+       "data.global_batch_size=8", "data.num_workers=0", "train.log_every=1", "train.eval_every=0",
+       "checkpoint.every=3", "optimizer.warmup_steps=1", "logger.wandb.mode=disabled", "mesh=context"]
+
+
+def _train(run_dir, *overrides):
+    import train as train_mod
+    from tests.run_helpers import make_cfg
+
+    train_mod.train(make_cfg(run_dir, *RUN, *overrides))
+    with open(run_dir / "metrics.jsonl") as f:
+        return {r["step"]: r for r in map(json.loads, f)}
+
+
+@pytest.fixture(scope="module")
+def context2_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("context2")
+    return run_dir, _train(run_dir, "train.steps=6", "mesh.context=2")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("context", [1, 4])
+def test_checkpoint_at_context_2_resumes_at_context_1_and_4(context2_run, context, tmp_path):
+    run_dir, straight = context2_run
+    assert all(1.0 <= straight[s]["context_imbalance"] < 1.5 for s in straight)
+    resumed = _train(tmp_path, "train.steps=6", f"mesh.context={context}",
+                     f"checkpoint.resume_from={run_dir / 'checkpoints' / '3'}")
+    assert sorted(resumed) == [4, 5, 6]
+    for s in resumed:
+        assert resumed[s]["tokens_seen"] == straight[s]["tokens_seen"]
+        np.testing.assert_allclose(resumed[s]["loss"], straight[s]["loss"], rtol=1e-5)
+        np.testing.assert_allclose(resumed[s]["grad_norm"], straight[s]["grad_norm"], rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_generate_decodes_a_long_prompt_from_a_context_2_checkpoint(context2_run, capsys):
+    from scripts import generate
+
+    run_dir, _ = context2_run
+    prompt = " ".join(["The river was wide and the boats were slow"] * 6)  # longer than a chip's part
+    generate.main(["--checkpoint", str(run_dir), "--prompt", prompt, "--max-new-tokens", "8", "--temperature", "0"])
+    captured = capsys.readouterr()
+    assert captured.out.startswith(prompt)
+    n_prompt, n_new = map(int, re.search(r"(\d+) prompt \+ (\d+) new tokens", captured.err).groups())
+    assert n_prompt > 64 // 2 and n_new >= 1   # longer than a context-2 chip's part of a training row
