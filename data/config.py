@@ -11,6 +11,9 @@ from data.tokenizer import BOS_NAMES, load_tokenizer, special_ids, tokenizer_fil
 PACKINGS = ("concat", "first_fit")
 # data.mixture_change: what a resumed run does when data.sources differ from the checkpoint's.
 MIXTURE_CHANGES = ("refuse", "continue")
+# data.shape_change: what a resumed run does when data.seq_len / data.global_batch_size (and the
+# model's max_seq_len and RoPE fields) differ from the checkpoint's (data/resume.py).
+SHAPE_CHANGES = ("refuse", "continue")
 HEAD_BATCH = ("race", "first", "off")
 
 
@@ -81,6 +84,10 @@ class DataConfig:
     # every source continuing from its own saved position (data/state.py mixture_changes);
     # "refuse": any data change is refused.
     mixture_change: str = "refuse"
+    # On resume, "continue": seq_len and global_batch_size may differ from the checkpoint's, the
+    # data continuing from the saved positions re-packed at the new length (data/resume.py);
+    # "refuse": such a change is refused.
+    shape_change: str = "refuse"
 
     def __post_init__(self):
         p = self.paths
@@ -220,6 +227,8 @@ def validate_settings(cfg: DataConfig, process_count: int) -> None:
         raise ValueError(f"data.head_batch={cfg.head_batch!r}: must be one of {HEAD_BATCH}")
     if cfg.mixture_change not in MIXTURE_CHANGES:
         raise ValueError(f"data.mixture_change={cfg.mixture_change!r}: must be one of {MIXTURE_CHANGES}")
+    if cfg.shape_change not in SHAPE_CHANGES:
+        raise ValueError(f"data.shape_change={cfg.shape_change!r}: must be one of {SHAPE_CHANGES}")
     check_shards(cfg, process_count, None)
 
 

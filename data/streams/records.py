@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import hashlib
 import json
 import os
@@ -30,7 +31,7 @@ import numpy as np
 
 from data.streams import packing
 from data.streams.permutation import FeistelPermutation
-from data.streams.shard import COUNTER_KEYS, WindowRows, zero_counters
+from data.streams.shard import COUNTER_KEYS, RESHAPE, WindowRows, zero_counters
 
 MANIFEST = "manifest.json"
 FORMAT = "jaxpt-records-1"
@@ -340,6 +341,8 @@ class RecordShardStream(WindowRows):
                 "c": {**self.c, "bad": {}, "badex": []}}
 
     def _restore(self, st: dict) -> None:
+        if RESHAPE in st:
+            st = self._continued(st)
         s = st["start"]
         self._settle()
         for b in self._ahead:
@@ -351,6 +354,23 @@ class RecordShardStream(WindowRows):
         self._start = s
         self._install(self._pack_window())
         self._skip_emitted(int(st["emitted"]), len(self.tok))
+
+    def _continued(self, st: dict) -> dict:
+        """A state saved at another seq_len (RESHAPE, data/resume.py): its window rebuilt at that
+        length (blocks are the old length's), turned into a state of this length
+        (WindowRows.remainder_state)."""
+        saved = {k: v for k, v in st.items() if k != RESHAPE}
+        if int(st[RESHAPE]) == self.spec.seq_len:
+            return saved
+        old = RecordShardStream(dataclasses.replace(self.spec, seq_len=int(st[RESHAPE])), self.shard, None, saved)
+        try:
+            nxt = {k: v for k, v in old._next_start.items() if k != "c"}
+            return old.remainder_state(nxt, saved["c"])
+        finally:
+            old.close()
+
+    def _left_rows(self) -> range:
+        return range(self.emitted, len(self.tok))
 
     # ---- rows ----
     def _fill_ahead(self) -> None:
@@ -388,7 +408,7 @@ class RecordShardStream(WindowRows):
             tok, did, first = (np.concatenate([p[i] for p in parts]) for i in range(3))
         seg, pos = packing.segments_positions(did)
         return (tok, did, seg, pos, (did >= 0).sum(1).tolist(), first.sum(1).tolist(),
-                seg.max(1).tolist())
+                seg.max(1).tolist(), first)
 
     def _install(self, window: tuple) -> None:
         """Makes `window` the current one and starts packing the next on the packing thread.
@@ -399,7 +419,7 @@ class RecordShardStream(WindowRows):
         over the batches in between; the next window's start is taken before its packing
         moves the read-ahead and the packer."""
         (self.tok, self.did, self.seg, self.pos, self.m_tok, self.m_docs,
-         self.m_segs) = window
+         self.m_segs, self.first) = window
         self.emitted = 0
         self._next_start = self._snapshot()
         self._next_window = _packing_thread().submit(self._pack_window)
