@@ -19,8 +19,8 @@ import pytest
 import data
 from data.resume import SHAPE_HINT, continue_at_length, plan_resume
 from data.streams.mixture import SOURCE_ID_SHIFT
-from tests.data_helpers import cfg as text_cfg
 from tests.data_helpers import (
+    TOKENIZER,
     close,
     convert,
     decode_doc_id,
@@ -31,6 +31,7 @@ from tests.data_helpers import (
     take,
     write_corpus,
 )
+from tests.data_helpers import cfg as text_cfg
 
 
 def first_phase(c1, hosts: int, n: int):
@@ -196,3 +197,47 @@ def test_plan_refuses_in_one_line():
     plan = plan_resume(saved, {**saved, "packing": "first_fit"}, mixture_change="refuse", allow_data_change=False,
                        shape_change="continue")
     assert plan.accepted == set() and plan.saved_seq_len is None
+
+
+def test_torch_batches_load_a_state_of_another_length(tmp_path):
+    """data.torch.Batches: the states of 2 ranks at seq_len 32 load into one rank at 128 with the
+    flag (every first-epoch document's tokens counted once), and are refused without it."""
+    pytest.importorskip("torch")
+    from data.torch import Batches
+
+    texts = write_corpus(tmp_path, n_files=8, docs_per_file=6, max_words=80)
+
+    def ov(**kw):
+        base = {"data.paths": os.path.join(str(tmp_path), "*", "en_head.json.gz"), "tokenizer.path": TOKENIZER,
+                "data.seq_len": 32, "data.global_batch_size": 8, "data.num_shards": 4, "data.num_workers": 0,
+                "data.shuffle_window": 8, "data.eval.holdout_files": 0, "seed": 0, **kw}
+        return [f"{k}={v}" for k, v in base.items()]
+
+    want, key = text_docs(tmp_path, texts)
+    counts = defaultdict(int)
+
+    def count(batch):
+        for row in batch["doc_ids"].numpy():
+            for d in row[row >= 0].tolist():
+                counts[key(d)] += 1
+
+    ranks = [Batches(ov(), rank=r, world=2, debug=True) for r in range(2)]
+    for b in ranks:
+        for _ in range(5):
+            count(next(b))
+    saved = [b.state_dict() for b in ranks]
+    for b in ranks:
+        b.close()
+    with pytest.raises(ValueError, match=r"data.seq_len=32, this config has 128 \(set data.shape_change=continue"):
+        Batches(ov(**{"data.seq_len": 128})).load_state_dict(saved)
+    with pytest.raises(ValueError, match="data.global_batch_size=8, this config has 4 .set data.shape_change"):
+        Batches(ov(**{"data.global_batch_size": 4})).load_state_dict(saved)
+    one = Batches(ov(**{"data.seq_len": 128, "data.global_batch_size": 4, "data.shape_change": "continue"}),
+                  debug=True)
+    one.load_state_dict(saved)
+    for _ in range(40):
+        batch = next(one)
+        assert batch["input_ids"].shape == (4, 128)
+        count(batch)
+    one.close()
+    assert {k: counts[k] for k in want} == {k: len(w) for k, w in want.items()}
