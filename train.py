@@ -148,8 +148,9 @@ def run(cfg: DictConfig) -> dict:
         if start.point is not None:
             with config_errors(ValueError):   # what the saved data position is worth on this data
                 saved_data_states = resume_lib.accept_data(
-                    start, fingerprint, mixture_change=data_cfg.mixture_change,
-                    allow_data_change=cfg.checkpoint.allow_data_change, announce=is_main)
+                    start, fingerprint, mixture_change=data_cfg.mixture_change, shape_change=data_cfg.shape_change,
+                    global_batch_size=data_cfg.global_batch_size, allow_data_change=cfg.checkpoint.allow_data_change,
+                    announce=is_main)
         batches = data_lib.Feed(
             data_cfg, process_index, process_count, saved_data_states, files=train_files, tokenizer=tokenizer,
             sharding=program.batch_sharding, debug=bool(cfg.train.get("debug_batches", False)),
@@ -163,7 +164,7 @@ def run(cfg: DictConfig) -> dict:
             state, start_step = resume_lib.restore_or_init(
                 start, ckpt=ckpt, local_tier=local_tier, program=program, seed=cfg.seed,
                 init_from=cfg.checkpoint.init_from, model_fingerprint=fingerprint["model"], run_dir=s.run_dir,
-                announce=is_main)
+                announce=is_main, reset_optimizer=bool(cfg.checkpoint.get("reset_optimizer", False)))
         except ValueError as e:
             if start.point is not None:
                 raise

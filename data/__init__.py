@@ -36,7 +36,7 @@ _EXPORTS = {
     "data.host": ["find_shard_states"],
     "data.listing": ["Listing", "all_files", "list_paths", "run_listing"],
     "data.pipeline": ["DevicePrefetcher", "make_host_dataset", "make_host_iterator", "restore_host_iterator"],
-    "data.resume": ["ResumePlan", "plan_resume"],
+    "data.resume": ["ResumePlan", "continue_at_length", "mark_length", "plan_resume"],
     "data.readers.sources": ["BadDataError", "NoValidDocumentError", "no_document_reason"],
     "data.state": ["carry_parked_sources", "fingerprint", "merge_host_states", "mixture_changes"],
     "data.tokenizer": ["load_tokenizer"],

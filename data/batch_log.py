@@ -2,8 +2,9 @@
 scripts/show_step.py (which replays a step's rows and must name the very same hashes).
 
 One line per step and process: {"step", "batch_hash": of this host's batch arrays, "rows":
-[[virtual shard, first and last document id, row hash], ...]}. The tests of exact resume
-compare these lines across runs; the log costs a host sync per step.
+[[virtual shard, first and last document id, row hash], ...], "docs": [[[document id, its tokens
+in the row], ...] per row]}. The tests of exact resume compare these lines across runs, and count
+every document's tokens over a run from "docs"; the log costs a host sync per step.
 """
 from __future__ import annotations
 
@@ -39,12 +40,14 @@ class BatchLog:
         local = {k: np.ascontiguousarray(host_rows(batch[k])) for k in BATCH_KEYS}
         doc_ids, shards = np.asarray(batch["doc_ids"]), np.asarray(batch["row_shard"])
         digest = hashlib.sha256(b"".join(local[k].tobytes() for k in BATCH_KEYS)).hexdigest()[:16]
-        rows = []
+        rows, docs = [], []
         for b in range(len(shards)):
             real = doc_ids[b][doc_ids[b] >= 0]
             rows.append([int(shards[b]), int(real[0]) if real.size else -1, int(real[-1]) if real.size else -1,
                          row_hash(local["inputs"][b], local["targets"][b], doc_ids[b])])
-        self._f.write(json.dumps({"step": step, "batch_hash": digest, "rows": rows}) + "\n")
+            ids, counts = np.unique(real, return_counts=True)
+            docs.append([[int(d), int(n)] for d, n in zip(ids, counts, strict=True)])
+        self._f.write(json.dumps({"step": step, "batch_hash": digest, "rows": rows, "docs": docs}) + "\n")
         self._f.flush()
         return {k: batch[k] for k in BATCH_KEYS}
 

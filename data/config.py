@@ -12,6 +12,9 @@ from data.tokenizer import BOS_NAMES, load_tokenizer, special_ids, tokenizer_fil
 PACKINGS = ("concat", "first_fit")
 # data.mixture_change: what a resumed run does when data.sources differ from the checkpoint's.
 MIXTURE_CHANGES = ("refuse", "continue")
+# data.shape_change: what a resumed run does when data.seq_len / data.global_batch_size (and the
+# model's max_seq_len and RoPE fields) differ from the checkpoint's (data/resume.py).
+SHAPE_CHANGES = ("refuse", "continue")
 HEAD_BATCH = ("race", "first", "off")
 
 
@@ -90,6 +93,10 @@ class DataConfig:
     # min_tokens / max_tokens.
     min_doc_tokens: int | None = 0
     max_doc_tokens: int | None = 0
+    # On resume, "continue": seq_len and global_batch_size may differ from the checkpoint's, the
+    # data continuing from the saved positions re-packed at the new length (data/resume.py);
+    # "refuse": such a change is refused.
+    shape_change: str = "refuse"
 
     def __post_init__(self):
         p = self.paths
@@ -252,6 +259,8 @@ def validate_settings(cfg: DataConfig, process_count: int) -> None:
         raise ValueError(f"data.head_batch={cfg.head_batch!r}: must be one of {HEAD_BATCH}")
     if cfg.mixture_change not in MIXTURE_CHANGES:
         raise ValueError(f"data.mixture_change={cfg.mixture_change!r}: must be one of {MIXTURE_CHANGES}")
+    if cfg.shape_change not in SHAPE_CHANGES:
+        raise ValueError(f"data.shape_change={cfg.shape_change!r}: must be one of {SHAPE_CHANGES}")
     check_shards(cfg, process_count, None)
 
 

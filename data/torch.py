@@ -209,6 +209,7 @@ class Batches(torch.utils.data.IterableDataset):
         """The position after the last batch returned (JSON: the host state a checkpoint saves,
         with the data fingerprint it is checked against, and this rank's place)."""
         return {"kind": STATE_KIND, "rank": self.rank, "world": self.world,
+                "global_batch_size": self.cfg.global_batch_size,
                 "fingerprint": self._data_fingerprint(), "data": self._iterator().get_state()}
 
     def load_state_dict(self, state) -> None:
@@ -224,8 +225,7 @@ class Batches(torch.utils.data.IterableDataset):
         else:
             raise ValueError("Batches.load_state_dict: expected a state_dict() or a list of every rank's "
                              f"state_dict(), got {type(state).__name__}")
-        for s in states:
-            self._check_state(s)
+        saved_lens = {self._check_state(s) for s in states}
         if isinstance(state, dict):
             restore = ("shards", self._own_shards(states[0]))
         else:
@@ -235,21 +235,35 @@ class Batches(torch.utils.data.IterableDataset):
                 raise ValueError(f"Batches.load_state_dict: states of ranks {ranks} of world(s) {worlds}; a world "
                                  "change needs the state of every old rank, one each")
             restore = ("hosts", [s["data"] for s in sorted(states, key=lambda s: int(s["rank"]))])
+        saved_len = saved_lens.pop() if len(saved_lens) == 1 else None
+        if saved_len is not None:       # data.shape_change=continue: saved at another seq_len
+            from data.resume import continue_at_length, mark_length
+
+            restore = (("shards", mark_length(restore[1], saved_len)) if restore[0] == "shards"
+                       else ("hosts", continue_at_length(restore[1], saved_len)))
         self.close()
         self._restore = restore
         self._base_state = None
 
-    def _check_state(self, state) -> None:
+    def _check_state(self, state) -> int | None:
+        """Refuses a state this config cannot continue (one line naming the setting); returns the
+        seq_len it was saved at when data.shape_change=continue continues it at another one."""
         from data.resume import plan_resume
 
         now = self._data_fingerprint()
         plan = plan_resume(state["fingerprint"], now, mixture_change=self.cfg.mixture_change,
-                           allow_data_change=False)
+                           allow_data_change=False, shape_change=self.cfg.shape_change)
         for key in sorted(set(plan.fingerprint) | set(state["fingerprint"])):
             was, is_ = state["fingerprint"].get(key, "<absent>"), plan.fingerprint.get(key, "<absent>")
             if f"data.{key}" not in plan.accepted and json.dumps(was) != json.dumps(is_):
                 raise ValueError(f"Batches.load_state_dict: the saved position was read with data.{key}={was!r}, "
                                  f"this config has {is_!r}" + (f" ({plan.hint})" if plan.hint else ""))
+        batch = state.get("global_batch_size")
+        if batch is not None and int(batch) != self.cfg.global_batch_size and self.cfg.shape_change != "continue":
+            raise ValueError(f"Batches.load_state_dict: the saved position was read with data.global_batch_size="
+                             f"{batch}, this config has {self.cfg.global_batch_size} (set data.shape_change=continue "
+                             "to continue it at this batch)")
+        return plan.saved_seq_len
 
     def _own_shards(self, state: dict) -> dict:
         """This rank's shards' states from its own saved state (same world)."""

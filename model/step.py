@@ -331,6 +331,9 @@ class Program:
     train_step: Callable         # (state, batch) -> (state, metrics); state donated
     eval_step: Callable          # (params, batch) -> {"loss_sum", "n_tokens"}
     init_state: Callable         # seed -> a fresh TrainState in its shardings
+    # (params, opt_state) -> the optimizer state afresh for these params (Adam's moments and count),
+    # the learning-rate schedule's count kept (checkpoint.reset_optimizer)
+    fresh_opt_state: Callable | None = None
 
     def abstract_batch(self, global_batch: int, seq_len: int) -> dict:
         """The global batch as the input pipeline delivers it: int32 [global_batch, seq_len] per key."""
@@ -373,4 +376,15 @@ def build_program(model_cfg, tx, mesh_cfg: Mapping, *, global_batch: int, z_loss
         train_step=make_train_step(cfg, tx, mesh, rules, state_shardings, z_loss=z_loss, microbatches=microbatches,
                                    loss_chunk=loss_chunk, spikes=spikes),
         eval_step=make_eval_step(cfg, mesh, rules, state_shardings, loss_chunk=loss_chunk),
-        init_state=lambda seed: init_train_state(cfg, tx, mesh, rules, seed, spikes)[0])
+        init_state=lambda seed: init_train_state(cfg, tx, mesh, rules, seed, spikes)[0],
+        fresh_opt_state=jax.jit(functools.partial(fresh_opt_state, tx), out_shardings=state_shardings["opt_state"]))
+
+
+def fresh_opt_state(tx: optax.GradientTransformation, params, opt_state):
+    """tx's state afresh for `params`, but for the schedule's step count, taken from `opt_state`: the
+    learning rate goes on where the run is while the moments (and Adam's bias-correction count)
+    start again."""
+    def is_schedule(x):
+        return isinstance(x, optax.ScaleByScheduleState)
+    return jax.tree.map(lambda old, new: old if is_schedule(old) else new, opt_state, tx.init(params),
+                        is_leaf=is_schedule)

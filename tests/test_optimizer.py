@@ -39,3 +39,26 @@ def test_a_run_not_longer_than_its_warmup_warms_up_over_half_of_it():
     assert (warmup, decay) == (10, 20) and "optimizer.warmup_steps=2000" in notice
     with pytest.raises(ValueError, match="optimizer.warmup_steps=2000 must be below optimizer.decay_steps=1000"):
         resolve_warmup({**OPT, "decay_steps": 1000}, 42_000)
+
+
+def test_fresh_opt_state_keeps_the_schedule_count():
+    """checkpoint.reset_optimizer (model/step.py fresh_opt_state): Adam's moments and count start
+    again, the learning-rate schedule's count goes on where the run is."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from model.step import fresh_opt_state
+
+    tx = optax.adamw(optax.linear_schedule(0.0, 1e-3, 10))
+    params = {"w": jnp.ones((3,))}
+    state = tx.init(params)
+    for _ in range(4):
+        _, state = tx.update({"w": jnp.full((3,), 0.5)}, state, params)
+    fresh = fresh_opt_state(tx, params, state)
+    leaves = jax.tree.leaves(fresh, is_leaf=lambda x: isinstance(x, optax.ScaleByScheduleState))
+    sched = [x for x in leaves if isinstance(x, optax.ScaleByScheduleState)]
+    adam = [x for x in jax.tree.leaves(fresh, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+            if isinstance(x, optax.ScaleByAdamState)]
+    assert len(sched) == 1 and int(sched[0].count) == 4
+    assert len(adam) == 1 and int(adam[0].count) == 0 and float(jnp.abs(adam[0].mu["w"]).sum()) == 0.0

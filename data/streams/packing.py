@@ -103,6 +103,25 @@ def carry_from_state(st: dict | None):
     return tok, did, first
 
 
+def remainder(tok, did, first, open_doc: int | None = None):
+    """Tokens of packed rows not handed out, plus a packer's carry-over, as one carry for a
+    packer of another row length (data.shape_change=continue): padding dropped, each document's
+    pieces put together in the order they were packed (first_fit hands out a long document's
+    full rows and the bin holding its end apart), documents in the order they first appear,
+    `open_doc` (the document the next read continues: the carry-over's) last. -> (tok, did, first)."""
+    keep = did >= 0
+    tok, did, first = tok[keep], did[keep], first[keep]
+    if not len(did):
+        return _empty()
+    docs, at = np.unique(did, return_index=True)
+    rank = np.empty(len(docs), np.int64)
+    rank[np.argsort(at, kind="stable")] = np.arange(len(docs))
+    if open_doc is not None and open_doc in docs:
+        rank[np.searchsorted(docs, open_doc)] = len(docs)
+    order = np.argsort(rank[np.searchsorted(docs, did)], kind="stable")
+    return tok[order], did[order], first[order]
+
+
 class ConcatPacker:
     """Concatenate documents and cut rows of exactly R tokens; no padding."""
 

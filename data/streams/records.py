@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import hashlib
 import json
 import os
@@ -30,7 +31,7 @@ import numpy as np
 
 from data.streams import buckets, packing
 from data.streams.permutation import FeistelPermutation
-from data.streams.shard import COUNTER_KEYS, WindowRows, zero_counters
+from data.streams.shard import COUNTER_KEYS, RESHAPE, WindowRows, zero_counters
 
 MANIFEST = "manifest.json"
 FORMAT = "jaxpt-records-1"
@@ -340,6 +341,8 @@ class RecordShardStream(WindowRows):
                 "c": {**self.c, "bad": {}, "badex": []}}
 
     def _restore(self, st: dict) -> None:
+        if RESHAPE in st:
+            st = self._continued(st)
         s = st["start"]
         self._settle()
         for b in self._ahead:
@@ -353,6 +356,23 @@ class RecordShardStream(WindowRows):
         self._install(self._pack_window())
         self._skip_emitted(int(st["emitted"]), len(self.tok))
 
+    def _continued(self, st: dict) -> dict:
+        """A state saved at another seq_len (RESHAPE, data/resume.py): its window rebuilt at that
+        length (blocks are the old length's), turned into a state of this length
+        (WindowRows.remainder_state)."""
+        saved = {k: v for k, v in st.items() if k != RESHAPE}
+        if int(st[RESHAPE]) == self.spec.seq_len:
+            return saved
+        old = RecordShardStream(dataclasses.replace(self.spec, seq_len=int(st[RESHAPE])), self.shard, None, saved)
+        try:
+            nxt = {k: v for k, v in old._next_start.items() if k != "c"}
+            return old.remainder_state(nxt, saved["c"])
+        finally:
+            old.close()
+
+    def _left_rows(self) -> range:
+        return range(self.emitted, len(self.tok))
+
     # ---- rows ----
     def _fill_ahead(self) -> None:
         while len(self._ahead) < self.AHEAD_BLOCKS:
@@ -363,7 +383,7 @@ class RecordShardStream(WindowRows):
 
     def _pack_window(self) -> tuple:
         """Whole blocks until at least one row: their documents with EOS (BOS), packed ->
-        (tok, did, seg, pos, m_tok, m_docs, m_segs, documents dropped by the length bucket).
+        (tok, did, seg, pos, m_tok, m_docs, m_segs, first, documents dropped by the length bucket).
         Advances the read-ahead and the packer: run by one thread at a time (the caller's, or
         the packing thread for the next window while the caller hands out the current one's rows)."""
         parts, n, oob = [], 0, 0
@@ -399,7 +419,7 @@ class RecordShardStream(WindowRows):
             tok, did, first = (np.concatenate([p[i] for p in parts]) for i in range(3))
         seg, pos = packing.segments_positions(did)
         return (tok, did, seg, pos, (did >= 0).sum(1).tolist(), first.sum(1).tolist(),
-                seg.max(1).tolist(), oob)
+                seg.max(1).tolist(), first, oob)
 
     def _install(self, window: tuple) -> None:
         """Makes `window` the current one and starts packing the next on the packing thread.
@@ -410,7 +430,7 @@ class RecordShardStream(WindowRows):
         over the batches in between; the next window's start is taken before its packing
         moves the read-ahead and the packer."""
         (self.tok, self.did, self.seg, self.pos, self.m_tok, self.m_docs,
-         self.m_segs, oob) = window
+         self.m_segs, self.first, oob) = window
         self.c["oob"] += oob     # the window's out-of-bucket documents, counted when it starts
         self.emitted = 0
         self._next_start = self._snapshot()

@@ -25,6 +25,10 @@ consumed state gives exact consumed statistics. Bad records are counted when rea
 reported per window (the window is read ahead of consumption). "rows": the current window's row
 count (absent in states saved before it was kept): with it, the trainer's head batch after a
 restore tokenizes the window only up to the rows it hands out (`ShardStream(head_rows=...)`).
+
+A state may carry RESHAPE, the row length it was saved at (data.shape_change=continue marks the
+saved states of a run resumed at another data.seq_len, data/resume.py): restoring it rebuilds
+that window at the old length and continues from its remainder (WindowRows.remainder_state).
 """
 from __future__ import annotations
 
@@ -52,6 +56,8 @@ COUNTER_KEYS = ("rows", "docs", "tokens", "pad", "segs", "trunc", "drop", "oob")
 # batches (and needs a new STATE_VERSION).
 CHUNK_CHARS = 1 << 17
 CHUNK_CHARS_PER_TOKEN = 4
+# A saved shard state marked with the seq_len it was saved at (data/resume.py continue_at_length).
+RESHAPE = "saved_seq_len"
 
 
 class _Chunk:
@@ -168,6 +174,24 @@ class WindowRows:
         if "did" in out:
             out["did"][b] = self.did[i]
 
+    def remainder_state(self, nxt: dict, consumed: dict) -> dict:
+        """data.shape_change=continue: this stream, restored at the row length a state was saved
+        at, as a state for a stream of another row length. `nxt`: the next window's start (its
+        reader position and packer carry-over); `consumed`: the saved state's counters. The
+        window's rows not yet handed out and the carry-over become the new start's carry-over
+        (packing.remainder: one token list, documents whole and in packing order), so the new
+        packer re-packs them at its length into its first window, whose shuffle mixes them with
+        what is read next: every token read but not consumed comes exactly once, counters go on
+        from the consumed ones (a document counts once, where its first token is handed out)."""
+        left = np.asarray(self._left_rows(), np.int64)
+        ct, cd, cf = packing.carry_from_state(nxt["carry"])
+        carry = packing.remainder(np.concatenate([self.tok[left].reshape(-1), ct]),
+                                  np.concatenate([self.did[left].reshape(-1), cd]),
+                                  np.concatenate([self.first[left].reshape(-1), cf]),
+                                  open_doc=int(cd[-1]) if len(cd) else None)
+        return {"start": {**nxt, "carry": packing.carry_to_state(*carry), "c": consumed},
+                "emitted": 0, "c": consumed}
+
     def _skip_emitted(self, k: int, window_rows: int) -> None:
         """After a restore rebuilt the window: hand out again the k rows already emitted."""
         if k > window_rows:
@@ -211,6 +235,8 @@ class ShardStream(WindowRows):
                 "c": {**self.c, "bad": dict(bad), "badex": list(badex)}}
 
     def _restore(self, st: dict, head_rows: int = 0) -> None:
+        if RESHAPE in st:
+            st = self._continued(st)
         s = st["start"]
         self._ahead.clear()   # drop read-ahead chunks: reading restarts at s["reader"]
         self.reader.set_state(s["reader"])
@@ -228,6 +254,25 @@ class ShardStream(WindowRows):
             return
         self._build_window(read_ahead=False)
         self._skip_emitted(k, len(self.perm))
+
+    def _continued(self, st: dict) -> dict:
+        """A state saved at another seq_len (RESHAPE): its window rebuilt at that length by a
+        stream of the old spec (its chunks are the old length's), turned into a state of this
+        length. Costs one window's tokenization, once, at the switch."""
+        saved = {k: v for k, v in st.items() if k != RESHAPE}
+        if int(st[RESHAPE]) == self.spec.seq_len:
+            return saved
+        old = ShardStream(dataclasses.replace(self.spec, seq_len=int(st[RESHAPE])), self.shard, self.enc,
+                          saved, self.times)
+        try:   # built without read-ahead: the reader stands where the next window starts
+            nxt = {"reader": old.reader.get_state(), "carry": old.packer.carry_state(), "win": old.win}
+            return old.remainder_state(nxt, saved["c"])
+        finally:
+            old.close()
+
+    def _left_rows(self) -> list:
+        """The window's rows not handed out yet, in packing order."""
+        return sorted(self.perm[self.emitted:])
 
     def _restore_head(self, st: dict, k: int, n: int, head_rows: int) -> None:
         """The window rebuilt only up to the last of rows perm[k : k + head_rows], the ones the
@@ -358,7 +403,7 @@ class ShardStream(WindowRows):
         did = np.concatenate([p[1] for p in parts])
         first = np.concatenate([p[2] for p in parts])
         seg, pos = packing.segments_positions(did)
-        self.tok, self.did, self.seg, self.pos = tok, did, seg, pos
+        self.tok, self.did, self.seg, self.pos, self.first = tok, did, seg, pos, first
         self.perm = self._window_perm(len(tok)) if rows_needed is None else None
         self.rows = len(tok)
         real = did >= 0

@@ -488,6 +488,20 @@ def fingerprint_diffs(saved: Mapping, current: Mapping, accepted=frozenset()) ->
     return diffs
 
 
+def is_shape_key(key: str) -> bool:
+    """Model fields a run may change together with its row length (data.shape_change=continue):
+    max_seq_len and the RoPE fields (rope_theta, rope_type and its own fields); never a shape of
+    the parameters."""
+    return key == "max_seq_len" or key.startswith("rope_")
+
+
+def model_shape_changes(saved: Mapping, current: Mapping) -> dict:
+    """{"model.KEY": (checkpoint, now)} for every differing model field is_shape_key accepts."""
+    a, b = _model_in_full(saved or {}), _model_in_full(current or {})
+    return {f"model.{k}": (a.get(k, "<absent>"), b.get(k, "<absent>")) for k in sorted(set(a) | set(b))
+            if is_shape_key(k) and _canon(a.get(k, "<absent>")) != _canon(b.get(k, "<absent>"))}
+
+
 def check_fingerprint(saved: Mapping, current: Mapping, *, allow_data_change: bool,
                       accepted=frozenset(), data_hint: str | None = None) -> list[str]:
     """A resumed run must read the same data the same way into the same model.
