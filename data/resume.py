@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from data.state import _same, carry_parked_sources, merge_host_states, mixture_changes
+from data.state import carry_parked_sources, merge_host_states, mixture_changes, same_value
 from data.streams.shard import RESHAPE, STATE_MARK, STATE_VERSION
 
 ALLOW_HINT = ("set data.mixture_change=continue to continue every source from its saved position, "
@@ -45,10 +45,10 @@ def plan_resume(saved: dict, current: dict, *, mixture_change: str, allow_data_c
     # The positions of parked sources travel on in the data state: so does what they were read
     # from (data/state.py carry_parked_sources).
     current = carry_parked_sources(saved, current)
-    relength = bool(saved) and "seq_len" in saved and not _same(saved["seq_len"], current["seq_len"])
+    relength = bool(saved) and "seq_len" in saved and not same_value(saved["seq_len"], current["seq_len"])
     accepted, saved_seq_len = set(), None
     if shape_change == "continue" and saved:
-        if not _same(saved.get("num_shards"), current["num_shards"]):
+        if not same_value(saved.get("num_shards"), current["num_shards"]):
             # the batch layout and every saved position are per virtual shard
             raise ValueError(f"data.shape_change=continue: data.num_shards changed ({saved.get('num_shards')} -> "
                              f"{current['num_shards']}); the virtual shards must stay those of the checkpoint "
@@ -61,7 +61,7 @@ def plan_resume(saved: dict, current: dict, *, mixture_change: str, allow_data_c
         keys, notes = mixture_changes(saved, current)
         return ResumePlan(current, accepted | {f"data.{k}" for k in keys}, notes=notes, saved_seq_len=saved_seq_len)
     if relength and shape_change != "continue" and all(
-            _same(saved.get(k), current.get(k)) for k in set(saved) | set(current) if k != "seq_len"):
+            same_value(saved.get(k), current.get(k)) for k in set(saved) | set(current) if k != "seq_len"):
         return ResumePlan(current, set(), hint=SHAPE_HINT)
     try:
         could = bool(mixture_changes(saved, current)[0])

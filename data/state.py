@@ -195,7 +195,7 @@ def mixture_changes(saved: dict, current: dict) -> tuple[set, list[str]]:
     accepted, changed = set(), []
     for key in sorted(set(saved) | set(current)):
         a, b = saved.get(key, "<absent>"), current.get(key, "<absent>")
-        if _same(a, b):
+        if same_value(a, b):
             continue
         sk = _source_key(key)
         if key in _MIXTURE_FREE_KEYS or (sk is not None and (sk[1] == "share" or sk[0] not in known)):
@@ -220,7 +220,7 @@ def mixture_changes(saved: dict, current: dict) -> tuple[set, list[str]]:
     return accepted, changed
 
 
-def _same(a, b) -> bool:
+def same_value(a, b) -> bool:
     """Equal once JSON round tripped (a saved tuple comes back as a list)."""
     return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
 
