@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator, Mapping
 import jax
 import numpy as np
 
-from model.llama import Llama, LlamaConfig
+from model.llama import ROPE_TYPES, Llama, LlamaConfig
 
 # ----------------------------------------------------------------------------- config
 # The Hugging Face families that are this network: model_type -> (architecture class, the
@@ -55,6 +55,11 @@ _REFUSED_KEYS = {
 _LLAMA3_KEYS = {"rope_factor": "factor", "rope_low_freq_factor": "low_freq_factor",
                 "rope_high_freq_factor": "high_freq_factor",
                 "rope_original_max_len": "original_max_position_embeddings"}
+# rope_type yarn: the two keys it needs, then the ones transformers fills in when absent (our None).
+_YARN_KEYS = {"rope_factor": "factor", "rope_original_max_len": "original_max_position_embeddings",
+              "rope_beta_fast": "beta_fast", "rope_beta_slow": "beta_slow", "rope_attention_factor": "attention_factor",
+              "rope_mscale": "mscale", "rope_mscale_all_dim": "mscale_all_dim", "rope_truncate": "truncate"}
+_ROPE_KEYS = {"llama3": _LLAMA3_KEYS, "yarn": _YARN_KEYS}
 
 
 def _refuse(key: str, value, why: str):
@@ -63,27 +68,43 @@ def _refuse(key: str, value, why: str):
 
 def _rope_from_hf(hf: Mapping[str, Any]) -> dict:
     """Our rope fields from either spelling: `rope_scaling` (+ top-level `rope_theta`, the hub's
-    config.json files) or `rope_parameters` (transformers 5, rope_theta inside)."""
+    config.json files; the type as `rope_type` or the older `type`, Qwen2.5's) or `rope_parameters`
+    (transformers 5, rope_theta inside)."""
     scaling, params = hf.get("rope_scaling"), hf.get("rope_parameters")
     if scaling and params:
         for key in sorted(set(scaling) | set(params)):
             if key != "rope_theta" and key in scaling and scaling.get(key) != params.get(key):
                 _refuse(f"rope_scaling.{key}", scaling.get(key), f"rope_parameters.{key}={params.get(key)!r} disagrees")
     rope = dict(params or {}, **(scaling or {}))  # transformers: rope_scaling wins
+    where = "rope_scaling" if scaling else "rope_parameters"
+    if "type" in rope and "rope_type" in rope and rope["type"] != rope["rope_type"]:
+        _refuse(f"{where}.type", rope["type"], f"{where}.rope_type={rope['rope_type']!r} disagrees")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     theta = rope.get("rope_theta") or hf.get("rope_theta") or 10000.0
-    where = "rope_scaling" if scaling else "rope_parameters"
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         _refuse(f"{where}.partial_rotary_factor", rope["partial_rotary_factor"], "model/llama.py rotates whole heads")
     out = {"rope_theta": float(theta), "rope_type": rope_type}
     if rope_type == "default":
         return out
-    if rope_type != "llama3":
-        _refuse(f"{where}.rope_type", rope_type, "model/llama.py has RoPE types 'default' and 'llama3' only")
-    for ours, theirs in _LLAMA3_KEYS.items():
-        if rope.get(theirs) is None:
-            _refuse(f"{where}.{theirs}", None, "rope_type 'llama3' needs it")
-        out[ours] = int(rope[theirs]) if ours == "rope_original_max_len" else float(rope[theirs])
+    if rope_type not in ROPE_TYPES:
+        _refuse(f"{where}.rope_type", rope_type, f"model/llama.py has RoPE types {list(ROPE_TYPES)} only")
+    # transformers (5.x) reads a top-level original_max_position_embeddings over the RoPE dict's (Phi-3's spelling)
+    top = hf.get("original_max_position_embeddings")
+    if top is not None and rope.get("original_max_position_embeddings", top) != top:
+        _refuse("original_max_position_embeddings", top,
+                f"{where}.original_max_position_embeddings={rope['original_max_position_embeddings']!r} disagrees")
+    rope.setdefault("original_max_position_embeddings", top)
+    keys = _ROPE_KEYS[rope_type]
+    needed = list(keys.values())[:2] if rope_type == "yarn" else list(keys.values())
+    for ours, theirs in keys.items():
+        value = rope.get(theirs)
+        if value is None and theirs in needed:
+            _refuse(f"{where}.{theirs}", None, f"rope_type {rope_type!r} needs it")
+        if value is None and theirs == "truncate" and theirs in rope:
+            _refuse(f"{where}.truncate", None, "write true or false (transformers reads null as false)")
+        if value is not None:
+            cast = {"rope_original_max_len": int, "rope_truncate": bool}.get(ours, float)
+            out[ours] = cast(value)
     return out
 
 
@@ -141,8 +162,9 @@ def to_hf_config(cfg: LlamaConfig, bos_token_id: int | None = None, eos_token_id
         raise ValueError(f"model.sliding_window={cfg.sliding_window}: a {family!r} config.json has no "
                          "sliding window (model.hf_model_type=mistral has)")
     rope = {"rope_type": cfg.rope_type}
-    if cfg.rope_type == "llama3":
-        rope.update({theirs: getattr(cfg, ours) for ours, theirs in _LLAMA3_KEYS.items()})
+    for ours, theirs in _ROPE_KEYS.get(cfg.rope_type, {}).items():
+        if getattr(cfg, ours) is not None:  # yarn's optional keys: absent, as transformers' defaults
+            rope[theirs] = getattr(cfg, ours)
     config = {
         "architectures": [HF_FAMILIES[family][0]],
         "model_type": family,

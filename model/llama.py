@@ -3,9 +3,10 @@
 References: Llama 2 (Touvron et al. 2023) for the block (pre-RMSNorm, RoPE, GQA, SwiGLU);
 Hugging Face `LlamaForCausalLM` is the numerical reference (tests/test_model_hf.py checks
 logits to 1e-4 in fp32), so RoPE uses its "rotate half" layout. The open checkpoints built on
-this block are config fields, off by default: Llama 3.1's RoPE scaling (rope_type llama3), a
-head_dim apart from d_model / n_heads, Qwen2's q/k/v biases, Qwen3's per-head q/k RMSNorm and
-Mistral's sliding window (model/hf.py maps their config.json files; the same test covers each).
+this block are config fields, off by default: Llama 3.1's RoPE scaling (rope_type llama3), YaRN
+(rope_type yarn, Qwen2.5/Qwen3's long contexts; Peng et al. 2023, arXiv 2309.00071), a head_dim
+apart from d_model / n_heads, Qwen2's q/k/v biases, Qwen3's per-head q/k RMSNorm and Mistral's
+sliding window (model/hf.py maps their config.json files; the same test covers each).
 
 Conventions (the models we learn from: big_vision, flax gemma, nanoGPT, torchtitan):
 - Names carry shapes: b batch, t query length, s key length, d model width, n query heads,
@@ -34,11 +35,19 @@ from jax._src.cudnn import fused_attention_stablehlo as _cudnn_fa  # private: th
 from model import sharding as shd
 
 ATTENTION_IMPLS = ("xla", "cudnn", "splash")
-ROPE_TYPES = ("default", "llama3")
+ROPE_TYPES = ("default", "llama3", "yarn")
 # The Hugging Face families this network is (model/hf.py): the config.json model_type an export writes.
 HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # The fields rope_type "llama3" reads (Llama 3.1+: longer contexts by slowing the low frequencies).
 LLAMA3_ROPE_FIELDS = ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len")
+# The fields rope_type "yarn" reads (YaRN: interpolate the low frequencies, keep the high, and scale
+# q and k): the first two it needs; the others None take transformers' defaults (LlamaConfig).
+YARN_ROPE_FIELDS = ("rope_factor", "rope_original_max_len", "rope_beta_fast", "rope_beta_slow",
+                    "rope_attention_factor", "rope_mscale", "rope_mscale_all_dim", "rope_truncate")
+# The RoPE fields: how positions are encoded, never a parameter's shape (tests/test_model.py checks), so
+# a run may change them when it resumes (a context extension: a larger rope_theta, or rope_type yarn
+# with its factor), with max_seq_len, the longest position the run then reaches.
+ROPE_FIELDS = ("rope_theta", "rope_type", *dict.fromkeys(LLAMA3_ROPE_FIELDS + YARN_ROPE_FIELDS), "max_seq_len")
 # The fused attention kernels' forward primitives (cuDNN's, through jax.nn.dot_product_attention):
 # their outputs (the attention output and its softmax statistics) are all the backward kernel reads.
 FUSED_ATTENTION_FWD = frozenset({"dot_product_attention_fwd_wrapper", "dot_product_attention_fwd"})
@@ -113,10 +122,18 @@ class LlamaConfig:
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
     sliding_window: int | None = None  # a query sees itself and the window-1 keys before it (Mistral)
     rope_type: str = "default"  # one of ROPE_TYPES
-    rope_factor: float | None = None  # rope_type llama3 only (all four of LLAMA3_ROPE_FIELDS)
+    rope_factor: float | None = None  # rope_type llama3 (all four of LLAMA3_ROPE_FIELDS) and yarn
     rope_low_freq_factor: float | None = None
     rope_high_freq_factor: float | None = None
-    rope_original_max_len: int | None = None
+    rope_original_max_len: int | None = None  # llama3 and yarn: the context the checkpoint trained at
+    # rope_type yarn only, each the HF key without "rope_"; None does what transformers does when the
+    # key is absent (and an export leaves it absent). Pair j turns original_max_len / wavelength_j times:
+    rope_beta_fast: float | None = None  # pairs turning more often than this keep their frequency (None: 32)
+    rope_beta_slow: float | None = None  # pairs turning less often are slowed by rope_factor, a ramp between (None: 1)
+    rope_attention_factor: float | None = None  # cos and sin times this, q.k logits times its square (None: below)
+    rope_mscale: float | None = None  # both set: g(mscale) / g(mscale_all_dim), g(m) = 0.1 m ln(rope_factor) + 1;
+    rope_mscale_all_dim: float | None = None  # else g(1) (g = 1 when rope_factor <= 1). DeepSeek's keys
+    rope_truncate: bool | None = None  # the ramp's ends rounded out to whole pairs (None: True)
     hf_model_type: str = "llama"  # one of HF_MODEL_TYPES: not the network, the family export names
     dtype: str = "bfloat16"  # compute dtype (activations, matmul inputs)
     param_dtype: str = "float32"  # storage dtype of the parameters (optimizer masters)
@@ -153,11 +170,19 @@ class LlamaConfig:
             raise ValueError(f"model.hf_model_type={self.hf_model_type!r}; expected one of {list(HF_MODEL_TYPES)}")
         if self.rope_type not in ROPE_TYPES:
             raise ValueError(f"model.rope_type={self.rope_type!r}; expected one of {list(ROPE_TYPES)}")
-        for name in LLAMA3_ROPE_FIELDS:
+        needs = {"llama3": LLAMA3_ROPE_FIELDS, "yarn": YARN_ROPE_FIELDS[:2]}.get(self.rope_type, ())
+        reads = YARN_ROPE_FIELDS if self.rope_type == "yarn" else needs
+        for name in dict.fromkeys(LLAMA3_ROPE_FIELDS + YARN_ROPE_FIELDS):
             value = getattr(self, name)
-            if (value is None) == (self.rope_type == "llama3"):
+            if (value is None and name in needs) or (value is not None and name not in reads):
                 need = "needs it" if value is None else "does not use it"
                 raise ValueError(f"model.{name}={value!r}: model.rope_type={self.rope_type!r} {need}")
+        for name in YARN_ROPE_FIELDS[:5]:
+            value = getattr(self, name)
+            if value is not None and not value > 0:  # transformers reads a beta of 0 as its default
+                raise ValueError(f"model.{name}={value!r}: expected a positive number")
+        if self.rope_truncate not in (None, True, False):
+            raise ValueError(f"model.rope_truncate={self.rope_truncate!r}: expected true, false or null")
         if self.rope_type == "llama3" and self.rope_high_freq_factor <= self.rope_low_freq_factor:
             raise ValueError(f"model.rope_high_freq_factor={self.rope_high_freq_factor} must exceed "
                              f"model.rope_low_freq_factor={self.rope_low_freq_factor}")
@@ -166,6 +191,32 @@ class LlamaConfig:
     def rope_llama3(self) -> tuple | None:
         """(factor, low_freq_factor, high_freq_factor, original_max_len) for rope_type llama3."""
         return tuple(getattr(self, name) for name in LLAMA3_ROPE_FIELDS) if self.rope_type == "llama3" else None
+
+    @property
+    def rope_yarn(self) -> tuple | None:
+        """(factor, original_max_len, beta_fast, beta_slow, truncate) for rope_type yarn, the
+        defaults filled in as transformers fills them."""
+        if self.rope_type != "yarn":
+            return None
+        return (self.rope_factor, self.rope_original_max_len, self.rope_beta_fast or 32.0, self.rope_beta_slow or 1.0,
+                self.rope_truncate is not False)
+
+    @property
+    def rope_scale(self) -> float:
+        """What RoPE multiplies cos and sin by (so q.k logits by its square): YaRN's attention factor,
+        given or computed from rope_factor and the mscales as transformers' `_compute_yarn_parameters`
+        does; 1.0 for the other types."""
+        if self.rope_type != "yarn":
+            return 1.0
+        if self.rope_attention_factor is not None:
+            return float(self.rope_attention_factor)
+
+        def mscale(m: float) -> float:  # YaRN's 0.1 ln(s) + 1 temperature, none when not stretched
+            return 1.0 if self.rope_factor <= 1 else 0.1 * m * math.log(self.rope_factor) + 1.0
+
+        if self.rope_mscale and self.rope_mscale_all_dim:  # DeepSeek-V2/V3's spelling
+            return mscale(self.rope_mscale) / mscale(self.rope_mscale_all_dim)
+        return mscale(1.0)
 
     @classmethod
     def from_mapping(cls, m: Mapping[str, Any]) -> "LlamaConfig":
@@ -231,11 +282,14 @@ class RMSNorm(nnx.Module):
         return (y * self.scale_d[...].astype(jnp.float32)).astype(x_btd.dtype)
 
 
-def rope_inv_freq(h: int, theta: float, llama3: tuple | None = None):
+def rope_inv_freq(h: int, theta: float, llama3: tuple | None = None, yarn: tuple | None = None):
     """[h/2] fp32 rotation frequencies. llama3 = (factor, low_freq_factor, high_freq_factor,
     original_max_len) (Llama 3.1+, HF rope_type "llama3"): wavelengths longer than
     original_max_len / low_freq_factor are slowed by `factor`, those shorter than
-    original_max_len / high_freq_factor kept, and those between interpolated smoothly."""
+    original_max_len / high_freq_factor kept, and those between interpolated smoothly.
+    yarn = LlamaConfig.rope_yarn (HF rope_type "yarn"): see _yarn_inv_freq."""
+    if yarn is not None:
+        return _yarn_inv_freq(h, theta, *yarn)
     inv_freq_j = 1.0 / (theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
     if llama3 is None:
         return inv_freq_j
@@ -247,10 +301,38 @@ def rope_inv_freq(h: int, theta: float, llama3: tuple | None = None):
     return jnp.where(between_j, (1 - smooth_j) * slowed_j / factor + smooth_j * slowed_j, slowed_j)
 
 
-def rope(x_btnh, positions_bt, inv_freq_j):
-    """Rotary embedding, HF "rotate half" layout (first half / second half of each head)."""
+def _yarn_inv_freq(h: int, theta: float, factor: float, original: int, beta_fast: float, beta_slow: float,
+                   truncate: bool):
+    """YaRN's "NTK-by-parts" frequencies (Peng et al. 2023, section 3.2; transformers'
+    `_compute_yarn_parameters` is the reference the tests hold us to). Pair j turns
+    original / (2 pi theta^(2j/h)) times over the original context: pairs turning more than beta_fast
+    times keep their frequency, those turning fewer than beta_slow times are slowed by `factor`
+    (position interpolation), and between them a linear ramp in j mixes the two."""
+    def pair_turning(turns: float) -> float:  # the (fractional) pair j that turns `turns` times
+        return h * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    first, last = pair_turning(beta_fast), pair_turning(beta_slow)
+    if truncate:
+        first, last = math.floor(first), math.ceil(last)
+    first, last = max(first, 0), min(last, h - 1)
+    if first == last:
+        last += 0.001  # a step, not a division by zero
+    slowed_j = jnp.clip((jnp.arange(h // 2, dtype=jnp.float32) - first) / (last - first), 0, 1)
+    wavelen_scale_j = theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h)
+    kept_j = 1.0 / wavelen_scale_j
+    interpolated_j = 1.0 / (factor * wavelen_scale_j)
+    keep_j = 1 - slowed_j  # (1 - keep_j rather than slowed_j: transformers' rounding, bit for bit)
+    return interpolated_j * (1 - keep_j) + kept_j * keep_j
+
+
+def rope(x_btnh, positions_bt, inv_freq_j, scale: float = 1.0):
+    """Rotary embedding, HF "rotate half" layout (first half / second half of each head).
+    `scale` multiplies cos and sin (YaRN's attention factor, LlamaConfig.rope_scale), as transformers
+    applies it: q and k are each scaled, so their dot products by scale**2."""
     angle_btj = positions_bt.astype(jnp.float32)[..., None] * inv_freq_j
     cos, sin = jnp.cos(angle_btj)[:, :, None, :], jnp.sin(angle_btj)[:, :, None, :]
+    if scale != 1.0:  # python-level: the other RoPE types' programs are unchanged
+        cos, sin = cos * scale, sin * scale
     x1, x2 = jnp.split(x_btnh.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_btnh.dtype)
@@ -550,6 +632,7 @@ class Block(nnx.Module):
         self.w_down_fd = _param(rngs, (f, d), ("mlp", "embed"), out_std, pdt)
         self.rope_theta = cfg.rope_theta
         self.rope_llama3 = cfg.rope_llama3
+        self.rope_yarn, self.rope_scale = cfg.rope_yarn, cfg.rope_scale
         self.sliding_window = cfg.sliding_window
         self.attention_impl = cfg.attention
         self.cudnn_packed_segments = cfg.cudnn_packed_segments
@@ -573,8 +656,9 @@ class Block(nnx.Module):
         v_btkh = shd.constrain(v_btkh, ("act_batch", "act_len", "act_kv_heads", None))
         if self.q_norm is not None:
             q_btnh, k_btkh = self.q_norm(q_btnh), self.k_norm(k_btkh)
-        inv_freq_j = rope_inv_freq(q_btnh.shape[-1], self.rope_theta, self.rope_llama3)
-        return rope(q_btnh, positions_bt, inv_freq_j), rope(k_btkh, positions_bt, inv_freq_j), v_btkh
+        inv_freq_j = rope_inv_freq(q_btnh.shape[-1], self.rope_theta, self.rope_llama3, self.rope_yarn)
+        return (rope(q_btnh, positions_bt, inv_freq_j, self.rope_scale),
+                rope(k_btkh, positions_bt, inv_freq_j, self.rope_scale), v_btkh)
 
     def _out_and_mlp(self, x_btd, o_btnh):
         """Attention output projection into the residual, then the SwiGLU branch."""

@@ -119,10 +119,18 @@ BASE_HF = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_l
                num_attention_heads=2, num_key_value_heads=1)
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 8192}
+YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}  # Qwen2.5's, old "type" key
 # config.json changes that would make another network: (change, what the one line must name)
 REFUSED = [
     ({"model_type": "gemma"}, "model_type='gemma'"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling.rope_type='yarn'"),
+    ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope_scaling.rope_type='longrope'"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling.original_max_position_embeddings=None"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "original_max_position_embeddings": 32}},
+     "rope_parameters.factor=None"),
+    ({"rope_scaling": {**YARN, "truncate": None}}, "rope_scaling.truncate=None"),
+    ({"rope_scaling": {**YARN, "rope_type": "linear"}}, "rope_scaling.type='yarn'"),
+    ({"rope_scaling": {**YARN, "beta_slow": 0}}, "model.rope_beta_slow=0.0"),
+    ({"rope_scaling": YARN, "original_max_position_embeddings": 4096}, "original_max_position_embeddings=4096"),
     ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}},
      "rope_parameters.rope_type='linear'"),
     ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling.rope_type='dynamic'"),
@@ -159,6 +167,15 @@ def test_supported_hf_variants_read_their_fields():
     assert hf.from_hf_config({**BASE_HF, "model_type": "mistral", "sliding_window": None}).sliding_window is None
     assert hf.from_hf_config({**BASE_HF, "model_type": "mistral"}).sliding_window == 4096  # MistralConfig's default
     assert hf.from_hf_config({**BASE_HF, "model_type": "qwen3"}).head_dim == 128  # Qwen3Config's default
+    cfg = hf.from_hf_config({**BASE_HF, "model_type": "qwen2", "rope_theta": 1e6, "rope_scaling": YARN})
+    assert (cfg.rope_type, cfg.rope_theta, cfg.rope_factor, cfg.rope_original_max_len) == ("yarn", 1e6, 4.0, 32768)
+    assert (cfg.rope_yarn, cfg.rope_scale) == ((4.0, 32768, 32.0, 1.0, True), 0.1 * np.log(4.0) + 1)
+    yarn = {"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 32768, "rope_theta": 1e6}
+    assert cfg == hf.from_hf_config({**BASE_HF, "model_type": "qwen2", "rope_parameters": yarn})
+    # a top-level original_max_position_embeddings (which transformers reads over the dict's) that agrees
+    inner = {k: v for k, v in yarn.items() if k != "original_max_position_embeddings"}
+    assert cfg == hf.from_hf_config({**BASE_HF, "model_type": "qwen2", "rope_parameters": inner,
+                                     "original_max_position_embeddings": 32768})
 
 
 def test_weights_without_a_place_and_unfit_exports_are_refused_in_one_line():
@@ -287,7 +304,8 @@ def _family_variants():
 
 
 @pytest.mark.parametrize("name", ["llama2", "llama3", "llama3_hub_spelling", "llama_head_dim", "qwen2", "qwen3",
-                                  "mistral", "smollm2", "tinyllama"])
+                                  "mistral", "smollm2", "tinyllama", "llama_yarn", "llama_yarn_hub_spelling",
+                                  "qwen2_yarn", "qwen2_yarn_hub_spelling", "qwen3_yarn", "qwen3_yarn_hub_spelling"])
 def test_import_then_export_writes_the_same_directory(name, tmp_path):
     """transformers' directory -> import_hf -> export_hf: the same model_type and architectures,
     the RoPE fields in the spelling it came in, every tensor back equal (fp32)."""
@@ -302,12 +320,17 @@ def test_import_then_export_writes_the_same_directory(name, tmp_path):
         assert written[key] == source[key], key
     if "head_dim" in source:
         assert written["head_dim"] == source["head_dim"]
-    # the spelling it came in holds the same RoPE (the other spelling is written too, equal)
+    # the spelling it came in holds the same RoPE (the other spelling is written too, equal); the old
+    # "type" key (Qwen2.5's) comes back as "rope_type", which transformers, vLLM and llama.cpp read
     rope_in = source.get("rope_scaling") or source.get("rope_parameters") or {}
     rope_key = "rope_scaling" if source.get("rope_scaling") else "rope_parameters"
     for key, value in rope_in.items():
+        key = "rope_type" if key == "type" else key
         got = written[rope_key].get(key, written["rope_theta"] if key == "rope_theta" else None)
         assert got == value, (rope_key, key)
+    if rope_in:  # and nothing more: an optional key left out stays out (transformers' default)
+        assert set(written[rope_key]) - {"rope_theta"} == {"rope_type" if k == "type" else k for k in rope_in} - {
+            "rope_theta"}
     if "sliding_window" in source:
         assert written.get("sliding_window") == source["sliding_window"]
     a, b = hf.read_safetensors(tmp_path / "hf"), hf.read_safetensors(tmp_path / "out")
@@ -318,7 +341,7 @@ def test_import_then_export_writes_the_same_directory(name, tmp_path):
     assert hf.from_hf_config(written, dtype="float32", remat="none") == cfg
 
 
-@pytest.mark.parametrize("name", ["llama3", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("name", ["llama3", "qwen2", "qwen3", "mistral", "qwen2_yarn_hub_spelling"])
 def test_import_train_export_loads_in_transformers(name, tmp_path):
     """import_hf -> train.py a few steps from it (checkpoint.init_from, the printed overrides) ->
     export_hf -> transformers' AutoModelForCausalLM is the family's class and gives our logits."""

@@ -304,3 +304,47 @@ def test_the_vocab_projection_backward_runs_in_the_compute_dtype():
         jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)).as_text()
     operands = [line.rsplit(" : (", 1)[1].split(") ->")[0] for line in hlo.splitlines() if "dot_general" in line]
     assert len(operands) == 2 and not any("f32" in o for o in operands), operands
+
+
+def test_rope_fields_leave_the_parameters_as_they_are():
+    """llama.ROPE_FIELDS (what a resumed run may change: a context extension) name every rope_*
+    field and max_seq_len, and changing them, each at least once here, leaves every parameter's
+    shape, dtype and logical axes as they were; a field outside them (head_dim) does not."""
+    fields = {f.name for f in dataclasses.fields(LlamaConfig)}
+    assert set(llama.ROPE_FIELDS) == {f for f in fields if f.startswith("rope_")} | {"max_seq_len"}
+
+    def params(cfg):
+        state = nnx.state(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))), nnx.Param)
+        return jax.tree.map(lambda p: (p.shape, p.dtype, p.out_sharding), state,
+                            is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+    base = dataclasses.replace(SMALL, max_seq_len=128)
+    yarn = dict(rope_type="yarn", rope_factor=4.0, rope_original_max_len=128, rope_beta_fast=16.0,
+                rope_beta_slow=2.0, rope_attention_factor=1.1, rope_mscale=1.0, rope_mscale_all_dim=1.0,
+                rope_truncate=False, max_seq_len=512, rope_theta=1e6)
+    llama3 = dict(rope_type="llama3", rope_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+                  rope_original_max_len=128, rope_theta=5e5)
+    changed = set()
+    for change in (yarn, llama3, dict(rope_theta=5e5, max_seq_len=4096)):
+        assert set(change) <= set(llama.ROPE_FIELDS)
+        assert params(dataclasses.replace(base, **change)) == params(base), change
+        changed |= set(change)
+    assert changed == set(llama.ROPE_FIELDS)
+    assert params(dataclasses.replace(base, head_dim=32)) != params(base)  # the check can fail
+
+
+@pytest.mark.parametrize("fields, names", [
+    (dict(rope_beta_fast=16.0), "model.rope_beta_fast=16.0: model.rope_type='default' does not use it"),
+    (dict(rope_type="llama3", rope_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+          rope_original_max_len=64, rope_truncate=False), "model.rope_truncate=False: model.rope_type='llama3'"),
+    (dict(rope_type="yarn", rope_original_max_len=64), "model.rope_factor=None: model.rope_type='yarn' needs it"),
+    (dict(rope_type="yarn", rope_factor=4.0, rope_original_max_len=64, rope_low_freq_factor=1.0),
+     "model.rope_low_freq_factor=1.0: model.rope_type='yarn' does not use it"),
+    (dict(rope_type="yarn", rope_factor=4.0, rope_original_max_len=64, rope_beta_slow=0.0),
+     "model.rope_beta_slow=0.0: expected a positive number"),
+    (dict(rope_type="dynamic"), "model.rope_type='dynamic'"),
+])
+def test_rope_fields_are_checked_in_one_line(fields, names):
+    with pytest.raises(ValueError) as e:
+        dataclasses.replace(SMALL, **fields)
+    assert names in str(e.value) and "\n" not in str(e.value), str(e.value)

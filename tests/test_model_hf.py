@@ -126,3 +126,41 @@ def test_variant_features_are_read_and_matter(tmp_path):
             gap = np.abs(np.asarray(ours(jnp.asarray(long_doc), pos, seg)) -
                          np.asarray(other(jnp.asarray(long_doc), pos, seg))).max()
             assert gap > 1e-2, (name, gap)
+
+
+@pytest.mark.parametrize("name, fields", [
+    # Qwen2.5's spelling: rope_scaling {"type": "yarn", ...} and a top-level rope_theta
+    ("qwen2_yarn_hub_spelling", dict(rope_type="yarn", rope_theta=1e6, rope_factor=4.0, rope_original_max_len=32,
+                                     rope_beta_fast=None, rope_beta_slow=None, rope_attention_factor=None,
+                                     rope_mscale=None, rope_mscale_all_dim=None, rope_truncate=None)),
+    # transformers 5's rope_parameters with every optional key
+    ("qwen3_yarn", dict(rope_type="yarn", rope_theta=1e4, rope_factor=4.0, rope_original_max_len=32,
+                        rope_beta_fast=2.0, rope_beta_slow=0.25, rope_attention_factor=None, rope_mscale=1.0,
+                        rope_mscale_all_dim=0.5, rope_truncate=False)),
+    ("llama_yarn_hub_spelling", dict(rope_type="yarn", rope_attention_factor=1.25)),
+])
+def test_yarn_fields_are_read_and_matter(name, fields, tmp_path):
+    """YaRN's keys are read, and each one read matters past the original context (so the parity
+    above checks it): YaRN against plain RoPE, the attention factor (cos and sin scaled) against
+    none, and every optional key against transformers' default for it."""
+    import dataclasses
+
+    from model import hf
+    from model.llama import YARN_ROPE_FIELDS
+    from model.step import model_from_params
+
+    save_variant(name, tmp_path)
+    cfg, ours = import_variant(tmp_path)
+    assert {k: getattr(cfg, k) for k in fields} == fields
+    assert hf.from_hf_config(hf.to_hf_config(cfg), dtype="float32", remat="none") == cfg
+    params = hf.from_hf_state_dict(hf.read_safetensors(tmp_path), cfg)
+    doc = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (1, 128)))
+    pos, seg = jnp.arange(128)[None], jnp.ones((1, 128), jnp.int32)
+    want = np.asarray(ours(doc, pos, seg))
+    changes = {"plain RoPE": dict(rope_type="default", **dict.fromkeys(YARN_ROPE_FIELDS)),
+               "no attention factor": dict(rope_attention_factor=1.0, rope_mscale=None, rope_mscale_all_dim=None)}
+    changes.update({k: {k: None} for k in YARN_ROPE_FIELDS[2:] if getattr(cfg, k) is not None})
+    for what, change in changes.items():
+        other = model_from_params(dataclasses.replace(cfg, **change), params)
+        gap = np.abs(want - np.asarray(other(doc, pos, seg))).max()
+        assert gap > 1e-2, (what, gap)
