@@ -490,9 +490,11 @@ def fingerprint_diffs(saved: Mapping, current: Mapping, accepted=frozenset()) ->
 
 def is_shape_key(key: str) -> bool:
     """Model fields a run may change together with its row length (data.shape_change=continue):
-    max_seq_len and the RoPE fields (rope_theta, rope_type and its own fields); never a shape of
-    the parameters."""
-    return key == "max_seq_len" or key.startswith("rope_")
+    model/llama.py ROPE_FIELDS, i.e. max_seq_len and the RoPE fields (rope_theta, rope_type and
+    its llama3 / yarn fields); none of them is a shape of the parameters."""
+    from model.llama import ROPE_FIELDS
+
+    return key in ROPE_FIELDS
 
 
 def model_shape_changes(saved: Mapping, current: Mapping) -> dict:
