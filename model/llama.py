@@ -100,6 +100,53 @@ def _project_to_vocab_bwd(res, g_btv):
 project_to_vocab.defvjp(_project_to_vocab_fwd, _project_to_vocab_bwd)
 
 
+# FP8 matmuls (LlamaConfig.fp8): the formats of the forward operands and of the backward's gradients.
+FP8_FORWARD, FP8_BACKWARD = jnp.float8_e4m3fn, jnp.float8_e5m2
+
+
+def fp8_quantize(x, f8):
+    """(x times a power of two, rounded to the fp8 dtype `f8`, and that power's inverse): current
+    scaling, per tensor. The power of two is the largest that keeps this tensor's amax within f8's
+    finite range, so the scaling itself rounds nothing and x is about x_f8 * inverse. An inf or a NaN in
+    x comes out NaN (e4m3fn has no inf): loud, as without fp8."""
+    x32 = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x32))
+    _, e = jnp.frexp(jnp.finfo(f8).max.astype(jnp.float32) / amax)  # max / amax = m 2^e, m in [0.5, 1)
+    scale = jnp.where(amax > 0, jnp.ldexp(jnp.float32(1), e - 1), jnp.float32(1))
+    return (x32 * scale).astype(f8), 1 / scale
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def fp8_einsum(spec: str, x, w):
+    """jnp.einsum(spec, x, w) for x and w in one dtype (the compute dtype), computed in FP8: both
+    operands e4m3 (fp8_quantize), the gradient of the output e5m2 in the backward pass, where each
+    of the two matmuls takes it with the forward's e4m3 operand. Accumulation in fp32 (the GEMM's),
+    output in x's dtype, times the operands' exact power-of-two scales. `spec` names every index of
+    x in w or in the output, and of w in x or the output (a projection: "btd,dnh->btnh")."""
+    return _fp8_einsum_fwd(spec, x, w)[0]
+
+
+def _fp8_einsum_fwd(spec, x, w):
+    x_f8, x_inv = fp8_quantize(x, FP8_FORWARD)
+    w_f8, w_inv = fp8_quantize(w, FP8_FORWARD)
+    out = jnp.einsum(spec, x_f8, w_f8, preferred_element_type=x.dtype)
+    # Residuals in fp8: half the bytes of the bf16 operands autodiff would keep.
+    return out * (x_inv * w_inv).astype(x.dtype), (x_f8, x_inv, w_f8, w_inv)
+
+
+def _fp8_einsum_bwd(spec, res, g):
+    x_f8, x_inv, w_f8, w_inv = res
+    x_idx, w_idx = spec.split("->")[0].split(",")
+    out_idx = spec.split("->")[1]
+    g_f8, g_inv = fp8_quantize(g, FP8_BACKWARD)
+    dx = jnp.einsum(f"{out_idx},{w_idx}->{x_idx}", g_f8, w_f8, preferred_element_type=g.dtype)
+    dw = jnp.einsum(f"{x_idx},{out_idx}->{w_idx}", x_f8, g_f8, preferred_element_type=g.dtype)
+    return dx * (g_inv * w_inv).astype(g.dtype), dw * (x_inv * g_inv).astype(g.dtype)
+
+
+fp8_einsum.defvjp(_fp8_einsum_fwd, _fp8_einsum_bwd)
+
+
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
     """Shapes and numerics of one Llama. Presets: configs/model/*.yaml (keys = field names)."""
@@ -137,6 +184,10 @@ class LlamaConfig:
     hf_model_type: str = "llama"  # one of HF_MODEL_TYPES: not the network, the family export names
     dtype: str = "bfloat16"  # compute dtype (activations, matmul inputs)
     param_dtype: str = "float32"  # storage dtype of the parameters (optimizer masters)
+    # The q, k, v, o and MLP matmuls in FP8 (fp8_einsum: e4m3 operands, e5m2 gradients, current
+    # scaling, no state); the vocab head, attention and the rest stay in `dtype`. Not a parameter:
+    # a run may switch it when it resumes (model/runtime/checkpoint.py MODEL_RUNTIME_KEYS).
+    fp8: bool = False
     remat: str = "full"  # one of REMAT_POLICIES
     scan_layers: bool = True
     attention: str = "xla"  # one of ATTENTION_IMPLS
@@ -156,6 +207,8 @@ class LlamaConfig:
             object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"model.n_heads={self.n_heads} not divisible by model.n_kv_heads={self.n_kv_heads}")
+        if self.fp8 not in (True, False):
+            raise ValueError(f"model.fp8={self.fp8!r}: expected true or false")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"model.remat={self.remat!r}; expected one of {list(REMAT_POLICIES)}")
         if self.attention not in ATTENTION_IMPLS:
@@ -637,6 +690,7 @@ class Block(nnx.Module):
         self.attention_impl = cfg.attention
         self.cudnn_packed_segments = cfg.cudnn_packed_segments
         self.dtype = jnp.dtype(cfg.dtype)
+        self.einsum = fp8_einsum if cfg.fp8 else jnp.einsum  # the dense projections' matmul
 
     def _w(self, p):
         return p[...].astype(self.dtype)   # fp32 master -> compute dtype
@@ -644,9 +698,9 @@ class Block(nnx.Module):
     def _qkv(self, x_btd, positions_bt):
         """norm -> q, k, v projections (+ biases) -> per-head q, k norms -> RoPE on q and k."""
         y_btd = self.attn_norm(x_btd)
-        q_btnh = jnp.einsum("btd,dnh->btnh", y_btd, self._w(self.wq_dnh))
-        k_btkh = jnp.einsum("btd,dkh->btkh", y_btd, self._w(self.wk_dkh))
-        v_btkh = jnp.einsum("btd,dkh->btkh", y_btd, self._w(self.wv_dkh))
+        q_btnh = self.einsum("btd,dnh->btnh", y_btd, self._w(self.wq_dnh))
+        k_btkh = self.einsum("btd,dkh->btkh", y_btd, self._w(self.wk_dkh))
+        v_btkh = self.einsum("btd,dkh->btkh", y_btd, self._w(self.wv_dkh))
         if self.bq_nh is not None:
             q_btnh = q_btnh + self._w(self.bq_nh)
             k_btkh = k_btkh + self._w(self.bk_kh)
@@ -663,14 +717,14 @@ class Block(nnx.Module):
     def _out_and_mlp(self, x_btd, o_btnh):
         """Attention output projection into the residual, then the SwiGLU branch."""
         o_btnh = shd.constrain(o_btnh, ("act_batch", "act_len", "act_heads", None))
-        x_btd = x_btd + jnp.einsum("btnh,nhd->btd", o_btnh, self._w(self.wo_nhd))
+        x_btd = x_btd + self.einsum("btnh,nhd->btd", o_btnh, self._w(self.wo_nhd))
         x_btd = shd.constrain(x_btd, ("act_batch", "act_len", "act_embed"))
 
         y_btd = self.mlp_norm(x_btd)
-        gate_btf = jnp.einsum("btd,df->btf", y_btd, self._w(self.w_gate_df))
-        up_btf = jnp.einsum("btd,df->btf", y_btd, self._w(self.w_up_df))
+        gate_btf = self.einsum("btd,df->btf", y_btd, self._w(self.w_gate_df))
+        up_btf = self.einsum("btd,df->btf", y_btd, self._w(self.w_up_df))
         h_btf = shd.constrain(jax.nn.silu(gate_btf) * up_btf, ("act_batch", "act_len", "act_mlp"))
-        x_btd = x_btd + jnp.einsum("btf,fd->btd", h_btf, self._w(self.w_down_fd))
+        x_btd = x_btd + self.einsum("btf,fd->btd", h_btf, self._w(self.w_down_fd))
         return shd.constrain(x_btd, ("act_batch", "act_len", "act_embed"))
 
     def __call__(self, x_btd, positions_bt, segment_ids_bt, branch_ids_bt=None):

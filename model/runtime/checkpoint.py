@@ -88,8 +88,9 @@ def _drop_own_override(record: logging.LogRecord) -> bool:
 
 
 # Model settings that change how a step runs but not what the state holds: a run may resume
-# with another attention kernel, remat policy, compute dtype or context limit.
-MODEL_RUNTIME_KEYS = frozenset({"remat", "attention", "dtype", "param_dtype", "max_seq_len"})
+# with another attention kernel, remat policy, compute dtype, context limit, or with FP8 matmuls
+# switched (current scaling: fp8 holds no state).
+MODEL_RUNTIME_KEYS = frozenset({"remat", "attention", "dtype", "param_dtype", "max_seq_len", "fp8"})
 
 
 @dataclasses.dataclass(frozen=True)
