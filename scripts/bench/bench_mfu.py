@@ -2,6 +2,7 @@
 
     python scripts/bench/bench_mfu.py --plan gpu --out mfu.jsonl        # on a GPU host: ~10 min
     python scripts/bench/bench_mfu.py --plan gpu --only 1b_s2048        # the tries whose name holds it
+    python scripts/bench/bench_mfu.py --plan gpu --only _fp8            # model.fp8's tries (Hopper+)
     python scripts/bench/bench_mfu.py --plan cpu                        # the driver itself, tiny, on CPU
 
 Each try is a fresh process (XLA flags are read when the backend starts, and a try that runs out of
@@ -100,6 +101,12 @@ def gpu_plan() -> list[dict]:
         _try("1b_s2048_cudnn_none_b8_packed8", a("1b", 2048, 8, "cudnn", "none", "--packed-segments", "8")),
         _try("1b_s1024_cudnn_dotsattn_b32_packed16",
              a("1b", 1024, 32, "cudnn", "dots_attention", "--packed-segments", "16")),
+        # sixth: model.fp8 (the q/k/v/o and MLP matmuls in FP8, docs/gpus.md), each beside its bf16
+        # try above in the same session (gpu_session.sh ROUND=5): tokens/s is the comparison.
+        _try("1b_s2048_cudnn_dotsattn_b16_packed8_fp8",
+             a("1b", 2048, 16, "cudnn", "dots_attention", "--packed-segments", "8", "--fp8")),
+        _try("llama3_2_1b_s2048_cudnn_none_b8_packed8_fp8",
+             a("llama3_2_1b", 2048, 8, "cudnn", "none", "--packed-segments", "8", "--fp8")),
     ]
 
 
@@ -111,6 +118,7 @@ def cpu_plan() -> list[dict]:
         _try("tiny_b16_mb2_chunk32", [*common, "--batch", "16", "--microbatches", "2", "--loss-chunk", "32"],
              "--xla_cpu_enable_fast_math=false"),
         _try("tiny_b15_mb2_fails", [*common, "--batch", "15", "--microbatches", "2"]),
+        _try("tiny_b16_fp8", [*common, "--batch", "16", "--fp8", "--matmul-probe", "256"]),
     ]
 
 

@@ -5,6 +5,7 @@ real jitted train step from model/step.py. Prints progress, then one JSON line a
 
     python scripts/bench/bench_step.py --preset tiny --batch 16 --seq 256              # CPU default
     python scripts/bench/bench_step.py --preset 1b --mesh fsdp --batch 512 --seq 1024 --attention splash
+    python scripts/bench/bench_step.py --preset 1b --seq 2048 --batch 16 --attention cudnn --fp8    # Hopper+
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python scripts/bench/bench_step.py --mesh fsdp_tp
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ import optax  # noqa: E402
 import yaml  # noqa: E402
 
 from model import flops, sharding, step  # noqa: E402
-from model.llama import LlamaConfig  # noqa: E402
+from model.llama import FP8_FORWARD, LlamaConfig  # noqa: E402
 from train import PROJECT_ROOT  # noqa: E402 - the repo root (the project is installed editable)
 
 # scripts/bench/ -> the repository root
@@ -50,11 +51,12 @@ def random_batch(rng, batch: int, seq: int, vocab: int, docs_per_row: int) -> di
             "positions": tile(pos), "loss_mask": np.ones((batch, seq), np.int32)}
 
 
-def matmul_rate(n: int, dtype: str, repeats: int = 10) -> float:
+def matmul_rate(n: int, dtype: str, repeats: int = 10, fp8: bool = False) -> float:
     """FLOP/s one device reaches on an n x n x n matmul in `dtype` (median of `repeats`, after a
-    compile): the achievable ceiling to set MFU against, beside the datasheet peak."""
-    a = jnp.ones((n, n), dtype)
-    mm = jax.jit(lambda x, y: x @ y)
+    compile): the achievable ceiling to set MFU against, beside the datasheet peak. fp8: e4m3
+    operands, the output in `dtype` (model.fp8's GEMM)."""
+    a = jnp.ones((n, n), FP8_FORWARD if fp8 else dtype)
+    mm = jax.jit(lambda x, y: jnp.matmul(x, y, preferred_element_type=jnp.dtype(dtype)))
     mm(a, a).block_until_ready()
     times = []
     for _ in range(repeats):
@@ -84,6 +86,7 @@ def main(argv=None):
     p.add_argument("--attention", default=None, help="xla | cudnn | splash")
     p.add_argument("--packed-segments", type=int, default=None,
                    help="model.cudnn_packed_segments (cuDNN's packed layout for rows of up to this many documents)")
+    p.add_argument("--fp8", action="store_true", help="model.fp8=true: the q/k/v/o and MLP matmuls in FP8")
     p.add_argument("--steps", type=int, default=10, help="timed steps (after warmup)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps (compile + first runs)")
     p.add_argument("--docs-per-row", type=int, default=4)
@@ -99,7 +102,8 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     overrides = {k: v for k, v in dict(dtype=args.dtype, remat=args.remat, attention=args.attention,
-                                       cudnn_packed_segments=args.packed_segments).items() if v is not None}
+                                       cudnn_packed_segments=args.packed_segments, fp8=args.fp8 or None).items()
+                 if v is not None}
     cfg = dataclasses.replace(LlamaConfig.from_mapping(load_yaml("model", args.preset)), **overrides)
     mesh_cfg = load_yaml("mesh", args.mesh)
     mesh = sharding.make_mesh(mesh_cfg)
@@ -143,11 +147,12 @@ def main(argv=None):
     fpt_causal = flops.flops_per_token(cfg, args.seq, causal=True)
     peak = flops.peak_flops(jax.devices()[0].device_kind, args.peak_flops)
     measured = matmul_rate(args.matmul_probe, cfg.dtype) if args.matmul_probe else None
+    measured_fp8 = matmul_rate(args.matmul_probe, cfg.dtype, fp8=True) if args.matmul_probe and cfg.fp8 else None
     result = {
         "preset": args.preset, "params": cfg.num_params(), "mesh": dict(mesh.shape),
         "device_kind": jax.devices()[0].device_kind, "n_devices": mesh.size,
         "batch": args.batch, "seq": args.seq, "dtype": cfg.dtype, "remat": cfg.remat,
-        "attention": cfg.attention, "packed_segments": cfg.cudnn_packed_segments,
+        "attention": cfg.attention, "packed_segments": cfg.cudnn_packed_segments, "fp8": cfg.fp8,
         "init_s": round(init_s, 3), "compile_and_warmup_s": round(warmup_s, 3),
         "step_s_median": round(step_s, 4), "step_s_min": round(min(times), 4),
         "tokens_per_s": round(tokens_per_s, 1), "flops_per_token": fpt,
@@ -159,6 +164,9 @@ def main(argv=None):
         "matmul_probe_tflops_per_device": None if measured is None else round(measured / 1e12, 2),
         "mfu_causal_vs_probe": None if measured is None else round(
             flops.mfu(tokens_per_s, fpt_causal, mesh.size, measured), 4),
+        # fp8: the e4m3 GEMM rate (the MFU columns stay against the bf16 peak and probe, so fp8 and
+        # bf16 rows compare; the speed-up is tokens_per_s)
+        "matmul_probe_fp8_tflops_per_device": None if measured_fp8 is None else round(measured_fp8 / 1e12, 2),
         "peak_bytes_in_use": peak_bytes_in_use(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "loss": round(float(metrics["loss"]), 4),

@@ -11,8 +11,11 @@
 # llama_style_tokenizer.json (the corpus is written on the host: 4 x 150 MB of text), and, where
 # the host lacks grain/hydra/..., .whl/ (../shared/device/prepare.sh). Knobs (environment):
 #   BUDGET=480        seconds the whole script may take; later parts are skipped when short
-#   ROUND=1|2|3|4     the MFU tries: 1 = the first round, 2 = the variants, 3 = cuDNN's packed layout,
-#                     4 = the packed step without remat (bench_mfu.py's plan)
+#   ROUND=1|2|3|4|5   the MFU tries: 1 = the first round, 2 = the variants, 3 = cuDNN's packed layout,
+#                     4 = the packed step without remat, 5 = model.fp8 against bf16 (bench_mfu.py's plan).
+#                     Round 5 also runs tests/test_fp8.py on the GPU (the fp8 GEMMs in the compiled step,
+#                     the numbers against explicitly quantized operands; SKIP=fp8 leaves it out). FP8 alone,
+#                     within the default BUDGET: ROUND=5 ATTN=0 SKIP=input,app,cudnn bash scripts/bench/gpu_session.sh
 #   APP_PACKED=M      the app's model.cudnn_packed_segments (default 16 in round 3, else 0)
 #   ATTN=0            leave out bench_attention.py (the attention kernels alone, before the MFU tries)
 #   HEAD_WORKERS=8    bench_head.py's worker share (the head batch alone); empty: leave it out
@@ -28,7 +31,7 @@
 #                     (HEAD_PROFILE=gil: the GIL's holder only)
 #   TRIES=a,b         the MFU tries by name (overrides ROUND)
 #   APP_REMAT=...     the app's model.remat (default: the faster of the 1b seq-2048 tries that ran)
-#   SKIP=input,app,cudnn,mfu   parts to leave out
+#   SKIP=input,app,cudnn,mfu,fp8   parts to leave out
 #   CUDNN_K=expr      only the cuDNN tests matching this pytest -k expression
 set -u
 OUT=${OUT:-/tmp/gpu_session}
@@ -53,7 +56,7 @@ TOK=$PWD/.gpu/llama_style_tokenizer.json
 NCPU=$(nproc)
 
 if [ "${SMOKE:-0}" = 1 ]; then
-    DOCS=300; SMALL_DOCS=200; PLAN=cpu; TRIES=${TRIES:-tiny_b16}; SEQ=256; APP_STEPS=30; APP_MODEL="model=tiny model.vocab_size=32000"
+    DOCS=300; SMALL_DOCS=200; PLAN=cpu; TRIES=${TRIES:-tiny_b16$([ "${ROUND:-1}" = 5 ] && echo ,tiny_b16_fp8)}; SEQ=256; APP_STEPS=30; APP_MODEL="model=tiny model.vocab_size=32000"
     IN_ARGS_A="--workers 1,2 --max-batches 20"; IN_ARGS_B="--workers 2 --max-batches 20"; IN_ARGS_C=""
     IN_ARGS_D="--workers 2 --max-batches 20 --sim-steps 5 --worker-nice 10"
     IN_ARGS_E="--paths /tmp/rpb/*/en_head.json.gz --workers 2 --max-batches 20 --sim-steps 5 --worker-nice 10"
@@ -61,7 +64,12 @@ if [ "${SMOKE:-0}" = 1 ]; then
     export BENCH_MFU_DEVICE_PREFIX=/host:CPU
 else
     DOCS=36000; SMALL_DOCS=4000; PLAN=gpu; SEQ=2048; APP_STEPS=60; APP_MODEL=""
-    if [ "${ROUND:-1}" = 4 ]; then
+    if [ "${ROUND:-1}" = 5 ]; then
+        # model.fp8 (docs/gpus.md "FP8 matmuls"): each fp8 try after its bf16 baseline, the same process
+        # setup on the same GPU; the 1b first (the round's answer), then Llama-3.2-1B's shapes.
+        APP_PACKED=${APP_PACKED:-8}
+        TRIES=${TRIES:-1b_s2048_cudnn_dotsattn_b16_packed8,1b_s2048_cudnn_dotsattn_b16_packed8_fp8,llama3_2_1b_s2048_cudnn_none_b8_packed8,llama3_2_1b_s2048_cudnn_none_b8_packed8_fp8}
+    elif [ "${ROUND:-1}" = 4 ]; then
         APP_PACKED=${APP_PACKED:-8}
         TRIES=${TRIES:-1b_s2048_cudnn_dotsattn_b16_packed8,1b_s2048_cudnn_none_b12_packed8,1b_s2048_cudnn_none_b8_packed8}
     elif [ "${ROUND:-1}" = 3 ]; then
@@ -243,6 +251,13 @@ if ! skip cudnn && [ "$(left)" -gt 120 ]; then
     JAX_PLATFORMS=${SMOKE_PLATFORM:-$([ "${SMOKE:-0}" = 1 ] && echo cpu || echo cuda)} timeout 150 $GPU_CORES \
         $PY -m pytest tests/test_attention_cudnn.py -q -p no:cacheprovider -n 0 -rs ${CUDNN_K:+-k "$CUDNN_K"} > "$OUT/cudnn.log" 2>&1
     say "cudnn tests: $(tail -1 "$OUT/cudnn.log")"
+fi
+
+if [ "${ROUND:-1}" = 5 ] && ! skip fp8 && [ "$(left)" -gt 100 ]; then
+    say "fp8 tests"
+    JAX_PLATFORMS=${SMOKE_PLATFORM:-$([ "${SMOKE:-0}" = 1 ] && echo cpu || echo cuda)} timeout 150 $GPU_CORES \
+        $PY -m pytest tests/test_fp8.py -m "not slow" -q -p no:cacheprovider -n 0 -rs > "$OUT/fp8.log" 2>&1
+    say "fp8 tests: $(tail -1 "$OUT/fp8.log")"
 fi
 
 app() {  # app NAME STEPS WORKERS
