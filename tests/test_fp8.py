@@ -194,8 +194,9 @@ def test_remat_and_unscanned_layers_run_the_same_fp8_numbers(variant):
         params = dict(params, layers=unstack(params["layers"]))
         ref_g = dict(ref_g, layers=unstack(ref_g["layers"]))
     _, loss, g = _loss_and_grads(cfg, params)
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), g, ref_g)
+    loose = 1 if jax.default_backend() == "cpu" else 10  # a GPU fuses the two programs' elementwise work apart
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6 * loose)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5 * loose, atol=1e-7 * loose), g, ref_g)
 
 
 def test_fp8_loss_and_gradients_follow_bf16():

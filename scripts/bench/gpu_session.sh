@@ -253,13 +253,6 @@ if ! skip cudnn && [ "$(left)" -gt 120 ]; then
     say "cudnn tests: $(tail -1 "$OUT/cudnn.log")"
 fi
 
-if [ "${ROUND:-1}" = 5 ] && ! skip fp8 && [ "$(left)" -gt 100 ]; then
-    say "fp8 tests"
-    JAX_PLATFORMS=${SMOKE_PLATFORM:-$([ "${SMOKE:-0}" = 1 ] && echo cpu || echo cuda)} timeout 150 $GPU_CORES \
-        $PY -m pytest tests/test_fp8.py -m "not slow" -q -p no:cacheprovider -n 0 -rs > "$OUT/fp8.log" 2>&1
-    say "fp8 tests: $(tail -1 "$OUT/fp8.log")"
-fi
-
 app() {  # app NAME STEPS WORKERS
     skip app && return
     [ "$(left)" -lt 100 ] && { say "app $1: skipped, $(left) s left"; return; }
@@ -299,6 +292,13 @@ wait $INPUT_PID   # the app's input workers need the cores the input benchmarks 
 app app_auto $APP_STEPS auto
 [ -n "$REST" ] && mfu "$REST" $(( $(left) - $(skip app && echo 5 || echo 80) ))
 app app_w${APP_FIXED:-1} $(( APP_STEPS / 2 )) ${APP_FIXED:-1}
+
+if [ "${ROUND:-1}" = 5 ] && ! skip fp8 && [ "$(left)" -gt 100 ]; then
+    say "fp8 tests (after the tries: they are the measurement)"
+    JAX_PLATFORMS=${SMOKE_PLATFORM:-$([ "${SMOKE:-0}" = 1 ] && echo cpu || echo cuda)} timeout 150 $GPU_CORES \
+        $PY -m pytest tests/test_fp8.py -m "not slow" -q -p no:cacheprovider -n 0 -rs > "$OUT/fp8.log" 2>&1
+    say "fp8 tests: $(tail -1 "$OUT/fp8.log")"
+fi
 
 grep -h -A40 "^--- profile" "$OUT/mfu.log" >> "$OUT/profiles.txt" 2>/dev/null
 say "done; MFU tries:"
