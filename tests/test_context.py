@@ -226,7 +226,7 @@ def test_reordered_row_gives_the_same_attention(window):
 # ----------------------------------------------------------------------------- the step
 
 
-def _run(cfg, sizes=None, mesh_name="context", steps=2, microbatches=1):
+def _run(cfg, sizes=None, mesh_name="context", steps=2, microbatches=1, t=T):
     """Metrics of each step and params after `steps` SGD steps (one device when sizes is None)."""
     if sizes is None:
         m = mesh_cfg("default", data=1, fsdp=1, context=1, tensor=1)
@@ -239,7 +239,7 @@ def _run(cfg, sizes=None, mesh_name="context", steps=2, microbatches=1):
     state, shardings = step.init_train_state(cfg, tx, mesh, rules, seed=0)
     train_step = step.make_train_step(cfg, tx, mesh, rules, shardings, z_loss=1e-3, microbatches=microbatches)
     bsh = step.batch_sharding(mesh, rules)
-    batch = {k: jax.device_put(jnp.asarray(v, jnp.int32), bsh) for k, v in packed_batch().items()}
+    batch = {k: jax.device_put(jnp.asarray(v, jnp.int32), bsh) for k, v in packed_batch(t=t).items()}
     metrics = []
     for _ in range(steps):
         state, m_ = train_step(state, batch)
@@ -276,6 +276,21 @@ def test_train_step_at_every_context_size_matches_single_device(sizes, window):
         if sizes["context"] > 1:
             assert 1.0 <= float(m["context_imbalance"]) < 1.5
     # params after 2 steps of SGD(0.5) = init - 0.5 * (g1 + g2): gradients agree elementwise
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), params, ref_params)
+
+
+@pytest.mark.slow
+def test_train_step_with_splash_at_context_2_matches_single_device(monkeypatch):
+    """model.attention=splash (Pallas interpreter) through the whole step at context 2 beside fsdp and
+    tensor, rows of 256 (a chip's part: splash's 128 block), window 20: the loss, grad norm and
+    parameters after an SGD step of the XLA reference on one device."""
+    import functools
+
+    monkeypatch.setattr(llama, "attention_splash", functools.partial(llama.attention_splash, interpret=True))
+    (ref,), ref_params = _run(config(20), steps=1, t=256)
+    (got,), params = _run(config(20, attention="splash"), dict(data=1, fsdp=2, context=2, tensor=2), steps=1, t=256)
+    for k in ("loss", "grad_norm"):
+        np.testing.assert_allclose(got[k], ref[k], rtol=1e-5, err_msg=k)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), params, ref_params)
 
 
