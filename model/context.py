@@ -22,14 +22,21 @@ The permutation is exact: attention's causal mask is computed from positions and
 not array slots (model/llama.py attention_mask), RoPE reads each token's own position, and the
 loss and token counts are sums over tokens. The step (model/step.py) applies it on the device to
 the whole batch before the forward; nothing it returns depends on the order, so nothing is undone.
+
+The fused kernels read causality from slots, so under context each chip's kernel is told where its
+slots sit in the row: query slot a of chip i is row token a C + i (`chip_rows`), and the gathered
+keys are put back in row order (`unstripe`). Splash computes the causal (and window) mask from
+those row indices in the kernel (`StripedSplashMask`); cuDNN takes it as an explicit mask.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 
 from model import sharding as shd
 
@@ -67,6 +74,67 @@ def reorder(batch: dict, c: int, layout: str = STEP_LAYOUT) -> dict:
     t = next(iter(batch.values())).shape[1]
     index = layout_index(t, c, layout)
     return {k: jnp.take(v, index, axis=1) for k, v in batch.items()}
+
+
+def unstripe(x, c: int, axis: int):
+    """x, a whole row along `axis` in the striped order (model.step's: chip-major, chip i's slot a
+    holds row token a c + i), back in the row's own order: the inverse of layout_index(t, c, "striped")."""
+    t = x.shape[axis]
+    chips_first = x.reshape(*x.shape[:axis], c, t // c, *x.shape[axis + 1:])  # [..., c, t/c, ...]
+    return jnp.swapaxes(chips_first, axis, axis + 1).reshape(x.shape)       # [..., t/c, c, ...] -> [..., t, ...]
+
+
+def chip_rows(t_chip: int, c: int, chip):
+    """[t/c] int32: the row token each of chip `chip`'s query slots holds in the striped order (a c + chip).
+    `chip` may be traced (lax.axis_index inside a shard_map)."""
+    return jnp.arange(t_chip, dtype=jnp.int32) * c + chip
+
+
+def _row_causal(q_rows, kv_rows, window: int | None):
+    """The causal (and sliding-window) mask between query and key row indices; numpy or jax arrays."""
+    visible = q_rows >= kv_rows
+    return visible if window is None else visible & (q_rows - kv_rows < window)
+
+
+class StripedSplashMask(splash_mask.Mask):
+    """Splash's mask for one chip's t/c striped queries against the whole row's t keys in row order:
+    query slot a of chip i is row a c + i and sees key k when a c + i >= k (and a c + i - k < window);
+    documents are splash's segment ids. The kernel computes it per block from `q_sequence`, the
+    chip's row indices (`chip_rows`, set at run time from the chip's index, model/llama.py
+    attention_splash), and the key index, as splash's CausalMask and LocalMask do from theirs.
+
+    Which blocks the kernel skips (empty), computes without a mask (full) or masks is fixed on the
+    host when the kernel is built, once for all c chips: a block is skipped only where it is empty on
+    every chip and left unmasked only where it is full on every chip. So one kernel (one compile, one
+    set of residuals for the backward pass, not c of them under a lax.switch) is exact on every chip,
+    at the cost of masking a block more along the diagonal. At c = 1 it is CausalMask / LocalMask."""
+
+    def __init__(self, shape: tuple[int, int], c: int, window: int | None = None):
+        self._shape, self.c, self.window = tuple(shape), c, window
+        self.q_sequence = np.arange(shape[0], dtype=np.int32) * c  # chip 0's rows; the kernel gets each chip's
+        self.mask_function = functools.partial(_row_causal, window=window)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self._shape
+
+    def __getitem__(self, idx) -> np.ndarray:
+        """A block's summary for splash's block map, not its mask: an array whose any() says some chip
+        sees some of it and whose all() says every chip sees all of it. The queries of slots [a0, a1)
+        over all chips are the rows [a0 c, a1 c); row - key then spans [a0 c - (k1 - 1), a1 c - 1 - k0]."""
+        q_slice, kv_slice = idx
+        a0, a1, _ = q_slice.indices(self._shape[0])
+        k0, k1, _ = kv_slice.indices(self._shape[1])
+        lo, hi = a0 * self.c - (k1 - 1), a1 * self.c - 1 - k0
+        reach = math.inf if self.window is None else self.window - 1
+        return np.array([hi >= 0 and lo <= reach, lo >= 0 and hi <= reach])
+
+    def __eq__(self, other):
+        return isinstance(other, StripedSplashMask) and (self._shape, self.c, self.window) == (
+            other._shape, other.c, other.window)
+
+    def __hash__(self):
+        return hash((StripedSplashMask, self._shape, self.c, self.window))
 
 
 def attention_work(segment_ids_bt, window: int | None = None):

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax._src.cudnn import fused_attention_stablehlo as _cudnn_fa  # private: the packed layout (below)
 
+from model import context as ctx
 from model import sharding as shd
 
 ATTENTION_IMPLS = ("xla", "cudnn", "splash")
@@ -411,15 +412,20 @@ def attention_mask(segment_ids_bt, branch_ids_bt=None, window: int | None = None
     sees all of its padding: no loss reads it and no document sees it."""
     t = segment_ids_bt.shape[1]
     pos_bt = jnp.broadcast_to(jnp.arange(t), segment_ids_bt.shape) if positions_bt is None else positions_bt
-    distance_bts = pos_bt[:, :, None] - pos_bt[:, None, :]  # query position - key position
-    same_doc_bts = segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
-    mask_bts = (distance_bts >= 0) & same_doc_bts
+    mask_bts = document_mask(segment_ids_bt, pos_bt, segment_ids_bt, pos_bt, window)
     if branch_ids_bt is not None:
         key_b1s = branch_ids_bt[:, None, :]
         mask_bts &= (key_b1s == 0) | (key_b1s == branch_ids_bt[:, :, None])
-    if window is not None:
-        mask_bts &= distance_bts < window
     return mask_bts
+
+
+def document_mask(q_segment_ids_bt, q_positions_bt, kv_segment_ids_bs, kv_positions_bs, window: int | None = None):
+    """[b, t, s] bool: key s is in query t's document, at or before it (and fewer than `window`
+    positions back). Queries and keys in any order and any number: under context parallelism a
+    chip's t/C queries against the row's s keys (attention_dpa_context)."""
+    distance_bts = q_positions_bt[:, :, None] - kv_positions_bs[:, None, :]  # query position - key position
+    mask_bts = (distance_bts >= 0) & (q_segment_ids_bt[:, :, None] == kv_segment_ids_bs[:, None, :])
+    return mask_bts if window is None else mask_bts & (distance_bts < window)
 
 
 def attention_xla(q_btnh, k_bskh, v_bskh, segment_ids_bt, branch_ids_bt=None, window=None, positions_bt=None):
@@ -461,6 +467,33 @@ def attention_dpa(q_btnh, k_bskh, v_bskh, segment_ids_bt, implementation: str, w
         q_btnh, k_bskh, v_bskh, mask=mask_b1ts, is_causal=True, implementation=implementation,
         local_window_size=None if window is None else (window - 1, 0),
     )
+
+
+def attention_dpa_context(q_btnh, k_bskh, v_bskh, segment_ids_bt, positions_bt, implementation: str,
+                          window: int | None = None):
+    """attention_dpa under context parallelism: per chip (shard_map over the batch, heads and the
+    `act_len` axes), its t/C queries against the row's t keys with the mask read from positions and
+    segment ids (document_mask) as an explicit mask, which cuDNN takes as a bias: exact in the striped
+    order, where its causal and window masks (slot-based) are not. No masked block is skipped.
+    "xla" is the same code path on any backend (the CPU tests); `attention` picks "cudnn"."""
+    mesh, rules = shd.current()
+    len_axes, _ = _context_axes()
+    P = jax.sharding.PartitionSpec
+    batch_axes = shd.mesh_axes_for("act_batch", rules) or None
+    head_axes = shd.mesh_axes_for("act_heads", rules)
+    n, k = q_btnh.shape[2], k_bskh.shape[2]
+    if k % math.prod(mesh.shape[a] for a in head_axes):  # kv heads split as the query heads' groups, or repeated
+        k_bskh, v_bskh = jnp.repeat(k_bskh, n // k, axis=2), jnp.repeat(v_bskh, n // k, axis=2)
+
+    def local(q, k, v, seg_q, pos_q, seg_kv, pos_kv):  # q [b, t/C, n, h]; k, v [b, t, k, h]; seg_kv, pos_kv [b, t]
+        mask_b1ts = document_mask(seg_q, pos_q, seg_kv, pos_kv, window)[:, None]
+        return jax.nn.dot_product_attention(q, k, v, mask=mask_b1ts, implementation=implementation)
+
+    spec_btn, spec_bsn = P(batch_axes, len_axes or None, head_axes or None), P(batch_axes, None, head_axes or None)
+    spec_bt, spec_bs = P(batch_axes, len_axes or None), P(batch_axes)
+    return jax.shard_map(local, mesh=mesh, in_specs=(spec_btn, spec_bsn, spec_bsn, spec_bt, spec_bt, spec_bs, spec_bs),
+                         out_specs=spec_btn, check_vma=False)(
+        q_btnh, k_bskh, v_bskh, segment_ids_bt, positions_bt, segment_ids_bt, positions_bt)
 
 
 def packed_layout(segment_ids_bt, max_segments: int):
@@ -517,6 +550,16 @@ def attention_cudnn_packed(q_btnh, k_bskh, v_bskh, segment_ids_bt, max_segments:
     return jax.lax.cond(fits, packed, masked, q_btnh, k_bskh, v_bskh)
 
 
+def _context_axes() -> tuple[tuple[str, ...], int]:
+    """The mesh axes that split a row's tokens (the rules' `act_len`) and how many chips that is: the
+    context parallelism the kernels under shard_map must undo (model/context.py). ((), 1) without a mesh."""
+    mesh, rules = shd.current()
+    if mesh is None:
+        return (), 1
+    axes = tuple(shd.mesh_axes_for("act_len", rules))
+    return axes, math.prod(mesh.shape[a] for a in axes)
+
+
 def attention_splash(q_btnh, k_bskh, v_bskh, segment_ids_bt, interpret: bool = False, window: int | None = None):
     """Pallas splash attention (TPU). A per-device kernel, so it runs under shard_map.
 
@@ -524,8 +567,14 @@ def attention_splash(q_btnh, k_bskh, v_bskh, segment_ids_bt, interpret: bool = F
     K/V heads are repeated to the query heads (splash MHA); the repeat is cheap next to
     the attention itself and keeps one kernel for MHA and GQA. interpret=True runs the
     Pallas kernel in the interpreter (any backend, slow): how the CPU tests check this path.
-    A sliding window is splash's LocalMask (window-1 keys back, none ahead: causal too), whose
-    fully masked blocks the kernel skips.
+    The causal mask (and a sliding window: window-1 keys back, none ahead) is computed in the kernel
+    from row indices, whose fully masked blocks the kernel skips (context.StripedSplashMask).
+
+    Context parallelism (`act_len` split over C chips, model/context.py): each chip holds t/C
+    queries in the striped order (chip i: row tokens i, i + C, ...) and, from Block's gather, the
+    whole row's keys, values and segment ids. The keys go back to row order and the queries carry
+    their row indices (a C + i, from the chip's index), so causality and the window are counted in
+    row tokens and documents by segment ids: exact. Padding sees the padding before it, not after.
     """
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
@@ -534,30 +583,32 @@ def attention_splash(q_btnh, k_bskh, v_bskh, segment_ids_bt, interpret: bool = F
     q_bnth = jnp.swapaxes(q_btnh, 1, 2) / math.sqrt(h)  # splash does not scale
     k_bnsh = jnp.swapaxes(jnp.repeat(k_bskh, g, axis=2), 1, 2)
     v_bnsh = jnp.swapaxes(jnp.repeat(v_bskh, g, axis=2), 1, 2)
+    len_axes, c = _context_axes()
 
-    def local(q, k, v, seg):
-        n_local = q.shape[1]
-        if window is None:
-            head_mask = splash.CausalMask((t, t))
-        else:
-            head_mask = splash.LocalMask((t, t), window_size=(window - 1, 0), offset=0)
-        mask = splash.MultiHeadMask([head_mask for _ in range(n_local)])
+    def local(q, k, v, seg_q, seg_kv):  # q [b, n, t/C, h] this chip's queries; k, v [b, n, t, h]; seg_kv [b, t]
+        n_local, t_chip = q.shape[1], q.shape[2]
+        k, v, seg_kv = ctx.unstripe(k, c, 2), ctx.unstripe(v, c, 2), ctx.unstripe(seg_kv, c, 1)
+        mask = splash.MultiHeadMask([ctx.StripedSplashMask((t_chip, t), c, window) for _ in range(n_local)])
         kernel = splash.make_splash_mha(mask, head_shards=1, q_seq_shards=1, interpret=interpret)
-        ids = splash.SegmentIds(q=seg, kv=seg)
+        # This chip's query rows: the kernel computes the mask from them (its block map holds for every chip).
+        rows = ctx.chip_rows(t_chip, c, jax.lax.axis_index(len_axes) if c > 1 else 0)
+        infos = (kernel.fwd_mask_info, kernel.dq_mask_info, kernel.dkv_mask_info)
+        kernel = type(kernel)(*(i if i is None else i._replace(q_sequence=rows) for i in infos), **kernel.kwargs)
+        ids = splash.SegmentIds(q=seg_q, kv=seg_kv)
         return jax.vmap(kernel)(q, k, v, segment_ids=ids)
 
     mesh, rules = shd.current()
     if mesh is None:
-        out_bnth = local(q_bnth, k_bnsh, v_bnsh, segment_ids_bt)
+        out_bnth = local(q_bnth, k_bnsh, v_bnsh, segment_ids_bt, segment_ids_bt)
     else:
-        batch_axes = shd.mesh_axes_for("act_batch", rules)
-        head_axes = shd.mesh_axes_for("act_heads", rules)
-        spec_bn = jax.sharding.PartitionSpec(batch_axes or None, head_axes or None)
-        spec_b = jax.sharding.PartitionSpec(batch_axes or None)
+        P = jax.sharding.PartitionSpec
+        batch_axes = shd.mesh_axes_for("act_batch", rules) or None
+        head_axes = shd.mesh_axes_for("act_heads", rules) or None
+        spec_bnt, spec_bn = P(batch_axes, head_axes, len_axes or None), P(batch_axes, head_axes)
         out_bnth = jax.shard_map(
-            local, mesh=mesh, in_specs=(spec_bn, spec_bn, spec_bn, spec_b), out_specs=spec_bn,
-            check_vma=False,
-        )(q_bnth, k_bnsh, v_bnsh, segment_ids_bt)
+            local, mesh=mesh, in_specs=(spec_bnt, spec_bn, spec_bn, P(batch_axes, len_axes or None), P(batch_axes)),
+            out_specs=spec_bnt, check_vma=False,
+        )(q_bnth, k_bnsh, v_bnsh, segment_ids_bt, segment_ids_bt)
     return jnp.swapaxes(out_bnth, 1, 2)
 
 
@@ -622,7 +673,16 @@ def attention(q_btnh, k_bskh, v_bskh, segment_ids_bt, impl: str, branch_ids_bt=N
     if impl == "cudnn":
         platform, capability = _devices_here()
         reason = cudnn_unavailable(platform, q_btnh.dtype, q_btnh.shape[-1], q_btnh.shape[1], capability)
-        if reason is None and packed_segments and window is None and _at_least(capability, (9, 0)):
+        _, context = _context_axes()
+        if reason is None and context > 1:
+            try:
+                out = attention_dpa_context(q_btnh, k_bskh, v_bskh, segment_ids_bt, positions_bt, "cudnn", window)
+                _notice_once(f"model.attention=cudnn: cuDNN flash attention under mesh.context={context} (the "
+                             f"striped causal and document mask as a bias)")
+                return out
+            except (NotImplementedError, RuntimeError, ValueError) as e:  # jax's refusals at trace time
+                reason = str(e).splitlines()[0]
+        if reason is None and context == 1 and packed_segments and window is None and _at_least(capability, (9, 0)):
             try:
                 out = attention_cudnn_packed(q_btnh, k_bskh, v_bskh, segment_ids_bt, packed_segments)
                 _notice_once(f"model.attention=cudnn: cuDNN flash attention, packed layout (rows of up to "
@@ -631,7 +691,7 @@ def attention(q_btnh, k_bskh, v_bskh, segment_ids_bt, impl: str, branch_ids_bt=N
             except (NotImplementedError, RuntimeError, ValueError) as e:  # jax's refusals at trace time
                 _notice_once(f"model.cudnn_packed_segments={packed_segments}: the packed layout is refused "
                              f"({str(e).splitlines()[0]}); the segment mask as a bias instead")
-        if reason is None:
+        if reason is None and context == 1:
             try:
                 out = attention_dpa(q_btnh, k_bskh, v_bskh, segment_ids_bt, "cudnn", window)
                 _notice_once("model.attention=cudnn: cuDNN flash attention (segment mask as a bias)")

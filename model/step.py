@@ -366,9 +366,9 @@ def build_program(model_cfg, tx, mesh_cfg: Mapping, *, global_batch: int, z_loss
     context = ctx.shards(mesh, rules)
     if seq_len is not None:
         ctx.layout_index(seq_len, context)  # raises naming data.seq_len when the chips cannot share a row
-    if context > 1 and cfg.attention != "xla":
-        raise ValueError(f"model.attention={cfg.attention} with mesh.context={context}: context parallelism runs "
-                         f"the XLA attention only for now (model.attention=xla; docs/long-context.md)")
+        if cfg.attention == "splash" and (seq_len // context) % 128:  # splash's blocks (segment ids: 128 lanes)
+            raise ValueError(f"model.attention=splash needs each chip's part of a row, data.seq_len={seq_len} / "
+                             f"mesh.context={context}, to be a multiple of 128")
     abstract_state, state_shardings = abstract_train_state(cfg, tx, mesh, rules, spikes)
     return Program(
         mesh=mesh, rules=rules, abstract_state=abstract_state, state_shardings=state_shardings,

@@ -6,6 +6,8 @@ gradients and parameters (fp32, 1e-5 relative) on packed documents of mixed leng
 chips' parts, with GQA and a sliding window shorter and longer than one chip's part; a change to
 one document leaves every other document's logits alone; the balance metric; the one-line refusals;
 a checkpoint saved at context 2 resumes at context 1 and 4; generate.py on a context-2 checkpoint.
+The fused kernels under context: splash (Pallas interpreter) and cuDNN's masked path (its "xla"
+twin) against the reference, loss and gradients, at context 2 and 4; splash's block map.
 
 Run: pytest -n0 tests/test_context.py -q   (the fast tier: -m "not slow")
 """
@@ -92,6 +94,119 @@ def test_layouts_are_permutations_and_striped_balances_packed_rows():
     assert float(ctx.batch_imbalance(two_rows, 8, 2, layout="zigzag")) == pytest.approx(imb["packed", "zigzag"])
 
 
+def test_unstripe_undoes_the_striped_order():
+    t, c = 24, 4
+    idx = ctx.layout_index(t, c)
+    x = jnp.arange(3 * t).reshape(3, t)[:, idx]  # [b, t] in the step's order
+    np.testing.assert_array_equal(ctx.unstripe(x, c, 1), jnp.arange(3 * t).reshape(3, t))
+    for chip in range(c):  # chip i's slots a hold row tokens a c + i
+        np.testing.assert_array_equal(ctx.chip_rows(t // c, c, chip), idx[chip * t // c:(chip + 1) * t // c])
+
+
+def _brute_row_mask(t_chip, c, chip, window):
+    rows, keys = ctx.chip_rows(t_chip, c, chip)[:, None], np.arange(t_chip * c)[None]
+    return np.asarray((rows >= keys) & ((rows - keys < window) if window else True))
+
+
+@pytest.mark.parametrize("c,window", [(1, None), (1, 200), (4, None), (4, 100), (4, 700)])
+def test_striped_splash_mask_blocks_hold_for_every_chip(c, window):
+    """The block map splash builds from StripedSplashMask: a block is skipped only where every chip's
+    mask is empty there, unmasked only where every chip's is full; the kernel's mask function on a
+    chip's rows is that chip's causal (window) mask; the causal blocks above the diagonal are skipped."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    t, block = 2048, 128
+    t_chip = t // c
+    mask = ctx.StripedSplashMask((t_chip, t), c, window)
+    chips = [_brute_row_mask(t_chip, c, i, window) for i in range(c)]
+    for i in range(c):
+        rows = ctx.chip_rows(t_chip, c, i)[:, None]
+        np.testing.assert_array_equal(np.asarray(mask.mask_function(rows, jnp.arange(t)[None])), chips[i])
+    computed = 0
+    for a in range(0, t_chip, block):
+        for k in range(0, t, block):
+            summary = mask[a:a + block, k:k + block]
+            parts = [m[a:a + block, k:k + block] for m in chips]
+            assert bool(summary.any()) == any(p.any() for p in parts), (a, k)
+            assert bool(summary.all()) == all(p.all() for p in parts), (a, k)
+            computed += bool(summary.any())
+    if c == 1:  # splash's own masks give the same block map
+        own = splash.CausalMask((t, t)) if window is None else splash.LocalMask((t, t), (window - 1, 0), 0)
+        assert all(bool(own[a:a + block, k:k + block].any()) == bool(mask[a:a + block, k:k + block].any())
+                   for a in range(0, t, block) for k in range(0, t, block))
+    if window is None:  # a chip's share of one device's causal blocks, and at most 2 more per query block
+        one_device = (t // block) * (t // block + 1) // 2
+        assert computed <= one_device / c + 2 * (t_chip // block)
+
+
+def _splash_case(c, t, seed=0, b=2, n=4, k=2, h=128):
+    """q, k, v, w (a cotangent) and the rows' segment ids and positions, in the step's striped order: row 0
+    packs four documents of mixed lengths, row 1 one document then padding."""
+    keys = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(keys[0], (b, t, n, h))
+    kk, v = (jax.random.normal(x, (b, t, k, h)) for x in keys[1:3])
+    seg, pos = np.zeros((b, t), np.int32), np.zeros((b, t), np.int32)
+    for r, cuts in enumerate([[0, t // 7, t // 2 + 5, t - 9, t], [0, t - 3]]):
+        for i in range(len(cuts) - 1):
+            seg[r, cuts[i]:cuts[i + 1]], pos[r, cuts[i]:cuts[i + 1]] = i + 1, np.arange(cuts[i + 1] - cuts[i])
+    idx = ctx.layout_index(t, c)
+    w = jax.random.normal(keys[3], (b, t, n, h)) * (seg > 0)[:, :, None, None]  # padding's outputs unread
+    return (q[:, idx], kk[:, idx], v[:, idx], w[:, idx]), jnp.asarray(seg[:, idx]), jnp.asarray(pos[:, idx])
+
+
+def _loss_and_grads(fn, mesh, rules, q, k, v, w):
+    def loss(q, k, v):
+        with shd.activation_sharding(mesh, rules):
+            q = shd.constrain(q, ("act_batch", "act_len", "act_heads", None))  # each chip its t/C queries
+            return jnp.sum(fn(q, k, v) * w)
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+
+def _assert_same(got, want, tol):
+    np.testing.assert_allclose(got[0], want[0], rtol=tol)
+    for g, r, name in zip(got[1], want[1], "qkv", strict=True):
+        np.testing.assert_allclose(g, r, rtol=tol, atol=tol, err_msg=f"d{name}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sizes,t,window", [
+    (dict(data=1, fsdp=2, context=2, tensor=2), 256, None),
+    (dict(data=1, fsdp=2, context=4), 512, 50),     # window 50 < a chip's 128 tokens
+    (dict(data=1, fsdp=2, context=4), 512, 300),    # window 300 > a chip's 128 tokens
+], ids=["context2_tensor2", "context4_window50", "context4_window300"])
+def test_splash_under_context_matches_reference(sizes, t, window):
+    """Splash (Pallas interpreter) on each chip's striped queries against the gathered row: the loss
+    and the gradients of q, k, v of the XLA reference (fp32), GQA, documents crossing the chips' parts."""
+    m = mesh_cfg(**sizes)
+    mesh, rules = shd.make_mesh(m), shd.rules_from_cfg(m)
+    (q, k, v, w), seg, pos = _splash_case(sizes["context"], t)
+    got = _loss_and_grads(lambda q, k, v: llama.attention_splash(q, k, v, seg, interpret=True, window=window),
+                          mesh, rules, q, k, v, w)
+    want = _loss_and_grads(lambda q, k, v: llama.attention_xla(q, k, v, seg, window=window, positions_bt=pos),
+                           mesh, rules, q, k, v, w)
+    _assert_same(got, want, 1e-5)
+
+
+@pytest.mark.parametrize("sizes,window", [
+    (dict(data=2, fsdp=2, context=2), None),
+    (dict(data=1, fsdp=1, context=4, tensor=2), 3),     # window 3 < a chip's 8 tokens
+    (dict(data=1, fsdp=1, context=8), 20),              # window 20 > a chip's 4 tokens
+    (dict(data=1, fsdp=1, context=2, tensor=4), 5),     # 2 kv heads over 4 tensor chips: repeated
+], ids=["context2", "context4_tensor2_window3", "context8_window20", "context2_tensor4_window5"])
+def test_cudnn_context_mask_matches_reference(sizes, window):
+    """model.attention=cudnn under context runs jax.nn.dot_product_attention per chip with the
+    document mask as its bias (attention_dpa_context); its "xla" implementation, the same code path
+    on CPU, gives the reference's loss and gradients, padding included."""
+    m = mesh_cfg(**sizes)
+    mesh, rules = shd.make_mesh(m), shd.rules_from_cfg(m)
+    (q, k, v, w), seg, pos = _splash_case(sizes["context"], T, seed=1, b=4, h=16)
+    got = _loss_and_grads(lambda q, k, v: llama.attention_dpa_context(q, k, v, seg, pos, "xla", window),
+                          mesh, rules, q, k, v, w)
+    want = _loss_and_grads(lambda q, k, v: llama.attention_xla(q, k, v, seg, window=window, positions_bt=pos),
+                           mesh, rules, q, k, v, w)
+    _assert_same(got, want, 1e-5)
+
+
 @pytest.mark.parametrize("window", [None, 3, 20])
 def test_reordered_row_gives_the_same_attention(window):
     """attention_xla is exact under any reordering of the row: its mask reads positions and
@@ -111,7 +226,7 @@ def test_reordered_row_gives_the_same_attention(window):
 # ----------------------------------------------------------------------------- the step
 
 
-def _run(cfg, sizes=None, mesh_name="context", steps=2, microbatches=1):
+def _run(cfg, sizes=None, mesh_name="context", steps=2, microbatches=1, t=T):
     """Metrics of each step and params after `steps` SGD steps (one device when sizes is None)."""
     if sizes is None:
         m = mesh_cfg("default", data=1, fsdp=1, context=1, tensor=1)
@@ -124,7 +239,7 @@ def _run(cfg, sizes=None, mesh_name="context", steps=2, microbatches=1):
     state, shardings = step.init_train_state(cfg, tx, mesh, rules, seed=0)
     train_step = step.make_train_step(cfg, tx, mesh, rules, shardings, z_loss=1e-3, microbatches=microbatches)
     bsh = step.batch_sharding(mesh, rules)
-    batch = {k: jax.device_put(jnp.asarray(v, jnp.int32), bsh) for k, v in packed_batch().items()}
+    batch = {k: jax.device_put(jnp.asarray(v, jnp.int32), bsh) for k, v in packed_batch(t=t).items()}
     metrics = []
     for _ in range(steps):
         state, m_ = train_step(state, batch)
@@ -161,6 +276,21 @@ def test_train_step_at_every_context_size_matches_single_device(sizes, window):
         if sizes["context"] > 1:
             assert 1.0 <= float(m["context_imbalance"]) < 1.5
     # params after 2 steps of SGD(0.5) = init - 0.5 * (g1 + g2): gradients agree elementwise
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), params, ref_params)
+
+
+@pytest.mark.slow
+def test_train_step_with_splash_at_context_2_matches_single_device(monkeypatch):
+    """model.attention=splash (Pallas interpreter) through the whole step at context 2 beside fsdp and
+    tensor, rows of 256 (a chip's part: splash's 128 block), window 20: the loss, grad norm and
+    parameters after an SGD step of the XLA reference on one device."""
+    import functools
+
+    monkeypatch.setattr(llama, "attention_splash", functools.partial(llama.attention_splash, interpret=True))
+    (ref,), ref_params = _run(config(20), steps=1, t=256)
+    (got,), params = _run(config(20, attention="splash"), dict(data=1, fsdp=2, context=2, tensor=2), steps=1, t=256)
+    for k in ("loss", "grad_norm"):
+        np.testing.assert_allclose(got[k], ref[k], rtol=1e-5, err_msg=k)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), params, ref_params)
 
 
@@ -215,9 +345,12 @@ def test_changing_one_document_leaves_the_others_logits_unchanged():
 
 def test_refusals_name_the_keys():
     tx = optax.sgd(0.1)
-    for impl in ("splash", "cudnn"):
-        with pytest.raises(ValueError, match=rf"model\.attention={impl} with mesh\.context=2"):
-            step.build_program(config(attention=impl), tx, mesh_cfg(), global_batch=8, z_loss=0.0, microbatches=1)
+    for impl in ("splash", "cudnn"):  # the kernels run under context
+        step.build_program(config(attention=impl), tx, mesh_cfg(), global_batch=8, z_loss=0.0, microbatches=1,
+                           seq_len=512)
+    with pytest.raises(ValueError, match=r"model\.attention=splash .* data\.seq_len=384 / mesh\.context=2, .* 128"):
+        step.build_program(config(attention="splash"), tx, mesh_cfg(), global_batch=8, z_loss=0.0, microbatches=1,
+                           seq_len=384)
     no_rule = mesh_cfg()
     no_rule["rules"] = [r if r[0] != "act_len" else ["act_len", None] for r in no_rule["rules"]]
     with pytest.raises(ValueError, match=r"mesh\.context=2 but mesh\.rules maps act_len to \[\]"):
@@ -229,7 +362,8 @@ def test_refusals_name_the_keys():
 
 @pytest.mark.parametrize("overrides,needle", [
     (["mesh=context", "data.seq_len=63"], "data.seq_len=63 does not split into the 2 parts mesh.context=2 needs"),
-    (["mesh=context", "model.attention=splash"], "model.attention=splash with mesh.context=2"),
+    (["mesh=context", "model.attention=splash", "data.seq_len=192"],
+     "model.attention=splash needs each chip's part of a row, data.seq_len=192 / mesh.context=2, to be a multiple"),
 ], ids=["seq_len", "splash"])
 def test_train_py_refuses_in_one_line(tmp_path, capsys, overrides, needle):
     from tests.run_helpers import main_in_process
