@@ -6,6 +6,8 @@ tokens, in rows of 1024) from each run's metrics.jsonl. Every run is `python tra
 
   python scripts/bench/bench_extend.py --out /tmp/bench_extend [--stage1 200 --stage2 100] [--yarn]
 
+Run again with the same --out, it keeps the runs that finished (the table is read from their files).
+
   stage 1     data=sample_buckets, --stage1 steps at 256 x 16 (one cosine over both stages)
   extended    stage 1 resumed with experiment=sample_extend_1024 for --stage2 steps (1024 x 4, rope_theta 40000,
               long 3:1): evaluated every --stage2 / 2 steps
@@ -42,8 +44,16 @@ YARN = ["model.rope_theta=10000.0", "model.rope_type=yarn", "model.rope_factor=4
 BUCKETS = ("0-255", "256-511", "512-767", "768-1023")
 
 
-def train(run_dir: Path, *overrides: str, log: Path) -> float:
-    """`python train.py` in `run_dir` (its checkpoints there too); its output to `log`; seconds."""
+def train(run_dir: Path, last: int, *overrides: str, log: Path, start_from: Path | None = None) -> float | None:
+    """`python train.py` in `run_dir` (its checkpoints there too; a copy of `start_from` first) up to
+    step `last`; its output to `log`; seconds. A run that has its checkpoint `last` already (an earlier
+    invocation with the same --out) is kept: None."""
+    if (run_dir / "checkpoints" / str(last)).is_dir():
+        return None
+    if run_dir.exists():
+        shutil.rmtree(run_dir)          # cut short: again from its start
+    if start_from is not None:
+        shutil.copytree(start_from, run_dir)
     cmd = [sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={run_dir}", *QUIET, *overrides]
     t0 = time.perf_counter()
     with open(log, "a") as out:
@@ -67,9 +77,9 @@ def eval_row(run_dir: Path, step: int) -> dict:
 
 def probe(src: Path, dst: Path, step: int, *rope: str, log: Path) -> dict:
     """src's parameters at `step` evaluated in rows of 1024 with the RoPE fields `rope`."""
-    shutil.copytree(src, dst)
-    train(dst, *AT_1024, *rope, *EVAL, "data.shape_change=continue", "optimizer.lr=0",
-          f"train.steps={step + 1}", "train.eval_every=1", f"optimizer.decay_steps={step + 1}", log=log)
+    train(dst, step + 1, *AT_1024, *rope, *EVAL, "data.shape_change=continue", "optimizer.lr=0",
+          f"train.steps={step + 1}", "train.eval_every=1", f"optimizer.decay_steps={step + 1}", log=log,
+          start_from=src)
     return eval_row(dst, step + 1)
 
 
@@ -84,13 +94,13 @@ def main() -> None:
     s1, s2, total = args.stage1, args.stage2, args.stage1 + args.stage2
     if s2 % 2 or s1 % (s2 // 2):
         ap.error("--stage2 must be even and --stage1 a multiple of half of it (the extended run's evaluations)")
-    args.out.mkdir(parents=True)
+    args.out.mkdir(parents=True, exist_ok=True)
     log = args.out / "train.log"
     schedule = [f"optimizer.decay_steps={total}", f"train.eval_batches={args.eval_batches}"]
     seconds = {}
 
     stage1 = args.out / "stage1"
-    seconds["stage 1"] = train(stage1, f"name={EXPERIMENT}", "data=sample_buckets", f"train.steps={s1}",
+    seconds["stage 1"] = train(stage1, s1, f"name={EXPERIMENT}", "data=sample_buckets", f"train.steps={s1}",
                                "train.eval_every=0", *schedule, log=log)
     rows = {"stage 1, rope_theta 10000": probe(stage1, args.out / "probe_stage1", s1, log=log),
             "stage 1, rope_theta 40000 (the switch)": probe(stage1, args.out / "probe_switch", s1,
@@ -98,15 +108,14 @@ def main() -> None:
     arms = {"extended": []} | ({"yarn": YARN} if args.yarn else {})
     for arm, rope in arms.items():
         run_dir = args.out / arm
-        shutil.copytree(stage1, run_dir)
-        seconds[arm] = train(run_dir, f"experiment={EXPERIMENT}", f"train.steps={total}",
-                             f"train.eval_every={s2 // 2}", *schedule, *EVAL, *rope, log=log)
+        seconds[arm] = train(run_dir, total, f"experiment={EXPERIMENT}", f"train.steps={total}",
+                             f"train.eval_every={s2 // 2}", *schedule, *EVAL, *rope, log=log, start_from=stage1)
         label = "rope_theta 40000" if arm == "extended" else "YaRN x4"
         for step in (s1 + s2 // 2, total):
             rows[f"{arm} ({label}), +{step - s1} steps at 1024"] = eval_row(run_dir, step)
     control = args.out / "control"
-    shutil.copytree(stage1, control)
-    seconds["control"] = train(control, *AT_256, f"train.steps={total}", *schedule, log=log)
+    seconds["control"] = train(control, total, *AT_256, f"train.steps={total}", *schedule, log=log,
+                               start_from=stage1)
     rows[f"control, +{s2} steps at 256, rope_theta 10000"] = probe(control, args.out / "probe_control", total,
                                                                    log=log)
 
@@ -117,7 +126,7 @@ def main() -> None:
         table[label] = {"eval_loss": r["eval_loss"], **dict(zip(BUCKETS, pos, strict=True)),
                         **{k: v for k, v in r.items() if k.startswith("tasks/passkey/acc")}}
         print(f"{label:<52} {r['eval_loss']:6.3f} " + " ".join(f"{p:8.3f}" for p in pos))
-    print("seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in seconds.items()))
+    print("seconds: " + ", ".join(f"{k} {'(kept)' if v is None else f'{v:.0f}'}" for k, v in seconds.items()))
     print(json.dumps({"stage1": s1, "stage2": s2, "rows": table, "seconds": seconds}))
 
 
