@@ -16,8 +16,8 @@ Run again with the same --out, it keeps the runs that finished (the table is rea
 A run's parameters are evaluated at 1024 without training by a probe: a copy of its directory resumed
 at 1024 x 4 (the RoPE fields given) for one step at optimizer.lr=0 (AdamW's update, weight decay
 included, is lr times something: the parameters stay), evaluated at that step. Probes: stage 1 as
-it is (rope_theta 10000), stage 1 at rope_theta 40000 (right after the switch), the control at the
-end (rope_theta 10000). The LAST printed line is one JSON object of every row.
+it is (rope_theta 10000), stage 1 at rope_theta 40000 (right after the switch; with --yarn, with YaRN
+too), the control at the end (rope_theta 10000). The LAST printed line is one JSON object of every row.
 """
 from __future__ import annotations
 
@@ -105,6 +105,8 @@ def main() -> None:
     rows = {"stage 1, rope_theta 10000": probe(stage1, args.out / "probe_stage1", s1, log=log),
             "stage 1, rope_theta 40000 (the switch)": probe(stage1, args.out / "probe_switch", s1,
                                                             "model.rope_theta=40000.0", log=log)}
+    if args.yarn:
+        rows["stage 1, YaRN x4 (the other switch)"] = probe(stage1, args.out / "probe_yarn", s1, *YARN, log=log)
     arms = {"extended": []} | ({"yarn": YARN} if args.yarn else {})
     for arm, rope in arms.items():
         run_dir = args.out / arm
