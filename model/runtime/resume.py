@@ -157,13 +157,13 @@ def restore_or_init(start: Start, *, ckpt: Checkpointer, local_tier: LocalTier |
     step = int(jax.device_get(state["step"]))
     if announce:
         print(f"Resuming from {point.describe()} at step {step}", flush=True)
+        if start.rolled_past is not None:
+            record = start.rolled_past[0]
+            print(f"Its data goes on past the steps rolled back at step {record['seen_at_step']} "
+                  f"({record['dir']})", flush=True)
     if reset_optimizer and not ((start.meta.get("config") or {}).get("checkpoint") or {}).get("reset_optimizer"):
         state["opt_state"] = program.fresh_opt_state(state["params"], state["opt_state"])
         if announce:
             print(f"checkpoint.reset_optimizer: the optimizer state starts afresh (its learning-rate schedule "
                   f"goes on at step {step})", flush=True)
-        if start.rolled_past is not None:
-            record = start.rolled_past[0]
-            print(f"Its data goes on past the steps rolled back at step {record['seen_at_step']} "
-                  f"({record['dir']})", flush=True)
     return state, step
