@@ -9,9 +9,9 @@ Rows: a RedPajama-v2-shaped corpus tokenized and concatenated into rows as `pack
 step: the train step's time at mesh.context 1, 2, 4 at one shape (same model, batch and sequence
 length) on this machine's devices, measured in one process, and each ratio to context 1.
 
-    python /work/shared/bench/make_corpus.py /tmp/corpus --shards 4 --docs 2000
+    python ../shared/bench/make_corpus.py /tmp/corpus --shards 4 --docs 2000   # the shared bench tools
     python scripts/bench/bench_context.py balance --corpus /tmp/corpus \
-        --tokenizer /work/shared/bench/llama_style_tokenizer.json --seq-lens 32768 131072 --contexts 2 4 8
+        --tokenizer ../shared/bench/llama_style_tokenizer.json --seq-lens 32768 131072 --contexts 2 4 8
     XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \
         python scripts/bench/bench_context.py step --seq-len 1024 --contexts 1 2 4
 """
@@ -23,7 +23,6 @@ import gzip
 import json
 import os
 import sys
-import time
 
 import numpy as np
 
@@ -76,6 +75,9 @@ def step_time(args) -> None:
     from model import step
     from model.llama import LlamaConfig
 
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_step import timed_steps  # the timing loop bench_step uses
+
     cfg = LlamaConfig(vocab_size=1024, d_model=args.d_model, n_layers=args.layers, n_heads=8, n_kv_heads=4,
                       d_ff=4 * args.d_model, dtype="float32", remat="full", max_seq_len=args.seq_len)
     with open(os.path.join(os.path.dirname(__file__), "..", "..", "configs", "mesh", "context.yaml")) as f:
@@ -106,12 +108,7 @@ def step_time(args) -> None:
         for _ in range(2):
             state, metrics = train_step(state, batch)
         jax.block_until_ready(metrics)
-        times = []
-        for _ in range(args.steps):
-            t0 = time.perf_counter()
-            state, metrics = train_step(state, batch)
-            jax.block_until_ready(metrics)
-            times.append(time.perf_counter() - t0)
+        state, metrics, times = timed_steps(train_step, state, batch, args.steps)
         med = float(np.median(times))
         base = base or med
         imb = float(metrics.get("context_imbalance", 1.0))

@@ -66,6 +66,17 @@ def matmul_rate(n: int, dtype: str, repeats: int = 10, fp8: bool = False) -> flo
     return 2 * n ** 3 / float(np.median(times))
 
 
+def timed_steps(train_step, state, batch, steps: int):
+    """(state, last metrics, seconds of each step): `steps` steps, each timed to its results."""
+    times, metrics = [], None
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        state, metrics = train_step(state, batch)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - t0)
+    return state, metrics, times
+
+
 def peak_bytes_in_use() -> int | None:
     """The most device memory the run held (GPU/TPU allocators report it; CPU: None)."""
     stats = jax.devices()[0].memory_stats() or {}
@@ -129,12 +140,7 @@ def main(argv=None):
     jax.block_until_ready(metrics)
     warmup_s = time.perf_counter() - t0
 
-    times = []
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
-        state, metrics = train_step(state, batch)
-        jax.block_until_ready(metrics)
-        times.append(time.perf_counter() - t0)
+    state, metrics, times = timed_steps(train_step, state, batch, args.steps)
     step_s = float(np.median(times))
     if args.profile:
         # Outside the timed steps: tracing slows the host side, and its write takes seconds.
