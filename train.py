@@ -16,6 +16,7 @@ goodput, meters), evaluation in model/evals/.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import time
 from pathlib import Path
@@ -178,7 +179,7 @@ def run(cfg: DictConfig) -> dict:
             eval_cfg, eval_files = data_lib.valid_eval_files(eval_cfg, eval_files, announce=is_main)
         if eval_cfg is not None and cfg.train.eval_every:
             held_out = data_lib.HeldOutSet(eval_cfg, eval_files, cfg.train.eval_batches, program.batch_sharding,
-                                           program.eval_step, tokenizer)
+                                           distributed.compiled_together(program.eval_step, "eval_step"), tokenizer)
         with config_errors(OSError, ValueError):   # downstream tasks: read and packed now, a bad line stops here
             tasks = TaskEvaluator.from_run_config(OmegaConf.to_container(cfg, resolve=True), program, tokenizer)
         tokens_per_step = data_cfg.global_batch_size * data_cfg.seq_len
@@ -209,7 +210,8 @@ def run(cfg: DictConfig) -> dict:
                     watchdog, log_every=cfg.train.log_every, last_step=cfg.train.steps)
         profile = Profiler(cfg.profile.steps, s.run_dir / "profile", enabled=is_main)
         cleanup.callback(profile.maybe_stop, None)
-        train_step = with_test_hooks(program.train_step, cfg, s.run_dir, process_index, cleanup)
+        train_step = with_test_hooks(distributed.compiled_together(program.train_step, "train_step"), cfg,
+                                     s.run_dir, process_index, cleanup)
 
         def save_meta() -> dict:
             """What a checkpoint carries beside the arrays; "files" is the run's listing, reused by
@@ -383,10 +385,21 @@ def build_program(cfg: DictConfig, model_cfg, tx, devices=None):
                                   spikes=step_lib.SpikeConfig.from_mapping(cfg.train.get("spikes")))
 
 
+# JAXPT_TEST_LATE_FIRST_STEP="40@1": process 1 starts its first step 40 s after the others, as a
+# host that compiles slowly (tests/test_multihost.py; model/runtime/distributed.py compiled_together).
+LATE_FIRST_STEP_ENV = "JAXPT_TEST_LATE_FIRST_STEP"
+
+
+def late_first_step_s(process_index: int) -> float:
+    seconds, _, process = os.environ.get(LATE_FIRST_STEP_ENV, "").partition("@")
+    return float(seconds) if seconds and (not process or int(process) == process_index) else 0.0
+
+
 def with_test_hooks(train_step, cfg: DictConfig, run_dir: Path, process_index: int, cleanup: contextlib.ExitStack):
     """The train step as the loop calls it, with the tests' hooks around it when they are asked
     for: train.debug_batches logs what each step consumed (data/batch_log.py; a host sync per
-    step), JAXPT_TEST_DIVERGE_AT plants a divergence (model/runtime/rollback.py)."""
+    step), JAXPT_TEST_DIVERGE_AT plants a divergence (model/runtime/rollback.py), JAXPT_TEST_LATE_FIRST_STEP
+    holds one host back before its first step."""
     from data.batch_log import BatchLog
     from model.runtime import rollback as rollback_lib
 
@@ -395,13 +408,16 @@ def with_test_hooks(train_step, cfg: DictConfig, run_dir: Path, process_index: i
         batch_log = BatchLog(run_dir / f"debug_batches.p{process_index}.jsonl")
         cleanup.callback(batch_log.close)
     plant = rollback_lib.planted_divergence()
-    if batch_log is None and not plant:
+    late_s = late_first_step_s(process_index)
+    if batch_log is None and not plant and not late_s:
         return train_step
     drawn = 0       # batches drawn in this start, rolled-back ones included
 
     def hooked(state, batch):
         nonlocal drawn
         drawn += 1
+        if drawn == 1 and late_s:
+            time.sleep(late_s)      # this host reaches its first step (and compiles it) late
         if batch_log is not None:
             # The step a batch feeds is the state's step + 1, after a rollback too.
             batch = batch_log.log(int(state["step"]) + 1, batch)

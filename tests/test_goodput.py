@@ -322,9 +322,14 @@ def check_report_in_chromium(run_dir, tmp_path):
         pytest.skip("no headless Chromium here (CI installs it: .ci/run)")
     flags = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--enable-logging=stderr",
              "--window-size=1400,2400", f"--user-data-dir={tmp_path / 'chromium'}"]
+    # Four plots, and the held-out loss by position when the evaluations report it (eval_loss_pos/*).
+    n = 4 + any(k.startswith("eval_loss_pos/") for r in read_metrics(run_dir) for k in r)
+    assert out.read_text().count('<img class="plot"') == n
     # The page's own script counts the plots the browser decoded (complete, naturalWidth > 0).
     dom = subprocess.run(flags + ["--dump-dom", out.as_uri()], capture_output=True, text=True, timeout=120)
-    assert 'data-plots="4/4"' in dom.stdout, dom.stdout[-500:] + dom.stderr[-2000:]
+    body = re.search(r"<body[^>]*>", dom.stdout)
+    assert body is not None and f'data-plots="{n}/{n}"' in body[0], (body[0][:300] if body else dom.stdout[-500:],
+                                                                 dom.stderr[-2000:])
     assert "Uncaught" not in dom.stderr, dom.stderr[-2000:]
     rects = [tuple(map(int, r.split(","))) for r in re.search(r'data-rects="([^"]*)"', dom.stdout)[1].split(";")]
     shot = tmp_path / "shot.png"
@@ -335,7 +340,7 @@ def check_report_in_chromium(run_dir, tmp_path):
     assert img.size == (1400, 2400)
     # Every plot drew: each one lies in the screenshot, is of a plot's size and holds ink (axes,
     # lines, text) over at least 2% of its area, where a blank or broken image holds none.
-    assert len(rects) == 4
+    assert len(rects) == n
     for x, y, w, h in rects:
         assert w > 300 and h > 150 and x + w <= img.size[0] and y + h <= img.size[1], rects
         cell = img.crop((x + 2, y + 2, x + w - 2, y + h - 2))

@@ -26,8 +26,8 @@ COMMON = ["mesh=fsdp", "data.seq_len=64", "data.global_batch_size=16", "data.num
           "optimizer.decay_steps=20", "logger.wandb.mode=disabled", "logger.progress_bar=false"]
 
 
-def launch_two(run_dir, *overrides):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+def launch_two(run_dir, *overrides, env=None):
+    env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, **(env or {})}
     result = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "launch_local.py"), "--processes", "2", "--devices-per-process", "4",
          "--log-dir", str(run_dir / "logs"), "--", f"hydra.run.dir={run_dir}", *COMMON, *overrides],
@@ -67,3 +67,15 @@ def test_two_processes_equal_one_process_and_resume_in_both(tmp_path):
     for v, st in single_shards.items():
         owner = shards[0] if v in advanced[0] else shards[1]
         assert owner[v]["c"] == st["c"], v      # same rows, documents, tokens per shard
+
+
+@pytest.mark.slow
+def test_a_host_that_compiles_late_starts_with_the_others(tmp_path):
+    """One host reaches its first step 40 s after the other (a slow compile on a busy host). The
+    first run of a step opens its collectives' communicators, a rendezvous that gives up after 30 s
+    on CPU hosts (Gloo); compiled_together's barrier keeps the early host waiting there instead."""
+    from train import LATE_FIRST_STEP_ENV
+
+    out = launch_two(tmp_path / "late", "train.steps=2", "checkpoint.every=0", env={LATE_FIRST_STEP_ENV: "40@1"})
+    assert "Gloo context initialization failed" not in out
+    assert [r["step"] for r in read_metrics(tmp_path / "late") if "loss" in r] == [1, 2]

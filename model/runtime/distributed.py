@@ -194,6 +194,38 @@ def from_process_0(make):
     return got["ok"]
 
 
+# How long a host waits for the slowest one to finish compiling a step (an 8B plan compiles for
+# minutes; a host that never arrives is dead, and jax.distributed's heartbeats end the job first).
+COMPILED_TOGETHER_TIMEOUT_S = 3600
+
+
+def compiled_together(jitted, name: str):
+    """`jitted` as the loop calls it; on several processes its first call compiles on this host,
+    waits until every host has compiled (a coordination-service barrier, not a collective), then
+    runs. Why: the first run of a program opens its collectives' communicators, a rendezvous that
+    gives up when the hosts arrive more than ~30 s apart (Gloo on CPU hosts: "GetKeyValue() timed
+    out"), and hosts compile at different speeds. jit reuses the executable compiled here. On one
+    process, `jitted` itself."""
+    import jax
+
+    if jax.process_count() == 1:
+        return jitted
+    from orbax.checkpoint import multihost
+
+    first = True
+
+    def call(*args):
+        nonlocal first
+        if first:
+            first = False
+            jitted.lower(*args).compile()
+            # The coordination service's barrier (sync_global_processes would be a collective).
+            multihost.get_barrier_sync_fn()(key=f"jaxpt_{name}_compiled", timeout_ms=COMPILED_TOGETHER_TIMEOUT_S * 1000)
+        return jitted(*args)
+
+    return call
+
+
 def max_over_hosts(value):
     """The largest `value` any process passes (a number; every process must call it). One tiny
     all-gather; on one process, the value itself."""
