@@ -851,7 +851,7 @@ class Llama(nnx.Module):
         branch_ids_bt: shared-prefix scoring rows (attention_mask); None in training."""
         cfg = self.cfg
         dt = jnp.dtype(cfg.dtype)
-        x_btd = jnp.take(self.embed_vd[...], tokens_bt, axis=0).astype(dt)
+        x_btd = jnp.take(shd.table_for_lookup(self.embed_vd[...], dt), tokens_bt, axis=0).astype(dt)
         x_btd = shd.constrain(x_btd, ("act_batch", "act_len", "act_embed"))
 
         policy = REMAT_POLICIES[cfg.remat]
@@ -910,7 +910,7 @@ class Llama(nnx.Module):
         cfg = self.cfg
         dt = jnp.dtype(cfg.dtype)
         start = cache["length"]
-        x_btd = jnp.take(self.embed_vd[...], tokens_bt, axis=0).astype(dt)
+        x_btd = jnp.take(shd.table_for_lookup(self.embed_vd[...], dt), tokens_bt, axis=0).astype(dt)
         if cfg.scan_layers:
             graphdef, state = nnx.split(self.layers)
 

@@ -4,13 +4,14 @@ The model names logical axes ("embed", "mlp", "act_batch", ...). A rules table f
 configs/mesh/*.yaml maps each to a mesh axis, a list of mesh axes, or null (replicated):
 
     rules:
-      - [embed, fsdp]
+      - [embed, [fsdp, context]]
       - [act_batch, [data, fsdp]]
       - [head_dim, null]
 
 Mesh axes: `data` (pure data parallel: parameters replicated), `fsdp` (batch split and
 parameters/optimizer state sharded, ZeRO-3 style), `context` (the activations' sequence split:
-context parallelism, docs/long-context.md and model/context.py), `tensor` (Megatron-style
+context parallelism, docs/long-context.md and model/context.py; the state is sharded over it as over
+fsdp), `tensor` (Megatron-style
 heads/MLP split, innermost: the fastest links).
 Over several slices `mesh.dcn_data` and `mesh.dcn_fsdp` say how the slices extend `data` and
 `fsdp` across the data-center network (make_mesh).
@@ -184,7 +185,7 @@ def logical_to_spec(names: Iterable[str | None], rules: Rules, shape: Sequence[i
 
     A mesh axis is used once per array (the first dim that claims it wins). With `shape` and
     `mesh`, axes that do not divide the dim are dropped (e.g. 2 kv heads on tensor=4): that
-    dim is then replicated over them instead of failing to compile.
+    dim is then replicated over them instead of failing to compile; so are axes of size 1.
     """
     used: set[str] = set()
     spec = []
@@ -193,6 +194,8 @@ def logical_to_spec(names: Iterable[str | None], rules: Rules, shape: Sequence[i
         if shape is not None and mesh is not None:
             kept, size = [], 1
             for a in axes:
+                if mesh.shape[a] == 1:
+                    continue        # splits nothing: left out, so the spec reads as without it
                 if shape[i] % (size * mesh.shape[a]) == 0:
                     kept.append(a)
                     size *= mesh.shape[a]
@@ -242,6 +245,19 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     if mesh is None:
         return x
     return jax.lax.with_sharding_constraint(x, named_sharding(mesh, rules, names, x.shape))
+
+
+def table_for_lookup(table_vd: jax.Array, dtype) -> jax.Array:
+    """The embedding table [vocab, embed] as the token lookup reads it. When its embed dim is split
+    over two or more mesh axes (fsdp x context: parameters sharded over both), it is cast to the
+    compute dtype and gathered whole along embed first, as FSDP gathers any layer's weight: XLA's
+    gather partitioner moves one mesh axis from the looked-up rows' embed dim to their batch dims
+    (an all-to-all) but not two, and would otherwise replicate the whole batch's embeddings on every
+    chip ("Involuntary full rematerialization"). Otherwise the table as it is (today's plans)."""
+    mesh, rules = current()
+    if mesh is None or len([a for a in mesh_axes_for("embed", rules) if mesh.shape[a] > 1]) < 2:
+        return table_vd
+    return constrain(table_vd.astype(dtype), ("vocab", None))
 
 
 def describe(mesh: Mesh) -> str:

@@ -105,7 +105,9 @@ def test_every_experiment_passes_every_check_before_anything_is_rented(experimen
     result = run_script(f"experiment={experiment}", "--no-compile", "--json", str(out))
     assert result.returncode == 0, result.stdout + result.stderr
     plan = json.loads(out.read_text())
-    assert f"plan {experiment}: every check passed" in result.stdout
+    # The plan names the run: the file's name, or the run its stages share (a staged extension)
+    run_name = OmegaConf.load(ROOT / "configs" / "experiment" / f"{experiment}.yaml").get("name", experiment)
+    assert f"plan {run_name}: every check passed" in result.stdout
     assert "train_step" not in plan and "compiled" not in result.stdout
     assert plan["devices"] == plan["hosts"] * plan["devices_per_host"] == math.prod(plan["mesh"].values())
     assert plan["global_batch_size"] % plan["num_shards"] == 0 and plan["num_shards"] % plan["hosts"] == 0

@@ -360,6 +360,49 @@ def test_refusals_name_the_keys():
     assert dict(shd.make_mesh(mesh_cfg()).shape) == {"data": 1, "fsdp": 4, "context": 2, "tensor": 1}
 
 
+# Compiles the tiny model's train step at fsdp 2 x context 4 and at fsdp 8 (the mesh groups' own
+# rules) and prints the bytes of its arguments per chip; XLA's warnings go to stderr.
+STATE_PER_CHIP = """
+import json, sys
+import jax, jax.numpy as jnp, optax, yaml
+from model import step, sharding as shd
+from model.llama import LlamaConfig
+cfg = LlamaConfig(vocab_size=1024, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=256, dtype="bfloat16",
+                  remat="full")
+out = {}
+for name, sizes in (("context", dict(fsdp=2, context=4)), ("fsdp", dict(fsdp=8, context=1))):
+    m = yaml.safe_load(open(f"configs/mesh/{name}.yaml"))
+    m.update(data=1, tensor=1, **sizes)
+    mesh, rules = shd.make_mesh(m), shd.rules_from_cfg(m)
+    tx = optax.adamw(1e-3)
+    state, shardings = step.init_train_state(cfg, tx, mesh, rules, seed=0)
+    bsh = step.batch_sharding(mesh, rules)
+    batch = {k: jax.device_put(jnp.zeros((8, 256), jnp.int32), bsh) for k in step.BATCH_KEYS}
+    compiled = step.make_train_step(cfg, tx, mesh, rules, shardings).lower(state, batch).compile()
+    out[name] = compiled.memory_analysis().argument_size_in_bytes
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_state_shards_over_fsdp_and_context_and_nothing_is_replicated_whole(tmp_path):
+    """Parameters, gradients and Adam's moments split over fsdp x context (the `embed` rule), so context
+    takes no FSDP ways: the state per chip at fsdp 2 x context 4 is fsdp 8's, not fsdp 2's (4x). And
+    the compiled step copies no array whole to every chip: XLA's "Involuntary full rematerialization",
+    which the embedding lookup caused before the table was gathered for it (sharding.table_for_lookup)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}  # warnings on a miss only
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", STATE_PER_CHIP], capture_output=True, text=True, timeout=600,
+                       cwd=root, env={**env, "PYTHONPATH": root})
+    assert r.returncode == 0, r.stderr[-3000:]
+    per_chip = json.loads(r.stdout.strip().splitlines()[-1])
+    assert per_chip["context"] <= 1.05 * per_chip["fsdp"], per_chip
+    assert "Involuntary full rematerialization" not in r.stderr, r.stderr[-3000:]
+
+
 @pytest.mark.parametrize("overrides,needle", [
     (["mesh=context", "data.seq_len=63"], "data.seq_len=63 does not split into the 2 parts mesh.context=2 needs"),
     (["mesh=context", "model.attention=splash", "data.seq_len=192"],
