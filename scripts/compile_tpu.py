@@ -31,6 +31,11 @@ margin or "does not fit" with the compiler's own statement of what overflows, an
 time; `--json` writes the same figures. Memory only: XLA's cost analysis counts a scanned layer
 once and misses the Pallas kernels, so no speed figure is derived from it.
 
+For each step it also prints the bytes per chip that the step's collectives move over the slice's
+links (ICI), by the mesh axes their groups span ("context", "fsdp", "fsdp+context": model/ici.py
+reads the compiled program, loop trips counted, a ring over each group), to set a mesh with an axis
+against the same shapes without it.
+
 Several slices (`tpu.slices=N`, a multislice job over the data-center network): libtpu describes N
 copies of the slice, the mesh spans them (`mesh.dcn_data`/`mesh.dcn_fsdp`, model/sharding.py), and
 the report adds, per step, the bytes each chip hands over to the DCN (the compiled program's
@@ -41,7 +46,8 @@ at the chips' peak FLOP/s (the least it can take).
 `--quick` tells the compiler to spend no effort on the program's speed
 (jax_exec_time_optimization_effort=-1): a 1B plan compiles in ~20 CPU-s instead of ~70-110, for
 trying many variants. Its scheduling differs, so its memory figures differ from the run's by a few
-per cent either way (measured: -4% to +9%); quote the full compile's.
+per cent either way (measured: -4% to +9%) and its ICI bytes by more (the 128k plan's `context`:
+125 GiB quick, 31.6 full); quote the full compile's.
 """
 from __future__ import annotations
 
@@ -157,9 +163,11 @@ def require_libtpu() -> None:
 # ----------------------------------------------------------------------------- compile
 
 
-def _compile_one(fn, args, capacity: int, n_slices: int = 1) -> dict:
+def _compile_one(fn, args, capacity: int, n_slices: int = 1, mesh: dict | None = None) -> dict:
     """Compile `fn` at `args`; XLA's per-chip memory figures, or the compiler's out-of-memory report.
-    Over several slices also what each chip sends over the DCN per step (model/dcn.py)."""
+    With the `mesh` ({axis: size}) the program runs over, the bytes its collectives move per chip
+    and step over each mesh axis (model/ici.py); over several slices also what each chip sends over
+    the DCN per step (model/dcn.py)."""
     t0 = time.perf_counter()
     try:
         compiled = fn.lower(*args).compile()
@@ -175,13 +183,19 @@ def _compile_one(fn, args, capacity: int, n_slices: int = 1) -> dict:
     # Outputs aliased to donated arguments (the new train state) reuse the arguments' buffers.
     total = (m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
              + m.generated_code_size_in_bytes)
-    dcn = {}
+    traffic = {}
+    if mesh is not None or n_slices > 1:
+        hlo_text = compiled.as_text()
+    if mesh is not None:
+        from model.ici import ici_bytes_per_chip
+
+        traffic["ici"] = ici_bytes_per_chip(hlo_text, mesh)
     if n_slices > 1:
         from model.dcn import dcn_bytes_per_chip, megascale_transfers
 
-        dcn = {"dcn": dcn_bytes_per_chip(megascale_transfers(compiled.as_text()), n_slices)}
+        traffic["dcn"] = dcn_bytes_per_chip(megascale_transfers(hlo_text), n_slices)
     return {
-        **dcn,
+        **traffic,
         "fits": total <= capacity, "compile_s": compile_s,
         "arguments_gib": m.argument_size_in_bytes / GIB, "temporaries_gib": m.temp_size_in_bytes / GIB,
         "outputs_gib": m.output_size_in_bytes / GIB, "aliased_gib": m.alias_size_in_bytes / GIB,
@@ -253,9 +267,10 @@ def compile_plan(cfg, tpu: Slice, quick: bool = False, dcn_gbps: float = DEFAULT
     if quick:
         jax.config.update("jax_exec_time_optimization_effort", QUICK_EXEC_TIME_EFFORT)
     try:
-        plan["train_step"] = _compile_one(program.train_step, (program.abstract_state, batch), capacity, n_slices)
+        plan["train_step"] = _compile_one(program.train_step, (program.abstract_state, batch), capacity, n_slices,
+                                          plan["mesh"])
         plan["eval_step"] = _compile_one(program.eval_step, (program.abstract_state["params"], batch), capacity,
-                                         n_slices)
+                                         n_slices, plan["mesh"])
     finally:
         jax.config.update("jax_exec_time_optimization_effort", effort)
     for step in ("train_step", "eval_step"):
@@ -290,6 +305,9 @@ def report(plan: dict) -> str:
                      f"{r['arguments_gib']:.2f}, temporaries {r['temporaries_gib']:.2f}, outputs "
                      f"{r['outputs_gib']:.2f} (aliased {r['aliased_gib']:.2f}), code {r['code_gib']:.2f} GiB; "
                      f"{verdict}; compiled in {r['compile_s']:.1f} s")
+        if "ici" in r:
+            moved = [f"{axes} {sent / GIB:.3g} GiB" for axes, sent in r["ici"]["bytes_by_axes"].items() if sent]
+            lines.append(f"    ici per chip per step: {', '.join(moved) or 'none'}")
         if "dcn" in r:
             d = r["dcn"]
             compute = plan.get("compute_s_at_peak")

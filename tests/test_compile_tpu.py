@@ -296,3 +296,152 @@ def test_experiment_compiles_for_two_slices_with_its_dcn_traffic(tmp_path, exper
     assert d["seconds_at_dcn_gbps"] == pytest.approx(d["sent_bytes_per_host"] * 8 / 50e9)
     assert f"over the DCN ({slices} slices)" in result.stdout and "at 50 Gbit/s" in result.stdout
     assert plan["compute_s_at_peak"] > 0
+
+
+# ---------------------------------------------------------------- ICI bytes per mesh axis (model/ici.py)
+# A compiled program cut to what model/ici.py reads (channel ids and use_global_device_ids left out:
+# not read), over a mesh of fsdp 4 x context 4 (partition id = 4 fsdp + context): a counted loop
+# (counter 1..4: 3 trips) holding a K/V-style all-gather over an iota's groups {0,1,2,3} (context)
+# and a libtpu all-reduce-scatter fusion over transposed iota groups {0,4,8,12} (fsdp); beside it an
+# async all-gather over fsdp and an async reduce-scatter over context (their done halves not
+# counted), a variadic all-reduce over every chip, a reduce-scatter over the partitioner's mesh in
+# its own device order, an all-reduce over a sub-axis, a collective-permute along fsdp (one pair
+# stays on its chip), groups of one chip (nothing moves) and an all-to-all whose groups are in no
+# known form. A backslash ends a line that the program prints on one.
+ICI_HLO = """HloModule jit_step, is_scheduled=true
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %sum = f32[] add(%x, %y)
+}
+
+%all-reduce-scatter.1 (input: f32[64,32]) -> f32[16,32] {
+  %input = f32[64,32]{1,0} parameter(0)
+  %all-reduce.1 = f32[64,32]{1,0:T(8,128)} all-reduce(%input), replica_groups=[4,4]<=[4,4]T(1,0), to_apply=%add
+  ROOT %slice = f32[16,32]{1,0} dynamic-slice(%all-reduce.1, %i, %i), dynamic_slice_sizes={16,32}
+}
+
+%wrapped_reduce_scatter (w: f32[64]) -> f32[16] {
+  %w = f32[64]{0} parameter(0)
+  ROOT %reduce-scatter.2 = f32[16]{0} reduce-scatter(%w), replica_groups=[4,4]<=[16], dimensions={0}, to_apply=%add
+}
+
+%body (p: (s32[], bf16[1,128,8,64])) -> (s32[], bf16[1,128,8,64]) {
+  %p = (s32[]{:T(128)}, bf16[1,128,8,64]{3,2,1,0}) parameter(0)
+  %kv = bf16[1,128,8,64]{3,2,1,0} get-tuple-element(%p), index=1
+  %all-gather.1 = bf16[1,512,8,64]{3,2,1,0:T(8,128)(2,1)} all-gather(%kv), replica_groups=[4,4]<=[16], \
+dimensions={1}, metadata={op_name="attention"}
+  %fusion.1 = f32[16,32]{1,0} fusion(%g), kind=kCustom, calls=%all-reduce-scatter.1
+}
+
+%cond (q: (s32[], bf16[1,128,8,64])) -> pred[] {
+  %q = (s32[]{:T(128)}, bf16[1,128,8,64]{3,2,1,0}) parameter(0)
+  %limit = s32[]{:T(128)} constant(4)
+  %i = s32[]{:T(128)} get-tuple-element(%q), index=0
+  ROOT %lt = pred[]{:T(512)} compare(%i, %limit), direction=LT
+}
+
+ENTRY %main (a: bf16[256,64]) -> f32[8] {
+  %one = s32[]{:T(128)} constant(1)
+  %start = s32[]{:T(128)} copy(%one)
+  %tuple.1 = (s32[]{:T(128)}, bf16[1,128,8,64]{3,2,1,0}) tuple(%start, %kv0)
+  %while.1 = (s32[]{:T(128)}, bf16[1,128,8,64]{3,2,1,0}) while(%tuple.1), condition=%cond, body=%body
+  %all-gather-start = (bf16[256,64]{1,0}, bf16[1024,64]{1,0}) all-gather-start(%a), @FSDP@, dimensions={0}
+  %all-gather-done = bf16[1024,64]{1,0} all-gather-done(%all-gather-start)
+  %async-start = ((f32[64]{0}), f32[16]{0}, s32[]) async-start(%m), calls=%wrapped_reduce_scatter
+  %async-done = f32[16]{0} async-done(%async-start), calls=%wrapped_reduce_scatter
+  %all-reduce.2 = (f32[128]{0}, f32[64,8]{1,0}, /*index=2*/bf16[16]{0}) all-reduce(%u, %v, %w), \
+replica_groups=mesh['axis_0'=4,'axis_1'=4] {'axis_0','axis_1'}, to_apply=%add
+  %reduce-scatter.1 = f32[16]{0} reduce-scatter(%r), \
+replica_groups=mesh['axis_0'=4,'axis_1'=4], device_ids=([4,4]T(1,0)) {'axis_1'}, dimensions={0}, to_apply=%add
+  %all-reduce.3 = f32[256]{0} all-reduce(%s), replica_groups=mesh['axis_0'=16] {'axis_0':(4)4}, to_apply=%add
+  %collective-permute-start = (f32[32,32]{1,0}, f32[32,32]{1,0}, u32[]{:S(2)}, u32[]{:S(2)}) \
+collective-permute-start(%c), source_target_pairs={{0,4},{4,8},{8,12},{12,0},{1,1}}
+  %collective-permute-done = f32[32,32]{1,0} collective-permute-done(%collective-permute-start)
+  %all-reduce.4 = f32[1000]{0} all-reduce(%z), replica_groups=@ONES@, to_apply=%add
+  %all-to-all.1 = bf16[4,64]{1,0} all-to-all(%t), replica_groups=hypercube<4>, dimensions={0}
+}
+""".replace("@FSDP@", "replica_groups=[4,4]<=[4,4]T(1,0)").replace(
+    "@ONES@", "{" + ",".join(f"{{{i}}}" for i in range(16)) + "}")   # 16 groups of one chip
+ICI_MESH = {"data": 1, "fsdp": 4, "context": 4, "tensor": 1}
+
+
+def test_ici_bytes_are_read_per_mesh_axis_from_the_compiled_program():
+    from model import ici
+
+    got = ici.ici_bytes_per_chip(ICI_HLO, ICI_MESH)
+    trips = 3
+    # a ring over k = 4 chips: an all-gather sends 3/4 of its result, a reduce-scatter 3/4 of its
+    # operand (k results), an all-reduce 2 * 3/4 of its operand; over k = 16, 2 * 15/16
+    context = (1 * 512 * 8 * 64 * 2 * 3 / 4 * trips      # the loop's all-gather
+               + 256 * 4 * 2 * 3 / 4                      # the all-reduce over context, a sub-axis of 16
+               + 16 * 4 * 4 * 3 / 4)                      # the async reduce-scatter
+    fsdp = (64 * 32 * 4 * 3 / 4 * trips                   # the loop's all-reduce-scatter: a reduce-scatter
+            + 1024 * 64 * 2 * 3 / 4                       # the async all-gather's result
+            + 16 * 4 * 4 * 3 / 4                          # the reduce-scatter (fsdp in its device order)
+            + 32 * 32 * 4)                                # the collective-permute: its whole buffer
+    both = (128 * 4 + 64 * 8 * 4 + 16 * 2) * 2 * 15 / 16  # the variadic all-reduce over all 16 chips
+    unparsed = 4 * 64 * 2                                 # the all-to-all: its whole buffer
+    assert got["bytes_by_axes"] == {"fsdp": fsdp, "context": context, "fsdp+context": both, "unparsed": unparsed}
+    assert got["total_bytes"] == fsdp + context + both + unparsed
+    kinds = sorted((c.kind, c.axes, c.group_size, c.times) for c in ici.collectives(ICI_HLO, ICI_MESH))
+    assert kinds == [("all-gather", "context", 4, 3), ("all-gather", "fsdp", 4, 1),
+                     ("all-reduce", "", 1, 1), ("all-reduce", "context", 4, 1), ("all-reduce", "fsdp+context", 16, 1),
+                     ("all-to-all", "unparsed", 1, 1), ("collective-permute", "fsdp", 2, 1),
+                     ("reduce-scatter", "context", 4, 1), ("reduce-scatter", "fsdp", 4, 1),
+                     ("reduce-scatter", "fsdp", 4, 3)]
+    # the ids are positions in the mesh (data, fsdp, context, tensor): on fsdp 2 x context 8 the
+    # loop's groups {0,1,2,3} are half a context row
+    wide = ici.collectives(ICI_HLO, {"data": 1, "fsdp": 2, "context": 8, "tensor": 1})
+    assert [c.axes for c in wide if c.kind == "all-gather" and c.times == trips] == ["context"]
+    # a mesh too small for the ids: its collectives are unparsed, not dropped
+    assert set(ici.ici_bytes_per_chip(ICI_HLO, {"data": 1, "fsdp": 2, "context": 2, "tensor": 1})["bytes_by_axes"]) \
+        == {"unparsed"}
+
+
+@pytest.mark.parametrize("groups, mesh, expected", [
+    ("replica_groups={{0,2},{1,3}}", (2, 2), [[0, 2], [1, 3]]),
+    ("replica_groups={}", (2, 2), [[0, 1, 2, 3]]),
+    ("replica_groups=[2,4]<=[8]", (2, 4), [[0, 1, 2, 3], [4, 5, 6, 7]]),
+    ("replica_groups=[4,2]<=[2,4]T(1,0)", (2, 4), [[0, 4], [1, 5], [2, 6], [3, 7]]),
+    ("replica_groups=mesh['a'=2,'b'=4] {'a'}", (2, 4), [[0, 4], [1, 5], [2, 6], [3, 7]]),
+    ("replica_groups=mesh['a'=2,'b'=4] {'b','a'}", (2, 4), [[0, 4, 1, 5, 2, 6, 3, 7]]),
+    ("replica_groups=mesh['a'=2,'b'=4], device_ids=([4,2]T(1,0)) {'b'}", (2, 4), [[0, 2, 4, 6], [1, 3, 5, 7]]),
+    ("replica_groups=mesh['a'=8] {'a':(2)2}", (8,), [[0, 2], [1, 3], [4, 6], [5, 7]]),
+    ("replica_groups=mesh['a'=8] {'a':(1)2,'a':(4)2}", (8,), [[0, 1, 4, 5], [2, 3, 6, 7]]),
+])
+def test_replica_groups_in_every_printed_form(groups, mesh, expected):
+    from model import ici
+
+    assert ici.replica_groups(f"all-reduce(%x), {groups}, to_apply=%add", math.prod(mesh)).tolist() == expected
+
+
+@pytest.mark.slow
+@needs_libtpu
+def test_context_bytes_cross_ici_only_with_a_context_axis():
+    """The tiny model (4 layers, batch 16 x 256, 2 of 4 KV heads of 32) on a v4-8: fsdp 2 x context
+    2 all-gathers each layer's keys and values over `context`; the same shapes at mesh.context=1
+    (fsdp 4) send nothing over an axis named context. ~30 s."""
+    saved = dict(os.environ)    # libtpu_env and libtpu write os.environ: restored (see above)
+    try:
+        tpu = ct.parse_slice("v4-8")
+        ct.libtpu_env(tpu)
+        plans = {c: ct.compile_plan(ct.compose(["mesh=context", f"mesh.context={c}"]), tpu, quick=True)
+                 for c in (2, 1)}
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    assert plans[2]["mesh"] == {"data": 1, "fsdp": 2, "context": 2, "tensor": 1}
+    assert plans[1]["mesh"] == {"data": 1, "fsdp": 4, "context": 1, "tensor": 1}
+    # the forward's K/V all-gathers alone: K and V of 8 rows x 256 x 2 heads x 32 in fp32 per layer,
+    # half of each received from the other chip, 4 layers (the scanned loop's trips)
+    kv_gathers = 2 * 4 * (8 * 256 * 2 * 32 * 4) / 2
+    for step in ("train_step", "eval_step"):
+        with_context, without = plans[2][step]["ici"]["bytes_by_axes"], plans[1][step]["ici"]["bytes_by_axes"]
+        assert with_context["context"] >= kv_gathers and with_context["fsdp"] > 0, with_context
+        assert not any("context" in axes for axes in without) and without["fsdp"] > 0, without
+        assert "unparsed" not in with_context and "unparsed" not in without
+        assert plans[2][step]["ici"]["total_bytes"] == pytest.approx(sum(with_context.values()))
+    text = ct.report(plans[2])
+    assert text.count("    ici per chip per step: ") == 2 and "context " in text.split("ici per chip per step")[1]
