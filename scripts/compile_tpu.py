@@ -281,6 +281,15 @@ def compile_plan(cfg, tpu: Slice, quick: bool = False, dcn_gbps: float = DEFAULT
     return plan
 
 
+def _size(nbytes: float) -> str:
+    """Bytes in the largest binary unit that leaves at least 1 of it (3 significant digits)."""
+    for unit, scale in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            v = nbytes / scale
+            return f"{v:,.0f} {unit}" if v >= 1000 else f"{v:.3g} {unit}"
+    return f"{nbytes:.0f} B"
+
+
 def report(plan: dict) -> str:
     """The plan's figures as the console shows them."""
     cap = plan["usable_hbm_gib_per_chip"]
@@ -306,7 +315,7 @@ def report(plan: dict) -> str:
                      f"{r['outputs_gib']:.2f} (aliased {r['aliased_gib']:.2f}), code {r['code_gib']:.2f} GiB; "
                      f"{verdict}; compiled in {r['compile_s']:.1f} s")
         if "ici" in r:
-            moved = [f"{axes} {sent / GIB:.3g} GiB" for axes, sent in r["ici"]["bytes_by_axes"].items() if sent]
+            moved = [f"{axes} {_size(sent)}" for axes, sent in r["ici"]["bytes_by_axes"].items() if sent]
             lines.append(f"    ici per chip per step: {', '.join(moved) or 'none'}")
         if "dcn" in r:
             d = r["dcn"]
