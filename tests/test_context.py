@@ -173,7 +173,8 @@ def _assert_same(got, want, tol):
     (dict(data=1, fsdp=2, context=2, tensor=2), 256, None),
     (dict(data=1, fsdp=2, context=4), 512, 50),     # window 50 < a chip's 128 tokens
     (dict(data=1, fsdp=2, context=4), 512, 300),    # window 300 > a chip's 128 tokens
-], ids=["context2_tensor2", "context4_window50", "context4_window300"])
+    (dict(data=1, fsdp=1, context=2, tensor=4), 256, None),  # 2 kv heads over 4 tensor shards: repeated
+], ids=["context2_tensor2", "context4_window50", "context4_window300", "context2_tensor4_kv_repeated"])
 def test_splash_under_context_matches_reference(sizes, t, window):
     """Splash (Pallas interpreter) on each chip's striped queries against the gathered row: the loss
     and the gradients of q, k, v of the XLA reference (fp32), GQA, documents crossing the chips' parts."""
