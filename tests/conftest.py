@@ -24,6 +24,12 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
+# The 8 devices' collectives in one order (model/runtime/distributed.py CPU_COLLECTIVES_FLAG), as
+# train.py and the scripts set it on CPU.
+from model.runtime.distributed import cpu_collectives_in_order  # noqa: E402
+
+cpu_collectives_in_order()
+
 
 # The files that take longest (several processes, kill-and-restart runs, TPU compiles; the
 # durations CI prints) start first, so the test workers finish together instead of one of them

@@ -463,3 +463,20 @@ def test_generate_decodes_a_long_prompt_from_a_context_2_checkpoint(context2_run
     assert captured.out.startswith(prompt)
     n_prompt, n_new = map(int, re.search(r"(\d+) prompt \+ (\d+) new tokens", captured.err).groups())
     assert n_prompt > 64 // 2 and n_new >= 1   # longer than a context-2 chip's part of a training row
+
+
+def test_cpu_runs_start_their_collectives_in_one_order(monkeypatch):
+    """On CPU, XLA_FLAGS gets the scheduler flag that keeps one process's devices entering their
+    collectives in one order (docs/long-context.md's demo deadlocked without it), once; an
+    accelerator run's flags are left alone. The demo itself runs in tests/test_docs.py."""
+    from model.runtime import distributed
+
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    distributed.cpu_collectives_in_order()
+    distributed.cpu_collectives_in_order()
+    assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=8 " + distributed.CPU_COLLECTIVES_FLAG
+    monkeypatch.setenv("JAX_PLATFORMS", "tpu")
+    monkeypatch.setenv("XLA_FLAGS", "")
+    distributed.cpu_collectives_in_order()
+    assert os.environ["XLA_FLAGS"] == ""

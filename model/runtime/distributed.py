@@ -161,12 +161,38 @@ def quiet_cpu_start() -> None:
     TPU VM or a GPU host nothing changes."""
     import importlib.util
 
-    if os.environ.get("JAX_PLATFORMS") or on_tpu_vm() or importlib.util.find_spec("libtpu") is None:
+    if not (os.environ.get("JAX_PLATFORMS") or on_tpu_vm() or importlib.util.find_spec("libtpu") is None
+            or _gpu_plugin_installed()):
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    cpu_collectives_in_order()
+
+
+# XLA's CPU scheduler that favours concurrency starts a step's independent collectives in an order
+# that differs between the devices of one process: with the state sharded over fsdp x context, the
+# 8 fake devices of `mesh=context mesh.context=4` waited in two different collectives ("Termination
+# timeout for all gather ... all reduce ...", every time). Off, they run in one order.
+CPU_COLLECTIVES_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+
+
+def _gpu_plugin_installed() -> bool:
+    import importlib.util
+
+    return any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm7_plugin",
+                                                     "jax_rocm60_plugin", "jax_plugins"))
+
+
+def cpu_collectives_in_order() -> None:
+    """On a run that uses the CPU (JAX_PLATFORMS=cpu, or nothing else it could use), adds
+    CPU_COLLECTIVES_FLAG to XLA_FLAGS before JAX starts, unless XLA_FLAGS already sets it. It touches
+    only XLA's CPU compiles; a TPU VM or a GPU host is left alone."""
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if platforms and platforms != "cpu":
         return
-    if any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm7_plugin",
-                                                 "jax_rocm60_plugin", "jax_plugins")):
+    if not platforms and (on_tpu_vm() or _gpu_plugin_installed()):
         return
-    os.environ["JAX_PLATFORMS"] = "cpu"
+    flags = os.environ.get("XLA_FLAGS", "")
+    if CPU_COLLECTIVES_FLAG.split("=")[0] not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {CPU_COLLECTIVES_FLAG}".strip()
 
 
 def from_process_0(make):
