@@ -35,16 +35,11 @@ class Transfer:
 def megascale_transfers(hlo_text: str) -> list[Transfer]:
     """Every Megascale send of the compiled program `hlo_text` (compiled.as_text()), with its trips per
     step. Empty for a one-slice program."""
-    comps, entry = hlo.parse(hlo_text)
-    if entry is None:
-        return []
-    times = hlo.executions(comps, entry)
     out = []
-    for comp, instructions in comps.items():
-        for text in instructions.values():
-            kind = _TRANSFER.search(text)
-            if kind and re.search(r"[)\]}] send\(", text):
-                out.append(Transfer(kind.group(1), hlo.array_bytes(text), times.get(comp, 0)))
+    for _, text, times in hlo.executed_instructions(hlo_text):
+        kind = _TRANSFER.search(text)
+        if kind and re.search(r"[)\]}] send\(", text):
+            out.append(Transfer(kind.group(1), hlo.array_bytes(text), times))
     return out
 
 

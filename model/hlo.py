@@ -159,3 +159,15 @@ def executions(comps, entry: str) -> dict[str, int]:
             if waiting[name] == 0:
                 ready.append(name)
     return times
+
+
+def executed_instructions(hlo_text: str):
+    """(computation, instruction text, executions per step) of every instruction of the compiled
+    program `hlo_text` (compiled.as_text()); nothing for a text without an entry computation."""
+    comps, entry = parse(hlo_text)
+    if entry is None:
+        return
+    times = executions(comps, entry)
+    for comp, instructions in comps.items():
+        for text in instructions.values():
+            yield comp, text, times.get(comp, 0)

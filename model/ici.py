@@ -172,40 +172,35 @@ def collectives(hlo_text: str, mesh: Mapping[str, int]) -> list[Collective]:
     mesh's axis order, `dict(mesh.shape)`: model/sharding.py MESH_AXES), with its executions per
     step."""
     mesh = {str(a): int(n) for a, n in mesh.items()}
-    comps, entry = hlo.parse(hlo_text)
-    if entry is None:
-        return []
-    times = hlo.executions(comps, entry)
     out = []
-    for comp, instructions in comps.items():
-        for text in instructions.values():
-            op = hlo.opcode(text)
-            if op is None:
-                continue
-            name, shape = op
-            kind = name.removesuffix("-start")
-            if kind not in KINDS:
-                continue
-            tree = hlo.shape_tree(shape)
-            if name.endswith("-start") and kind != "all-reduce":
-                # (operands, results, context...): an all-gather-start, collective-permute-start or
-                # an asynchronous reduce-scatter/all-to-all; an all-reduce-start's shape is its result
-                tree = tree[1] if isinstance(tree, list) and len(tree) > 1 else tree
-            buffer = hlo.total_bytes(tree)        # the result: the buffer each kind's share is of ...
-            k, axes = _groups_and_axes(kind, text, mesh)
-            if kind == "all-reduce" and comp.startswith("all-reduce-scatter"):
-                # ... but libtpu's all-reduce-scatter fusion: an all-reduce whose result is sliced to
-                # this chip's part, run as a reduce-scatter of the all-reduce's operand
-                kind = "reduce-scatter"
-            elif kind == "reduce-scatter":
-                buffer *= k                            # ... but a reduce-scatter's operand: k results
-            if axes == UNPARSED:
-                sent = float(buffer)                   # k unknown: its whole buffer
-            elif axes == "":
-                sent = 0.0                             # nothing leaves a chip
-            else:
-                sent = buffer * RING_SHARE.get(kind.upper().replace("-", "_"), lambda k: 1.0)(k)
-            out.append(Collective(kind, axes, k, sent, times.get(comp, 0)))
+    for comp, text, times in hlo.executed_instructions(hlo_text):
+        op = hlo.opcode(text)
+        if op is None:
+            continue
+        name, shape = op
+        kind = name.removesuffix("-start")
+        if kind not in KINDS:
+            continue
+        tree = hlo.shape_tree(shape)
+        if name.endswith("-start") and kind != "all-reduce":
+            # (operands, results, context...): an all-gather-start, collective-permute-start or
+            # an asynchronous reduce-scatter/all-to-all; an all-reduce-start's shape is its result
+            tree = tree[1] if isinstance(tree, list) and len(tree) > 1 else tree
+        buffer = hlo.total_bytes(tree)        # the result: the buffer each kind's share is of ...
+        k, axes = _groups_and_axes(kind, text, mesh)
+        if kind == "all-reduce" and comp.startswith("all-reduce-scatter"):
+            # ... but libtpu's all-reduce-scatter fusion: an all-reduce whose result is sliced to
+            # this chip's part, run as a reduce-scatter of the all-reduce's operand
+            kind = "reduce-scatter"
+        elif kind == "reduce-scatter":
+            buffer *= k                            # ... but a reduce-scatter's operand: k results
+        if axes == UNPARSED:
+            sent = float(buffer)                   # k unknown: its whole buffer
+        elif axes == "":
+            sent = 0.0                             # nothing leaves a chip
+        else:
+            sent = buffer * RING_SHARE.get(kind.upper().replace("-", "_"), lambda k: 1.0)(k)
+        out.append(Collective(kind, axes, k, sent, times))
     return out
 
 

@@ -481,9 +481,7 @@ def attention_dpa_context(q_btnh, k_bskh, v_bskh, segment_ids_bt, positions_bt, 
     P = jax.sharding.PartitionSpec
     batch_axes = shd.mesh_axes_for("act_batch", rules) or None
     head_axes = shd.mesh_axes_for("act_heads", rules)
-    n, k = q_btnh.shape[2], k_bskh.shape[2]
-    if k % math.prod(mesh.shape[a] for a in head_axes):  # kv heads split as the query heads' groups, or repeated
-        k_bskh, v_bskh = jnp.repeat(k_bskh, n // k, axis=2), jnp.repeat(v_bskh, n // k, axis=2)
+    k_bskh, v_bskh = kv_heads_for_shards(k_bskh, v_bskh, q_btnh.shape[2], mesh, head_axes)
 
     def local(q, k, v, seg_q, pos_q, seg_kv, pos_kv):  # q [b, t/C, n, h]; k, v [b, t, k, h]; seg_kv, pos_kv [b, t]
         mask_b1ts = document_mask(seg_q, pos_q, seg_kv, pos_kv, window)[:, None]
@@ -560,6 +558,17 @@ def _context_axes() -> tuple[tuple[str, ...], int]:
     return axes, math.prod(mesh.shape[a] for a in axes)
 
 
+def kv_heads_for_shards(k_bskh, v_bskh, n_heads: int, mesh, head_axes):
+    """K and V for a per-chip kernel under shard_map whose n_heads query heads split over head_axes:
+    the kv heads as they are where they split over those axes as the query heads do (each shard then
+    holds its query heads' groups), else repeated to the query heads (fewer kv heads than shards)."""
+    shards = math.prod(mesh.shape[a] for a in head_axes) if mesh is not None else 1
+    if k_bskh.shape[2] % shards == 0:
+        return k_bskh, v_bskh
+    g = n_heads // k_bskh.shape[2]
+    return jnp.repeat(k_bskh, g, axis=2), jnp.repeat(v_bskh, g, axis=2)
+
+
 def attention_splash(q_btnh, k_bskh, v_bskh, segment_ids_bt, interpret: bool = False, window: int | None = None):
     """Pallas splash attention (TPU). A per-device kernel, so it runs under shard_map.
 
@@ -583,10 +592,7 @@ def attention_splash(q_btnh, k_bskh, v_bskh, segment_ids_bt, interpret: bool = F
     b, t, n, h = q_btnh.shape
     mesh, rules = shd.current()
     head_axes = shd.mesh_axes_for("act_heads", rules) if mesh is not None else ()
-    head_shards = math.prod(mesh.shape[a] for a in head_axes) if mesh is not None else 1
-    if k_bskh.shape[2] % head_shards:
-        g = n // k_bskh.shape[2]
-        k_bskh, v_bskh = jnp.repeat(k_bskh, g, axis=2), jnp.repeat(v_bskh, g, axis=2)
+    k_bskh, v_bskh = kv_heads_for_shards(k_bskh, v_bskh, n, mesh, head_axes)
     q_bnth = jnp.swapaxes(q_btnh, 1, 2) / math.sqrt(h)  # splash does not scale
     k_bksh = jnp.swapaxes(k_bskh, 1, 2)
     v_bksh = jnp.swapaxes(v_bskh, 1, 2)
