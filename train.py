@@ -158,6 +158,9 @@ def run(cfg: DictConfig) -> dict:
             saved_workers=start.meta.get("num_workers") if start.point is not None else None,
             agree=distributed.max_over_hosts, announce=is_main)
         cleanup.callback(batches.close)
+        if is_main and batches.carried:
+            print("input: the checkpoint carried the next batch; nothing is tokenized before the first step",
+                  flush=True)
 
         # ------------------------------------------------------------------ init or restore
         t_restore = time.time()
@@ -248,7 +251,7 @@ def run(cfg: DictConfig) -> dict:
             rows.write(step, state["params"], batches.stats)
             stop = preempted.check(step)
             for tier in saves.due(step, preempted=stop):
-                saves.save(tier, step, state, batches.consumed_state(), save_meta())
+                saves.save(tier, step, state, batches.saved_state(), save_meta())
             if stop:
                 break
         watchdog.close()        # the last save's wait is not a step

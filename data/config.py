@@ -82,6 +82,9 @@ class DataConfig:
     # train.py compiles on it while the workers start); "race" made so while the workers start,
     # the first done used; "off" the workers' own (the batches after the first soonest).
     head_batch: str = "first"
+    # A checkpoint carries each host's next batch when it is made already, and a restore hands it
+    # out first: nothing tokenized before the first step (data/carried.py).
+    carry_next_batch: bool = True
     # A weighted mixture (data/streams/mixture.py) instead of `paths`: SourceConfig each.
     sources: tuple[SourceConfig, ...] = ()
     # On resume, "continue": the sources' shares and list may differ from the checkpoint's,

@@ -9,10 +9,12 @@ start (spawn, imports, the windows rebuilt: ~3 s on an H100 host) is not a wait 
 """
 from __future__ import annotations
 
+from data import carried
 from data.autoworkers import AutoWorkers, is_auto
 from data.config import DataConfig
 from data.host import find_shard_states
-from data.pipeline import DevicePrefetcher, make_host_iterator, restore_host_iterator
+from data.pipeline import BATCH_KEYS, DevicePrefetcher, make_host_iterator, restore_host_iterator
+from data.state import fingerprint
 
 
 class Handover:
@@ -93,8 +95,19 @@ class Feed:
         self._announce = announce
         self._replaced = []          # prefetchers a switch replaced, closing in the background
         self._handover = None        # a switch's old pipeline still serving (Handover)
-        self.prefetcher = DevicePrefetcher(restore_host_iterator(cfg, *self._where, data_states, **self._build),
-                                           sharding, prefetch=cfg.prefetch)
+        # What this host's batches depend on beyond the shard states: a carried next batch is used
+        # only under the same digest (data/carried.py).
+        self._digest = carried.batch_digest(fingerprint(cfg, tokenizer=tokenizer, files=files),
+                                            cfg.global_batch_size, process_index, process_count, debug)
+        rows = (cfg.global_batch_size // process_count, cfg.seq_len)
+        data_states, head = carried.take(data_states, process_index, process_count, self._digest,
+                                         {k: rows for k in BATCH_KEYS})
+        host_iter = restore_host_iterator(cfg, *self._where, data_states, **self._build)
+        #: the first batch came with the checkpoint (nothing tokenized before it)
+        self.carried = head is not None
+        if head is not None:
+            host_iter = carried.CarriedBatch(host_iter, head[0], head[1])
+        self.prefetcher = DevicePrefetcher(host_iter, sharding, prefetch=cfg.prefetch)
 
     def __iter__(self):
         return self
@@ -121,6 +134,17 @@ class Feed:
 
     def consumed_state(self) -> dict:
         return self._serving.consumed_state()
+
+    def saved_state(self) -> dict:
+        """The state a checkpoint saves: the consumed state and, with data.carry_next_batch, the
+        next batch when it is made already (data/carried.py; a save never waits for it)."""
+        state = self.consumed_state()
+        if not self.cfg.carry_next_batch or self._handover is not None:
+            return state
+        ready = self.prefetcher.ready_next()
+        if ready is None:
+            return state
+        return carried.with_next(state, self._digest, *ready)
 
     def compiled(self, step: int, paused_s: float) -> None:
         """The compiling step is done: auto's measurement starts here."""

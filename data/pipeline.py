@@ -452,11 +452,12 @@ class DevicePrefetcher:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                batch, state = self._next_host()
+                host_batch, state = self._next_host()
                 t0 = time.perf_counter()
-                batch = self._to_global(batch)
+                batch = self._to_global(host_batch)
                 self._h2d += time.perf_counter() - t0
-                if not self._put((batch, state, self._times_now())):
+                # the host arrays stay beside the global ones: a checkpoint may carry them (ready_next)
+                if not self._put((batch, state, self._times_now(), host_batch)):
                     return
         except BaseException as e:  # noqa: BLE001 - handed to the consumer
             self._put((_Stop(), e))
@@ -473,9 +474,20 @@ class DevicePrefetcher:
         if isinstance(item[0], _Stop):
             self._done = True
             raise item[1]
-        batch, self._state, self._times = item
+        batch, self._state, self._times, _ = item
         self._batches += 1
         return batch
+
+    def ready_next(self) -> tuple[dict, dict] | None:
+        """(host arrays, host iterator state after it) of the batch the next __next__ returns, if
+        it is made already; None otherwise (never waits: a save asks, data/carried.py)."""
+        try:
+            item = self._q._items[0]
+        except IndexError:
+            return None
+        if isinstance(item[0], _Stop):
+            return None
+        return item[3], item[1]
 
     def consumed_state(self) -> dict:
         """Host iterator state right after the last batch returned by __next__."""

@@ -200,9 +200,11 @@ def test_killed_after_a_local_save_resumes_from_it_exactly(straight, tmp_path):
     run_until(run_dir, lambda: 8 in local_steps(local), signal.SIGKILL, f"checkpoint.local_dir={local}", *LOCAL)
     assert complete_steps(run_dir / "checkpoints")[-1] == K, "the kill came too late"
     assert local_steps(local)[-1] == 8
+    assert (tier(local) / "8" / "next_batch.npz").is_file()      # the host's next batch (data/carried.py)
     run(run_dir, f"checkpoint.local_dir={local}", *LOCAL)
     assert resumed_at(run_dir) == 8
     assert f"Resuming from local checkpoint {tier(local)}/8" in logs(run_dir)
+    assert "the checkpoint carried the next batch" in logs(run_dir)
     assert tier(local).parent.name.startswith("run-")       # named after the durable checkpoint.dir
     assert_same_run(run_dir, straight)
     # Another run on the same local_dir never takes this run's steps.

@@ -57,8 +57,11 @@ def test_kill_after_checkpoint_resumes_bit_identically(workers, straight, tmp_pa
     run_until(run_dir, lambda: (ckpt / str(K)).is_dir(), signal.SIGKILL,
               f"data.num_workers={workers}", f"checkpoint.every={K}")
     assert complete_steps(ckpt)[-1] < N, "the kill came too late"
+    # the checkpoint carries the host's next batch (data/carried.py); the resume starts with it
+    assert (ckpt / str(K) / "data" / "process_0-of-1.next_batch.npz").is_file()
     run(run_dir, f"data.num_workers={workers}", f"checkpoint.every={K}")
     assert resumed_at(run_dir) == K
+    assert "the checkpoint carried the next batch" in logs(run_dir)
     assert_same_run(run_dir, ref)
 
     # The cut falls inside documents: some document has rows before and after step K.

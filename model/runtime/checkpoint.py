@@ -54,6 +54,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from data import carried
+
 ITEMS = ("state", "data", "meta")
 ON_DAMAGED = ("fall_back", "stop")
 
@@ -564,8 +566,11 @@ class DataStateHandler(ocp.CheckpointHandler):
 
     def save(self, directory: epath.Path, args: DataStateSave):
         directory = epath.Path(directory)
-        name = f"process_{jax.process_index()}-of-{jax.process_count()}.json"
-        (directory / name).write_text(json.dumps(args.state, default=_json_default))
+        stem = f"process_{jax.process_index()}-of-{jax.process_count()}"
+        state, next_batch = carried.split_arrays(args.state)
+        if next_batch is not None:       # the host's next batch: arrays beside the JSON (data/carried.py)
+            (directory / f"{stem}{carried.FILE_SUFFIX}").write_bytes(next_batch)
+        (directory / f"{stem}.json").write_text(json.dumps(state, default=_json_default))
 
     def restore(self, directory: epath.Path, args: DataStateRestore | None = None) -> list[dict] | None:
         directory = epath.Path(directory)
@@ -585,6 +590,14 @@ class DataStateHandler(ocp.CheckpointHandler):
                 states.append(json.loads(found[i].read_text()))
             except json.JSONDecodeError as e:       # the line must name the file
                 raise ValueError(f"{found[i].name} is not JSON ({e})") from e
+        # A next batch is its host's own: read only this host's, at the host count it was saved at.
+        me = jax.process_index()
+        for i, state in enumerate(states):
+            if i == me and len(states) == jax.process_count():
+                arrays = directory / f"process_{i}-of-{len(states)}{carried.FILE_SUFFIX}"
+                states[i] = carried.attach_arrays(state, arrays.read_bytes)
+            else:
+                states[i] = carried.drop_next(state)
         return states
 
     def metadata(self, directory):

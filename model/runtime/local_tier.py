@@ -41,7 +41,10 @@ from typing import Callable
 
 import numpy as np
 
+from data import carried
+
 SOURCE = "local"
+NEXT_BATCH_FILE = "next_batch.npz"      # this host's next batch, when the save carried one
 
 
 def run_key(durable_dir: str) -> str:
@@ -89,6 +92,7 @@ class LocalPick:
 class LocalTier:
     def __init__(self, local_dir: str, every: int, keep: int, *, process_index: int, run: str = ""):
         self.root = Path(local_dir) / run / f"p{process_index}"
+        self.process_index = process_index
         self.every, self.keep = int(every), int(keep)
         self._writer: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -197,9 +201,14 @@ class LocalTier:
                 data, damage = self._read_json(step, "data.json")
             if damage is not None:
                 self._move_aside(step, damage)
+            # every host's state but not its next batch's arrays: those are its own (data/carried.py)
             got = gather({"damaged": damage is not None, "data": data})
             if not any(g["damaged"] for g in got):
-                return LocalPick(step, meta, [g["data"] for g in got], str(self.root / str(step)))
+                states = [g["data"] if i == self.process_index else carried.drop_next(g["data"])
+                          for i, g in enumerate(got)]
+                states[self.process_index] = carried.attach_arrays(
+                    states[self.process_index], (self.root / str(step) / NEXT_BATCH_FILE).read_bytes)
+                return LocalPick(step, meta, states, str(self.root / str(step)))
         return None
 
     # ---------------------------------------------------------------- save
@@ -246,6 +255,9 @@ class LocalTier:
                 for a in shards:
                     f.write(memoryview(a.reshape(-1).view(np.uint8)))
             (tmp / "manifest.json").write_text(json.dumps(manifest))
+            data_state, next_batch = carried.split_arrays(data_state)
+            if next_batch is not None:      # this host's next batch (data/carried.py)
+                (tmp / NEXT_BATCH_FILE).write_bytes(next_batch)
             (tmp / "data.json").write_text(json.dumps(data_state))
             (tmp / "meta.json").write_text(json.dumps(meta))      # last: marks the step complete
             final = self.root / str(step)
