@@ -105,6 +105,7 @@ def run(cfg: DictConfig) -> dict:
         local_tier = LocalTier.from_config(cfg.checkpoint, process_index)
         start = resume_lib.find_start(cfg.checkpoint, program.abstract_state, local_tier,
                                       gather=distributed.gather_json)
+        resume_lib.check_stage(cfg.train.get("stage_start"), start.step, str(cfg.checkpoint.dir))
         saved_listing = None if cfg.checkpoint.allow_data_change else start.meta.get("files")
         listing = data_lib.run_listing(s.data.patterns(), s.eval_paths, saved_listing,
                                        from_process_0=distributed.from_process_0)
@@ -317,6 +318,10 @@ def check_config(cfg: DictConfig) -> Settings:
     with config_errors(TypeError, ValueError):
         if cfg.train.steps <= 0:
             raise ValueError(f"train.steps={cfg.train.steps} must be positive")
+        stage_start = cfg.train.get("stage_start")
+        if stage_start is not None and not 0 < int(stage_start) < cfg.train.steps:
+            raise ValueError(f"train.stage_start={stage_start}: the step this stage resumes at must be between 0 and "
+                             f"train.steps={cfg.train.steps} (null: not a later stage)")
         hang_timeout_s = cfg.train.get("hang_timeout_s")
         if hang_timeout_s is not None and not float(hang_timeout_s) > 0:
             raise ValueError(f"train.hang_timeout_s={hang_timeout_s} must be positive (null: automatic)")

@@ -17,6 +17,28 @@ from data.pipeline import BATCH_KEYS, DevicePrefetcher, make_host_iterator, rest
 from data.state import fingerprint
 
 
+def host_digest(cfg: DataConfig, process_index: int, process_count: int, *, debug: bool, files=None,
+                tokenizer=None) -> str:
+    """What this host's batches depend on beyond the shard states: a carried next batch is used
+    only under the same digest (data/carried.py)."""
+    return carried.batch_digest(fingerprint(cfg, tokenizer=tokenizer, files=files), cfg.global_batch_size,
+                                process_index, process_count, debug)
+
+
+def restore_carried(cfg: DataConfig, process_index: int, process_count: int, data_states: list | None,
+                    digest: str, **build):
+    """(the host iterator from the saved states, whether its first batch is the one the checkpoint
+    carried): restore_host_iterator, started after the carried batch when this host has one that
+    fits (data/carried.py take)."""
+    rows = (cfg.global_batch_size // process_count, cfg.seq_len)
+    data_states, head = carried.take(data_states, process_index, process_count, digest,
+                                     {k: rows for k in BATCH_KEYS})
+    host_iter = restore_host_iterator(cfg, process_index, process_count, data_states, **build)
+    if head is None:
+        return host_iter, False
+    return carried.CarriedBatch(host_iter, head[0], head[1]), True
+
+
 class Handover:
     """From the prefetcher a switch replaces (`old`) to the one it started (`new`, from the state
     the loop had consumed then): `old` goes on serving the loop while `new` starts, and each batch
@@ -93,20 +115,12 @@ class Feed:
                 print(self.auto.announce(), flush=True)
         self.cfg = cfg
         self._announce = announce
+        #: carried: the first batch came with the checkpoint (nothing tokenized before it)
         self._replaced = []          # prefetchers a switch replaced, closing in the background
         self._handover = None        # a switch's old pipeline still serving (Handover)
-        # What this host's batches depend on beyond the shard states: a carried next batch is used
-        # only under the same digest (data/carried.py).
-        self._digest = carried.batch_digest(fingerprint(cfg, tokenizer=tokenizer, files=files),
-                                            cfg.global_batch_size, process_index, process_count, debug)
-        rows = (cfg.global_batch_size // process_count, cfg.seq_len)
-        data_states, head = carried.take(data_states, process_index, process_count, self._digest,
-                                         {k: rows for k in BATCH_KEYS})
-        host_iter = restore_host_iterator(cfg, *self._where, data_states, **self._build)
-        #: the first batch came with the checkpoint (nothing tokenized before it)
-        self.carried = head is not None
-        if head is not None:
-            host_iter = carried.CarriedBatch(host_iter, head[0], head[1])
+        self._digest = host_digest(cfg, process_index, process_count, debug=debug, files=files, tokenizer=tokenizer)
+        host_iter, self.carried = restore_carried(cfg, process_index, process_count, data_states, self._digest,
+                                                  **self._build)
         self.prefetcher = DevicePrefetcher(host_iter, sharding, prefetch=cfg.prefetch)
 
     def __iter__(self):

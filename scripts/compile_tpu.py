@@ -406,6 +406,10 @@ def make_plan(cfg, settings, program, tokenizer, hardware: str) -> dict:
     batch, seq, microbatches = data.global_batch_size, data.seq_len, int(cfg.train.microbatches)
     batch_ways = mesh["data"] * mesh["fsdp"]
     steps = int(cfg.train.steps)
+    # a later stage of a staged run resumes at stage_start: its own steps run at this shape
+    stage_start = cfg.train.get("stage_start")
+    stage_start = int(stage_start) if stage_start is not None else None
+    stage_steps = steps - (stage_start or 0)
     warmup, decay_steps, notice = resolve_warmup(cfg.optimizer, steps)
     lr = float(cfg.optimizer.lr)
     params = sum(x.size for x in jax.tree.leaves(program.abstract_state["params"]))
@@ -413,7 +417,7 @@ def make_plan(cfg, settings, program, tokenizer, hardware: str) -> dict:
     # The run's executed FLOPs at every chip's peak: the least time it can take (TPUs; a fake CPU
     # device has no peak).
     peak = peak_flops(devices[0].device_kind)
-    run_flops = (flops_per_token(settings.model, seq, causal=True) * steps * tokens_per_step
+    run_flops = (flops_per_token(settings.model, seq, causal=True) * stage_steps * tokens_per_step
                  * recompute_factor(settings.model, seq, int(cfg.train.loss_chunk)))
     if tokenizer is not None:
         tok = f"checked: {tokenizer.get_vocab_size():,} ids within model.vocab_size {settings.model.vocab_size:,}"
@@ -430,6 +434,7 @@ def make_plan(cfg, settings, program, tokenizer, hardware: str) -> dict:
         "rows_per_chip": batch // batch_ways, "microbatches": microbatches,
         "rows_per_microbatch": batch // batch_ways // microbatches, "tensor": mesh["tensor"],
         "steps": steps, "token_budget": steps * tokens_per_step,
+        "stage_start": stage_start, "stage_tokens": stage_steps * tokens_per_step,
         "lr": lr, "warmup_steps": warmup, "decay_steps": decay_steps,
         "min_lr": lr * float(cfg.optimizer.min_lr_ratio), "schedule_notice": notice,
         "days_at_peak": run_flops / (len(devices) * peak) / 86400 if peak else None,
@@ -461,11 +466,19 @@ def plan_report(plan: dict) -> str:
         f"  run       {plan['steps']:,} steps x {plan['tokens_per_step']:,} tokens = "
         f"{tokens(plan['token_budget'])} tokens ({plan['token_budget'] / plan['params']:.1f} per parameter)"
         + (f"; at least {duration(plan['days_at_peak'])} (every chip at its peak FLOP/s)"
-           if plan["days_at_peak"] else ""),
+           if plan["days_at_peak"] and plan.get("stage_start") is None else ""),
         f"  schedule  lr {plan['lr']:g}, linear warmup {plan['warmup_steps']:,} steps "
         f"({tokens(plan['warmup_steps'] * plan['tokens_per_step'])} tokens), cosine decay to {plan['min_lr']:g} "
         f"at step {plan['decay_steps']:,}" + (" (then held)" if plan["decay_steps"] < plan["steps"] else ""),
     ]
+    if plan.get("stage_start") is not None:
+        # a later stage: its own steps, resumed from the run's checkpoint at train.stage_start
+        first = plan["stage_start"] + 1
+        lines.insert(-1, f"  stage     steps {first:,}-{plan['steps']:,} of the run (train.stage_start "
+                     f"{plan['stage_start']:,}): {plan['steps'] - plan['stage_start']:,} steps = "
+                     f"{tokens(plan['stage_tokens'])} tokens"
+                     + (f"; at least {duration(plan['days_at_peak'])} (every chip at its peak FLOP/s)"
+                        if plan["days_at_peak"] else ""))
     if plan["schedule_notice"]:
         lines.append(f"  {plan['schedule_notice']}")
     return "\n".join(lines)

@@ -112,6 +112,12 @@ def test_every_experiment_passes_every_check_before_anything_is_rented(experimen
     assert plan["devices"] == plan["hosts"] * plan["devices_per_host"] == math.prod(plan["mesh"].values())
     assert plan["global_batch_size"] % plan["num_shards"] == 0 and plan["num_shards"] % plan["hosts"] == 0
     assert plan["token_budget"] == plan["steps"] * plan["global_batch_size"] * plan["seq_len"]
+    own = OmegaConf.load(ROOT / "configs" / "experiment" / f"{experiment}.yaml")
+    stage_start = own.get("train", {}).get("stage_start")
+    assert plan["stage_start"] == stage_start
+    if stage_start is not None:     # a later stage: the plan counts its own steps
+        assert f"steps {stage_start + 1:,}-{plan['steps']:,} of the run" in result.stdout
+        assert plan["stage_tokens"] == (plan["steps"] - stage_start) * plan["tokens_per_step"]
     if experiment.startswith("sample"):
         return
     header = (ROOT / "configs" / "experiment" / f"{experiment}.yaml").read_text()

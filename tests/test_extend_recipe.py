@@ -46,6 +46,7 @@ def test_the_stages_keep_tokens_per_step_raise_the_base_and_weigh_long_documents
                                                                         stage2.model.max_seq_len)
     assert stage2.model.rope_theta == 4 * stage1.model.rope_theta
     assert stage1.train.steps < stage2.train.steps == stage1.optimizer.decay_steps == stage2.optimizer.decay_steps
+    assert stage2.train.stage_start == stage1.train.steps and stage1.train.stage_start is None
     # the same buckets, long documents' share of the rows raised
     assert [(s.name, list(s.paths), s.get("min_tokens", 0), s.get("max_tokens", 0)) for s in stage1.data.sources] == \
         [(s.name, list(s.paths), s.get("min_tokens", 0), s.get("max_tokens", 0)) for s in stage2.data.sources]
@@ -62,14 +63,19 @@ def test_the_recipe_runs_as_documented(tmp_path):
     env.pop("XLA_FLAGS", None)    # one device, as on a laptop: stage 2's 4 rows over the suite's 8 would not divide
     run_dir = tmp_path / "run"
 
-    def launch(*args: str) -> str:
+    def launch(*args: str, rc: int = 0) -> str:
         r = subprocess.run([sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={run_dir}", *args, *SHORT],
                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        assert r.returncode == rc, r.stdout[-3000:] + r.stderr[-3000:]
         return r.stdout + r.stderr
 
+    # stage 2 before stage 1 stops in one line (train.stage_start), nothing trained, no checkpoint left
+    stage2_short = (*stage2, f"train.steps={N}", f"train.stage_start={K}")
+    early = launch(*stage2_short, rc=2)
+    assert f"config error: train.stage_start={K}: this stage continues the run from its step {K}" in early, early
+    assert not (run_dir / "checkpoints").exists()
     launch(*stage1, f"train.steps={K}")
-    out = launch(*stage2, f"train.steps={N}", "train.eval_every=2", "train.eval_batches=1", "eval.passkey.samples=1")
+    out = launch(*stage2_short, "train.eval_every=2", "train.eval_batches=1", "eval.passkey.samples=1")
     assert f"Resuming from latest checkpoint {run_dir}/checkpoints/{K} at step {K}" in out, out
     assert "data.mixture_change=continue: source short share 0.75 -> 0.25; source long share 0.25 -> 0.75" in out
     assert ("data.seq_len 256 -> 1024, data.global_batch_size 16 -> 4, model.max_seq_len 256 -> 1024, "

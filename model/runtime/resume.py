@@ -130,6 +130,22 @@ def shape_line(shape: dict) -> str:
     return ", ".join(f"{key} {a} -> {b}" for key, (a, b) in shape.items())
 
 
+def check_stage(stage_start, step: int | None, directory: str) -> None:
+    """train.stage_start: a later stage of a staged run resumes the run at or past the step the
+    stage before it ends at. Raises ValueError (one line) otherwise: started fresh it would train
+    this stage's shape from step 0; from an earlier step, this stage's shape for steps that were
+    the stage before's."""
+    if stage_start is None:
+        return
+    if step is None:
+        raise ValueError(f"train.stage_start={stage_start}: this stage continues the run from its step "
+                         f"{int(stage_start):,} and checkpoint.dir={directory} holds no checkpoint: run the stage "
+                         "before it first (same name and checkpoint.dir)")
+    if step < int(stage_start):
+        raise ValueError(f"train.stage_start={stage_start}: the run's latest checkpoint is step {step:,}, before "
+                         f"this stage's start: finish the stage before it first (it resumes from step {step:,})")
+
+
 def restore_or_init(start: Start, *, ckpt: Checkpointer, local_tier: LocalTier | None, program, seed: int,
                     init_from: str | None, model_fingerprint: dict, run_dir, announce: bool,
                     reset_optimizer: bool = False) -> tuple[dict, int]:

@@ -1,6 +1,7 @@
 """The way to steady input with workers (#38): seconds from the iterator's creation (fresh) or
 restore (a state deep inside the shards) to each of its first batches, for each way of making the
-first batch (data.head_batch):
+first batch (data.head_batch), and "carried": the restore of a checkpoint that carried its next
+batch (data.carry_next_batch, data/carried.py; the same deep state):
 
   race   made in this process on every core while the workers start; the first done is used
   first  made in this process before the workers start
@@ -52,7 +53,7 @@ def main():
     ap.add_argument("--shuffle-window", type=int, default=64)
     ap.add_argument("--text-key", default="raw_content")
     ap.add_argument("--modes", default="race,first,off")
-    ap.add_argument("--starts", default="fresh,deep")
+    ap.add_argument("--starts", default="fresh,deep", help="fresh, deep, carried (comma-separated)")
     ap.add_argument("--batches", type=int, default=10, help="batches timed per run")
     ap.add_argument("--deep-batches", type=int, default=60, help="batches before the state restored from")
     ap.add_argument("--reps", type=int, default=1, help="rounds over the modes")
@@ -64,6 +65,8 @@ def main():
         sys.setswitchinterval(args.switch_interval)
 
     import data
+    from data import carried
+    from data.feed import host_digest, restore_carried
 
     def cfg(mode):
         return data.DataConfig(paths=tuple(args.paths), tokenizer=args.tokenizer, seq_len=args.seq_len,
@@ -73,18 +76,28 @@ def main():
     modes = args.modes.split(",")
     starts = args.starts.split(",")
     data.validate(cfg(modes[0]), 1, 1)
-    deep = None
-    if "deep" in starts:
+    deep = carried_deep = None
+    # The tokenizer is loaded before the clock starts, as train.py loads it before its feed
+    # starts (its vocabulary size is checked against the model's first); ~80 ms for this 32k one.
+    tok = data.load_tokenizer(args.tokenizer)
+    if "deep" in starts or "carried" in starts:
         it = data.make_host_iterator(cfg("race"), 0, 1)
         for _ in range(args.deep_batches):
             next(it)
         deep = json.loads(json.dumps(it.get_state()))
+        # what a checkpoint saved there carries (data/carried.py): the next batch, the states after it
+        digest = host_digest(cfg("race"), 0, 1, debug=False, tokenizer=tok)
+        saved = carried.with_next(deep, digest, next(it), json.loads(json.dumps(it.get_state())))
+        state, arrays = carried.split_arrays(saved)
+        carried_deep = carried.attach_arrays(json.loads(json.dumps(state)), lambda: arrays)
         it.close()
-    # The tokenizer is loaded before the clock starts, as train.py loads it before its feed
-    # starts (its vocabulary size is checked against the model's first); ~80 ms for this 32k one.
-    tok = data.load_tokenizer(args.tokenizer)
+
+    def restore_with_carried(c):
+        return restore_carried(c, 0, 1, [carried_deep], digest, tokenizer=tok)[0]
+
     makers = {"fresh": lambda c: (lambda: data.make_host_iterator(c, 0, 1, tokenizer=tok)),
-              "deep": lambda c: (lambda: data.restore_host_iterator(c, 0, 1, [deep], tokenizer=tok))}
+              "deep": lambda c: (lambda: data.restore_host_iterator(c, 0, 1, [deep], tokenizer=tok)),
+              "carried": lambda c: (lambda: restore_with_carried(c))}
     marks = sorted({1, 2, 3, 5, args.batches} & set(range(1, args.batches + 1)))
     res = {}
     for rep in range(args.reps):
