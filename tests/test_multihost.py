@@ -46,6 +46,8 @@ def test_two_processes_equal_one_process_and_resume_in_both(tmp_path):
     launch_two(multi, "train.steps=3")
     out = launch_two(multi, "train.steps=6")
     assert "Resuming from latest checkpoint" in out
+    # each host's next batch came with the checkpoint (data/carried.py); the losses below are exact
+    assert "the checkpoint carried the next batch" in out
 
     losses_1 = {r["step"]: r["loss"] for r in read_metrics(single)}
     losses_2 = {r["step"]: r["loss"] for r in read_metrics(multi)}

@@ -134,7 +134,9 @@ def test_two_processes_save_one_restores(straight, tmp_path):
     run(two, "data.num_workers=0", f"checkpoint.every={K}", f"train.steps={K}", processes=2)
     assert complete_steps(two / "checkpoints") == [K]
     data_files = sorted(p.name for p in (two / "checkpoints" / str(K) / "data").glob("process_*"))
-    assert data_files == ["process_0-of-2.json", "process_1-of-2.json"]
+    # each host's state, and its next batch (data/carried.py), which only the same two hosts would use
+    assert data_files == ["process_0-of-2.json", "process_0-of-2.next_batch.npz",
+                          "process_1-of-2.json", "process_1-of-2.next_batch.npz"]
     # One process, 2 devices, continues the two-process run.
     run(one, "data.num_workers=0", f"checkpoint.resume_from={two / 'checkpoints'}",
         "distributed.local_device_count=2")
@@ -257,7 +259,7 @@ def test_kill_and_resume_on_another_host_count_for_every_format_and_gs(tmp_path,
 
     # The checkpoint stands inside a file of every source, past its first record.
     from data.host import find_shard_states
-    saved = [json.loads(p.read_text()) for p in sorted((ckpt / str(K) / "data").glob("process_*"))]
+    saved = [json.loads(p.read_text()) for p in sorted((ckpt / str(K) / "data").glob("process_*.json"))]
     assert len(saved) == 2
     inside = set()
     for state in saved:
