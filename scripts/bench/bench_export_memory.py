@@ -2,6 +2,7 @@
 """Peak memory of scripts/import_hf.py and scripts/export_hf.py at a real model's size.
 
     python scripts/bench/bench_export_memory.py                       # Qwen2.5-0.5B shapes
+    python scripts/bench/bench_export_memory.py --model configs/model/llama3_2_3b.yaml --tmp /big/disk
     PYTHONPATH=/other/checkout python scripts/bench/bench_export_memory.py --repo /other/checkout
 
 Builds a Hugging Face directory of configs/model/qwen2_5_0_5b.yaml's shapes with random bf16
@@ -51,9 +52,13 @@ def build_hf_dir(out: Path, model_yaml: Path, seed: int = 0) -> tuple[int, int]:
         shapes.update({p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
                        p + "self_attn.q_proj.weight": (n * h, d), p + "self_attn.k_proj.weight": (k * h, d),
                        p + "self_attn.v_proj.weight": (k * h, d), p + "self_attn.o_proj.weight": (d, n * h),
-                       p + "self_attn.q_proj.bias": (n * h,), p + "self_attn.k_proj.bias": (k * h,),
-                       p + "self_attn.v_proj.bias": (k * h,), p + "mlp.gate_proj.weight": (f, d),
+                       p + "mlp.gate_proj.weight": (f, d),
                        p + "mlp.up_proj.weight": (f, d), p + "mlp.down_proj.weight": (d, f)})
+        if cfg.qkv_bias:        # Qwen2
+            shapes.update({p + "self_attn.q_proj.bias": (n * h,), p + "self_attn.k_proj.bias": (k * h,),
+                           p + "self_attn.v_proj.bias": (k * h,)})
+        if cfg.qk_norm:         # Qwen3
+            shapes.update({p + "self_attn.q_norm.weight": (h,), p + "self_attn.k_norm.weight": (h,)})
     if not cfg.tie_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, d)
     sd = {name: (rng.standard_normal(shape, np.float32) * 0.02).astype(ml_dtypes.bfloat16)
