@@ -157,7 +157,7 @@ def run(cfg: DictConfig) -> dict:
             data_cfg, process_index, process_count, saved_data_states, files=train_files, tokenizer=tokenizer,
             sharding=program.batch_sharding, debug=bool(cfg.train.get("debug_batches", False)),
             saved_workers=start.meta.get("num_workers") if start.point is not None else None,
-            agree=distributed.max_over_hosts, announce=is_main)
+            agree=distributed.max_over_hosts, announce=is_main, data_fingerprint=fingerprint["data"])
         cleanup.callback(batches.close)
         if is_main and batches.carried:
             print("input: the checkpoint carried the next batch; nothing is tokenized before the first step",

@@ -12,6 +12,7 @@ below it; tests/test_imports.py keeps it so):
   workers      input worker processes
   state        fingerprint and merging host states
   pipeline     the host iterator and the device prefetcher
+  carried      the next batch a checkpoint carries, handed out first on restore
   feed         the run's input started in one call (train.py), with auto's worker switch
   heldout, resume, batch_log   the run's data decisions: the held-out split, resuming on changed
                data, the per-step batch hashes training and show_step share

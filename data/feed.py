@@ -18,11 +18,13 @@ from data.state import fingerprint
 
 
 def host_digest(cfg: DataConfig, process_index: int, process_count: int, *, debug: bool, files=None,
-                tokenizer=None) -> str:
+                tokenizer=None, data_fingerprint: dict | None = None) -> str:
     """What this host's batches depend on beyond the shard states: a carried next batch is used
-    only under the same digest (data/carried.py)."""
-    return carried.batch_digest(fingerprint(cfg, tokenizer=tokenizer, files=files), cfg.global_batch_size,
-                                process_index, process_count, debug)
+    only under the same digest (data/carried.py). data_fingerprint: the run's, when the caller
+    has it (train.py); else computed here."""
+    if data_fingerprint is None:
+        data_fingerprint = fingerprint(cfg, tokenizer=tokenizer, files=files)
+    return carried.batch_digest(data_fingerprint, cfg.global_batch_size, process_index, process_count, debug)
 
 
 def restore_carried(cfg: DataConfig, process_index: int, process_count: int, data_states: list | None,
@@ -99,10 +101,12 @@ class Feed:
     over `files` (the run's listing). debug: batches keep their document ids
     (train.debug_batches). saved_workers: the worker count a resumed auto run chose before;
     agree: the max over hosts (model/runtime/distributed.py max_over_hosts), so every host
-    switches to one count."""
+    switches to one count. data_fingerprint: the run's data fingerprint (data/state.py), computed
+    here when not given."""
 
     def __init__(self, cfg: DataConfig, process_index: int, process_count: int, data_states: list | None, *,
-                 files, tokenizer, sharding, debug: bool, saved_workers: int | None, agree, announce: bool):
+                 files, tokenizer, sharding, debug: bool, saved_workers: int | None, agree, announce: bool,
+                 data_fingerprint: dict | None = None):
         self._where = (process_index, process_count)
         self._build = dict(debug=debug, files=files, tokenizer=tokenizer)
         self._sharding = sharding
@@ -115,10 +119,11 @@ class Feed:
                 print(self.auto.announce(), flush=True)
         self.cfg = cfg
         self._announce = announce
-        #: carried: the first batch came with the checkpoint (nothing tokenized before it)
         self._replaced = []          # prefetchers a switch replaced, closing in the background
         self._handover = None        # a switch's old pipeline still serving (Handover)
-        self._digest = host_digest(cfg, process_index, process_count, debug=debug, files=files, tokenizer=tokenizer)
+        self._digest = host_digest(cfg, process_index, process_count, debug=debug, files=files, tokenizer=tokenizer,
+                                   data_fingerprint=data_fingerprint)
+        # carried: the first batch came with the checkpoint (nothing tokenized before it)
         host_iter, self.carried = restore_carried(cfg, process_index, process_count, data_states, self._digest,
                                                   **self._build)
         self.prefetcher = DevicePrefetcher(host_iter, sharding, prefetch=cfg.prefetch)

@@ -204,10 +204,9 @@ class LocalTier:
             # every host's state but not its next batch's arrays: those are its own (data/carried.py)
             got = gather({"damaged": damage is not None, "data": data})
             if not any(g["damaged"] for g in got):
-                states = [g["data"] if i == self.process_index else carried.drop_next(g["data"])
-                          for i, g in enumerate(got)]
+                states = [carried.drop_next(g["data"]) for g in got]
                 states[self.process_index] = carried.attach_arrays(
-                    states[self.process_index], (self.root / str(step) / NEXT_BATCH_FILE).read_bytes)
+                    data, (self.root / str(step) / NEXT_BATCH_FILE).read_bytes)
                 return LocalPick(step, meta, states, str(self.root / str(step)))
         return None
 
