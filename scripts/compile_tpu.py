@@ -451,6 +451,9 @@ def plan_report(plan: dict) -> str:
         return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
     mesh = " x ".join(f"{k} {v}" for k, v in plan["mesh"].items())
+    # the least time the run (a later stage: the stage) can take, TPUs only
+    floor = (f"; at least {duration(plan['days_at_peak'])} (every chip at its peak FLOP/s)"
+             if plan["days_at_peak"] else "")
     shared = f" (shared by the {plan['tensor']} chips of a tensor group)" if plan["tensor"] > 1 else ""
     lines = [
         f"plan {plan['experiment']}: every check passed; tokenizer {plan['tokenizer']}",
@@ -465,8 +468,7 @@ def plan_report(plan: dict) -> str:
         f"({plan['microbatches']} microbatches)",
         f"  run       {plan['steps']:,} steps x {plan['tokens_per_step']:,} tokens = "
         f"{tokens(plan['token_budget'])} tokens ({plan['token_budget'] / plan['params']:.1f} per parameter)"
-        + (f"; at least {duration(plan['days_at_peak'])} (every chip at its peak FLOP/s)"
-           if plan["days_at_peak"] and plan.get("stage_start") is None else ""),
+        + (floor if plan.get("stage_start") is None else ""),
         f"  schedule  lr {plan['lr']:g}, linear warmup {plan['warmup_steps']:,} steps "
         f"({tokens(plan['warmup_steps'] * plan['tokens_per_step'])} tokens), cosine decay to {plan['min_lr']:g} "
         f"at step {plan['decay_steps']:,}" + (" (then held)" if plan["decay_steps"] < plan["steps"] else ""),
@@ -476,9 +478,7 @@ def plan_report(plan: dict) -> str:
         first = plan["stage_start"] + 1
         lines.insert(-1, f"  stage     steps {first:,}-{plan['steps']:,} of the run (train.stage_start "
                      f"{plan['stage_start']:,}): {plan['steps'] - plan['stage_start']:,} steps = "
-                     f"{tokens(plan['stage_tokens'])} tokens"
-                     + (f"; at least {duration(plan['days_at_peak'])} (every chip at its peak FLOP/s)"
-                        if plan["days_at_peak"] else ""))
+                     f"{tokens(plan['stage_tokens'])} tokens{floor}")
     if plan["schedule_notice"]:
         lines.append(f"  {plan['schedule_notice']}")
     return "\n".join(lines)
