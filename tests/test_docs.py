@@ -472,6 +472,14 @@ def check_doc(text: str, doc: str) -> list[str]:
 # ------------------------------------------------------------------------------------------------
 # Runnable blocks
 # ------------------------------------------------------------------------------------------------
+def compiles_for_a_tpu(block: Block) -> bool:
+    """Whether a block runs scripts/compile_tpu.py on an experiment planned for a TPU slice (which
+    needs the tpu extra's libtpu; a GPU or sample experiment's plan does not)."""
+    text = "\n".join(s for _, s in block.lines)
+    return any(compose((f"experiment={name}",)).tpu.topology
+               for name in re.findall(r"compile_tpu\.py\b[^\n]*?\bexperiment=(\S+)", text))
+
+
 def runnable_blocks(text: str) -> list[Block]:
     return [b for b in split_markdown(text)[0] if b.runnable]
 
@@ -607,6 +615,8 @@ def test_runnable_blocks_exit_0(doc, block, tmp_path):
              if m in OPTIONAL_IMPORTS}
     for module in sorted(needs):    # a snippet of an optional extra's page runs where the extra is installed
         pytest.importorskip(module, reason=f"{rel(doc)}:{block.line} needs the {OPTIONAL_IMPORTS[module]} extra")
+    if compiles_for_a_tpu(block):   # a TPU experiment's plan: its slice's devices come from libtpu
+        pytest.importorskip("libtpu", reason=f"{rel(doc)}:{block.line} needs the tpu extra")
     r = run_block(block, tmp_path)
     assert r.returncode == 0, f"{rel(doc)}:{block.line}: exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
 
@@ -760,6 +770,15 @@ def test_runnable_marker_collector():
     # The marker must be the line before the fence (blank lines allowed), not any earlier line.
     assert runnable_blocks(f"{RUNNABLE}\ntext\n```bash\ntrue\n```\n") == []
     assert len(runnable_blocks(f"{RUNNABLE}\n\n```bash\ntrue\n```\n")) == 1
+
+
+def test_a_tpu_experiments_plan_is_told_from_a_gpu_one():
+    """A runnable block compiling a TPU experiment's plan skips without libtpu; a GPU one runs."""
+    def block(command):
+        return Block("bash", 1, [(2, command)], True)
+    assert compiles_for_a_tpu(block("python scripts/compile_tpu.py experiment=v4_32_llama_1b --no-compile"))
+    assert not compiles_for_a_tpu(block("python scripts/compile_tpu.py experiment=gpu_8_llama_1b --no-compile"))
+    assert not compiles_for_a_tpu(block("python train.py experiment=v4_32_llama_1b"))
 
 
 def test_run_block_reports_failure(tmp_path):

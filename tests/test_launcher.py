@@ -238,6 +238,8 @@ def test_setup_pip_line_resolves_to_this_venv(capsys, tmp_path):
     """The very pip command `setup` sends, run (--dry-run, no index) on the tarball `sync` ships: the
     only thing it would install is the project itself, i.e. every pin of the extras is what this
     tested venv already holds. A pin moved away from the tested stack fails here."""
+    # the line installs the tpu extra: its pins are compared where that extra is installed (CI)
+    pytest.importorskip("libtpu", reason='needs the tpu extra: pip install -e ".[dev,tpu]"')
     tarball = tmp_path / "code.tar.gz"
     tpu.make_tarball(REPO, tarball)
     code = tmp_path / "jaxpt"
