@@ -261,7 +261,7 @@ def run(cfg: DictConfig) -> dict:
             print(f"Preempted: saved step {step} to {ckpt.directory}; exiting", flush=True)
         input_stats = batches.stats()
         skipped = skipped_line(distributed.gather_json(
-            {k: input_stats[k] for k in ("bad_records", "bad_examples")}))   # every host's
+            {k: input_stats[k] for k in ("bad_records", "bad_examples", "dropped_by_rule")}))   # every host's
 
     summary = {
         "run_dir": str(s.run_dir),

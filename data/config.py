@@ -5,7 +5,7 @@ import dataclasses
 
 from data.autoworkers import check_num_workers, check_ram_budget, is_auto
 from data.listing import list_paths
-from data.readers import formats
+from data.readers import companions, formats, quality
 from data.streams import buckets
 from data.tokenizer import BOS_NAMES, load_tokenizer, special_ids, tokenizer_file, tokenizer_hash
 
@@ -28,6 +28,8 @@ class SourceConfig:
     text_key: str | None = None
     min_tokens: int | None = None   # a length bucket (data/streams/buckets.py): documents of at least /
     max_tokens: int | None = None   # at most this many tokens (None or 0: no bound)
+    quality: str | list | None = None   # its own data.quality / data.dedup (None: data.quality's,
+    dedup: str | None = None            # data.dedup's; "" or []: none for this source)
 
     @classmethod
     def from_mapping(cls, m, index: int) -> "SourceConfig":
@@ -49,7 +51,8 @@ class SourceConfig:
         except (TypeError, ValueError):
             raise ValueError(f"{where}.weight={m['weight']!r}: must be a number > 0") from None
         return cls(name=str(m["name"]), paths=paths, weight=weight, text_key=m.get("text_key"),
-                   min_tokens=m.get("min_tokens"), max_tokens=m.get("max_tokens"))
+                   min_tokens=m.get("min_tokens"), max_tokens=m.get("max_tokens"),
+                   quality=m.get("quality"), dedup=m.get("dedup"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +103,15 @@ class DataConfig:
     # data continuing from the saved positions re-packed at the new length (data/resume.py);
     # "refuse": such a change is refused.
     shape_change: str = "refuse"
+    # RedPajama-v2's quality signals and duplicates (data/readers/companions.py): documents kept
+    # only when they meet data.quality (a preset gopher / c4 / rpv1, combined with +, or a list
+    # of rules such as "rps_doc_word_count >= 50"; data/readers/quality.py) and are not listed
+    # in their duplicates file (dedup: exact); decided before tokenizing, dropped ones counted
+    # per rule. companions: the root of quality_signals/ and duplicates/ (None: the documents'
+    # own root).
+    quality: str | list | None = None
+    dedup: str | None = None
+    companions: str | None = None
 
     def __post_init__(self):
         p = self.paths
@@ -116,6 +128,27 @@ class DataConfig:
         if self.sources:
             return {s.name: list(s.paths) for s in self.sources}
         return list(self.paths)
+
+    def selection(self, src: SourceConfig | None = None) -> dict:
+        """data.quality / data.dedup / data.companions (a source's own when it sets them) as
+        StreamSpec fields; ValueError naming a bad rule or dedup."""
+        where = f"data.sources[{src.name}]." if src is not None else "data."
+        q = src.quality if src is not None and src.quality is not None else self.quality
+        d = src.dedup if src is not None and src.dedup is not None else self.dedup
+        try:
+            rules = quality.parse(q)
+        except ValueError as e:
+            raise ValueError(str(e).replace("data.", where, 1)) from None
+        dedup = "" if d in (None, "", "none") else str(d).replace(" ", "")
+        if dedup and dedup != "exact":
+            if set(dedup.split(",")) <= set(companions.DEDUPS):
+                raise ValueError(f"{where}dedup={d!r}: fuzzy dedup is a corpus-wide group-by and runs "
+                                 "in the conversion (scripts/prepare_data.py --dedup exact,fuzzy "
+                                 "--runner DirectRunner); the stream does exact")
+            raise ValueError(f"{where}dedup={d!r}: must be exact (or null)")
+        if not rules and not dedup:
+            return {}
+        return {"quality": rules, "dedup": dedup, "companions": self.companions or ""}
 
     def source_text_key(self, src: SourceConfig) -> str:
         return src.text_key or self.text_key
@@ -163,6 +196,7 @@ def check_sources(cfg: DataConfig) -> None:
     """The mixture's shape and the length buckets, checked when the config is read (no file
     system access)."""
     cfg.bucket()
+    cfg.selection()
     if not cfg.sources:
         return
     if cfg.min_doc_tokens or cfg.max_doc_tokens:
@@ -186,6 +220,7 @@ def check_sources(cfg: DataConfig) -> None:
             raise ValueError(f"{where}.paths is empty: give one or more globs of files ("
                              f"{formats.READ_FORMATS})")
         cfg.source_bucket(src)
+        cfg.selection(src)
 
 
 def check_shards(cfg: DataConfig, process_count: int, n_files: int | None) -> None:
@@ -291,6 +326,11 @@ def check_files(cfg: DataConfig, process_count: int, files, tokenizer=None) -> N
         if info is None:   # text: a file that is no format read here fails now, in one line
             formats.check_readable(fs, where)
             continue
+        src = next((s for s in cfg.sources if where.endswith(f"[{s.name}]")), None)
+        if cfg.selection(src):
+            raise ValueError(f"{where} is a converted directory: its documents were selected when "
+                             "converted (scripts/prepare_data.py --quality / --dedup); set "
+                             "data.quality / data.dedup for text files only")
         tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.tokenizer)
         info.check(tokenizer_hash(tok), cfg.tokenizer, tok.get_vocab_size())
         if cfg.num_shards > info.documents:

@@ -12,6 +12,7 @@ from absl import flags
 
 from data.config import DataConfig, check_bos, check_files, list_files
 from data.host import HostIterDataset, find_shard_states
+from data.readers.sources import DROPPED
 from data.state import normalize_shard_states, sum_counters
 from data.streams import records
 from data.streams.mixture import mixture_spec, source_counters
@@ -48,7 +49,8 @@ def stream_spec(cfg: DataConfig, process_index: int, process_count: int, files, 
         eos_id=eos, bos_id=-1 if bos is None else bos)
     if cfg.sources:
         return mixture_spec(spec, cfg, files)
-    return dataclasses.replace(spec, sizes=url_sizes(files), **records.stream_fields(files), **cfg.bucket())
+    return dataclasses.replace(spec, sizes=url_sizes(files), **records.stream_fields(files), **cfg.bucket(),
+                               **cfg.selection())
 
 
 def make_host_dataset(cfg: DataConfig, process_index: int, process_count: int,
@@ -211,7 +213,10 @@ def consumed_figures(state, base_state) -> dict:
     (DevicePrefetcher.stats) and data/torch.py's Batches.stats."""
     c, base = state_counters(state), state_counters(base_state)
     d = {k: c[k] - base[k] for k in COUNTER_KEYS}
-    bad = {k: v - base["bad"].get(k, 0) for k, v in c["bad"].items()}
+    counted = {k: v - base["bad"].get(k, 0) for k, v in c["bad"].items()}
+    # documents data.quality / data.dedup did not hand out, by the rule that dropped them
+    dropped = {k[len(DROPPED):]: v for k, v in counted.items() if k.startswith(DROPPED) and v}
+    bad = {k: v for k, v in counted.items() if not k.startswith(DROPPED)}
     rows, tokens, pad = d["rows"], d["tokens"], d["pad"]
     return {
         "documents": d["docs"], "tokens": tokens, "rows": rows,
@@ -220,10 +225,17 @@ def consumed_figures(state, base_state) -> dict:
         "docs_per_row": d["segs"] / max(1, rows),
         "truncated_tokens": d["trunc"], "dropped_tokens": d["drop"],
         "out_of_bucket_documents": d["oob"],
+        "dropped_documents": sum(dropped.values()),
+        "dropped_by_rule": dropped,
         "bad_records": {k: v for k, v in bad.items() if v},
         "bad_examples": c["badex"][:10],
         **_source_figures(state, base_state),
     }
+
+
+def _bad_total(counts: dict, dropped: bool = False) -> int:
+    """Bad records (dropped=False) or documents the selection dropped, of a counter's "bad"."""
+    return sum(v for k, v in counts.items() if k.startswith(DROPPED) == dropped)
 
 
 def _source_figures(state, base_state) -> dict:
@@ -246,7 +258,8 @@ def _source_figures(state, base_state) -> dict:
             f"source/{name}/tokens": d["tokens"], f"source/{name}/documents": d["docs"],
             f"source/{name}/rows": d["rows"], f"source/{name}/padding_tokens": d["pad"],
             f"source/{name}/epoch": now[name]["epoch"],
-            f"source/{name}/bad_records": sum(bad_now.values()) - sum(bad_base.values()),
+            f"source/{name}/bad_records": _bad_total(bad_now) - _bad_total(bad_base),
+            f"source/{name}/dropped_documents": _bad_total(bad_now, True) - _bad_total(bad_base, True),
             f"source/{name}/out_of_bucket_documents": d["oob"],
             f"source/{name}/token_share": d["tokens"] / tokens,
             f"source/{name}/row_share": d["rows"] / rows,

@@ -92,6 +92,15 @@ def bucket_marks(min_key: str, max_key: str, bucket: dict) -> dict:
     return {k: bucket[f] for k, f in ((min_key, "min_tokens"), (max_key, "max_tokens")) if bucket[f]}
 
 
+def selection_marks(prefix: str, sel: dict) -> dict:
+    """data.quality's rules, data.dedup and data.companions, named only when a selection is set
+    (the fingerprint of a run without one stays what it was): another selection is other data."""
+    if not sel:
+        return {}
+    return {f"{prefix}quality": list(sel["quality"]), f"{prefix}dedup": sel["dedup"],
+            f"{prefix}companions": sel["companions"]}
+
+
 def fingerprint(cfg: DataConfig, tokenizer=None,
                 files: list[str] | dict[str, list[str]] | None = None) -> dict:
     """What the saved data positions depend on. A mixture adds, per source,
@@ -110,6 +119,7 @@ def fingerprint(cfg: DataConfig, tokenizer=None,
     if not cfg.sources:
         fp.update(_split_marks("file_split", flat, cfg.num_shards))
         fp.update(bucket_marks("min_doc_tokens", "max_doc_tokens", cfg.bucket()))
+        fp.update(selection_marks("", cfg.selection()))
     else:
         total = sum(src.weight for src in cfg.sources)
         fp["sources"] = [src.name for src in cfg.sources]
@@ -121,6 +131,7 @@ def fingerprint(cfg: DataConfig, tokenizer=None,
             fp.update(bucket_marks(f"source.{src.name}.min_tokens", f"source.{src.name}.max_tokens",
                                    cfg.source_bucket(src)))
             fp.update(_split_marks(f"source.{src.name}.file_split", files[src.name], cfg.num_shards))
+            fp.update(selection_marks(f"source.{src.name}.", cfg.selection(src)))
     # A converted directory: the manifest holds documents and tokens per file, so its hash
     # identifies the corpus without reading (or walking) the files.
     if cfg.sources:

@@ -7,6 +7,8 @@ Stages, and the thread each runs on (a stage can bound the pipeline only through
   read      reading + decompression (a record),      the reader thread of each input process
             fetch excluded
   parse     JSON parsing (a record's parse)          the reader thread
+  select    data.quality / data.dedup: the signals   the reader thread
+            line beside a document read and judged
   tokenize  inside the tokenizer pool's task          the tokenizer threads
   pack      packing rows, copying them into slabs    the reader thread
   ipc       receiving the workers' slabs (this        the host's feed thread
@@ -27,15 +29,16 @@ from zero (consumers look at differences).
 """
 from __future__ import annotations
 
-STAGES = ("fetch", "read", "parse", "tokenize", "pack", "ipc", "merge", "h2d")
+STAGES = ("fetch", "read", "parse", "select", "tokenize", "pack", "ipc", "merge", "h2d")
 WAITS = ("tokenize_wait", "worker_wait")
 STAGE_NAMES = {"fetch": "object-store fetch", "read": "read + decompress", "parse": "JSON parse",
+               "select": "quality + dedup",
                "tokenize": "tokenize", "pack": "pack", "ipc": "IPC (receive)", "merge": "merge",
                "h2d": "host -> device"}
 # Below this busy fraction for every thread, the input is not what limits the run.
 UNSATURATED = 0.5
 # The threads that run the stages; "reader" and "tokenizer" count one lane per thread.
-THREADS = {"reader": ("fetch", "read", "parse", "pack"), "tokenizer": ("tokenize",),
+THREADS = {"reader": ("fetch", "read", "parse", "select", "pack"), "tokenizer": ("tokenize",),
            "host": ("ipc", "merge", "h2d")}
 
 

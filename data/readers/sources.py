@@ -24,7 +24,7 @@ import zlib
 
 import numpy as np
 
-from data.readers import formats, gzseek, objstore
+from data.readers import companions, formats, gzseek, objstore
 from data.timing import zero_times
 
 # Documents longer than this (characters) are tokenized in pieces, cut at whitespace.
@@ -34,7 +34,11 @@ MAX_BAD_EXAMPLES = 5
 
 BAD_KINDS = ("malformed_json", "invalid_utf8", "missing_key", "non_string_text", "null_text",
              "empty_text", "truncated_file", "corrupt_file", "empty_file", "unreadable_file",
-             "unrecognized_file")
+             "unrecognized_file", "missing_companion", "signals_row_mismatch", "malformed_signals",
+             "null_signal")
+# A document data.quality / data.dedup does not hand out is counted in BadRecords.counts under
+# this prefix and its rule's name (not a bad record: data/pipeline.py reports them apart).
+DROPPED = "dropped: "
 
 
 class BadDataError(ValueError):
@@ -84,6 +88,11 @@ class BadRecords:
         if len(self.examples) < MAX_BAD_EXAMPLES and where not in self.examples:
             self.examples.append(where)
 
+    def drop(self, rule: str) -> None:
+        """A document the selection drops (data/readers/companions.py), under its first failed rule."""
+        key = DROPPED + rule
+        self.counts[key] = self.counts.get(key, 0) + 1
+
 
 def epoch_file_order(n_files: int, seed: int, shard: int, epoch: int) -> list[int]:
     rng = np.random.default_rng([seed, shard, epoch, 1])
@@ -92,10 +101,10 @@ def epoch_file_order(n_files: int, seed: int, shard: int, epoch: int) -> list[in
 
 class _Slot:
     __slots__ = ("order_idx", "line", "piece", "off", "point", "fmt", "rec", "pieces",
-                 "line_len", "finder", "recheck")
+                 "line_len", "finder", "recheck", "sel", "sel_state")
 
     def __init__(self, order_idx: int, line: int = 0, piece: int = 0, off: int = 0,
-                 point: list | None = None, fmt: str | None = None):
+                 point: list | None = None, fmt: str | None = None, sel_state: list | None = None):
         self.order_idx = order_idx   # index into the epoch's part order
         self.line = line             # 0-based index of the current (next unread) record
         self.piece = piece           # pieces of the current record's document already emitted
@@ -107,20 +116,28 @@ class _Slot:
         self.line_len = 0            # how far that document's record moves the position
         self.finder = None           # gzseek.PointFinder, once a .gz slot needs points
         self.recheck = off           # refresh `point` once off reaches this
+        self.sel = None              # the file's selection (companions.FileSelection), once open
+        self.sel_state = sel_state   # its signals file's saved position
 
     def advance(self, n: int, records: int = 1) -> None:
         self.line += records
         self.off += n
 
     def state(self, path: str) -> list:
-        """[part, line, piece, offset, seek point, format]; the point is refreshed every half
-        spacing of reading, so a restore re-reads at most ~1.5 spacings."""
+        """[part, line, piece, offset, seek point, format] (+ [the signals file's position] with
+        data.quality); the point is refreshed every half spacing of reading, so a restore
+        re-reads at most ~1.5 spacings."""
         if self.off >= self.recheck and path.endswith(".gz"):
             if self.finder is None:
                 self.finder = gzseek.PointFinder(path, self.point)
             self.point = self.finder.point_before(self.off)
             self.recheck = self.off + gzseek.SPACING // 2
-        return [self.order_idx, self.line, self.piece, self.off, self.point, self.fmt]
+        st = [self.order_idx, self.line, self.piece, self.off, self.point, self.fmt]
+        if self.sel is not None:
+            self.sel_state = self.sel.state()
+        if self.sel_state is not None:
+            st.append(self.sel_state)
+        return st
 
     def close(self) -> None:
         if self.rec is not None:
@@ -129,6 +146,10 @@ class _Slot:
         if self.finder is not None:
             self.finder.close()
             self.finder = None
+        if self.sel is not None:
+            self.sel_state = self.sel.state()
+            self.sel.close()
+            self.sel = None
 
 
 class ShardReader:
@@ -141,8 +162,11 @@ class ShardReader:
 
     def __init__(self, files: list[str], file_ids: list[int], n_all_files: int, shard: int,
                  seed: int, files_per_stream: int, text_key: str, bad: BadRecords,
-                 times: dict | None = None, split: int = 1, residues: list[int] | None = None):
+                 times: dict | None = None, split: int = 1, residues: list[int] | None = None,
+                 select: companions.Selection | None = None):
         self.files = files
+        # data.quality / data.dedup: which records are handed out (None or empty: all)
+        self.select = select if select else None
         self.file_ids = file_ids
         self.split = split
         self.residues = residues or [0] * len(files)
@@ -177,7 +201,8 @@ class ShardReader:
         self.order = None
         # a slot saved before formats were recorded (5 fields) is sniffed again when opened
         self.slots = [_Slot(int(sl[0]), int(sl[1]), int(sl[2]), int(sl[3]), sl[4],
-                            sl[5] if len(sl) > 5 else None) for sl in st["slots"]]
+                            sl[5] if len(sl) > 5 else None, sl[6] if len(sl) > 6 else None)
+                      for sl in st["slots"]]
         self.rr = int(st["rr"])
         self._epoch_docs = int(st.get("edocs", 0))
 
@@ -218,6 +243,8 @@ class ShardReader:
                 self.bad.add(path, slot.line + 1, "unreadable_file", _read_error(e))
             return False
         slot.fmt = slot.rec.fmt
+        if self.select is not None:
+            slot.sel = self.select.open(path, slot.sel_state)
         return True
 
     def _finish_slot(self, i: int) -> None:
@@ -237,6 +264,8 @@ class ShardReader:
     def _new_epoch(self) -> None:
         if self._epoch_docs == 0:
             why = "; ".join(self.bad.examples) or ", ".join(self.files[:MAX_BAD_EXAMPLES])
+            if self.select is not None:
+                why += "; data.quality / data.dedup keep none of its documents"
             raise NoValidDocumentError(
                 f"virtual shard {self.shard}: none of its {len(self.files)} file(s) holds a valid "
                 f"document ({why}); fix or remove those files, or lower data.num_shards")
@@ -336,6 +365,17 @@ class ShardReader:
             if text is None:   # a blank line: no record
                 s.advance(n)
                 continue
+            if s.sel is not None:   # data.quality / data.dedup: decided before tokenizing
+                t2 = time.perf_counter()
+                verdict = s.sel.judge(s.line)
+                self.times["select"] += time.perf_counter() - t2
+                if verdict is not None:
+                    if verdict[0] == "drop":
+                        self.bad.drop(verdict[1])
+                    else:
+                        self.bad.add(*verdict[2:4], verdict[1], verdict[4])
+                    s.advance(n)
+                    continue
             self._epoch_docs += 1
             did = self._doc_id(s)
             if len(text) > PIECE_CHARS:

@@ -80,7 +80,8 @@ def mixture_spec(base: StreamSpec, cfg, files: dict[str, list[str]]) -> StreamSp
         (src.name, src.weight,
          dataclasses.replace(base, files=tuple(files[src.name]), text_key=cfg.source_text_key(src),
                              seed=source_seed(cfg.seed, src.name), sizes=url_sizes(files[src.name]),
-                             **records.stream_fields(files[src.name]), **cfg.source_bucket(src)))
+                             **records.stream_fields(files[src.name]), **cfg.source_bucket(src),
+                             **{"quality": (), "dedup": "", **cfg.selection(src)}))
         for src in cfg.sources))
 
 

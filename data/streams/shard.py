@@ -38,7 +38,7 @@ import time
 
 import numpy as np
 
-from data.readers import objstore
+from data.readers import companions, objstore
 from data.readers.sources import BadRecords, ShardReader
 from data.streams import buckets, packing
 from data.timing import zero_times
@@ -115,6 +115,11 @@ class StreamSpec:
     min_tokens: int = 0
     max_tokens: int = 0
     bucket_key: str = ""
+    # data.quality's rules (data/readers/quality.py parse), data.dedup ("" or "exact") and
+    # data.companions ("": beside the documents): which documents are handed out
+    quality: tuple = ()
+    dedup: str = ""
+    companions: str = ""
 
 
 def url_sizes(files) -> tuple:
@@ -217,7 +222,9 @@ class ShardStream(WindowRows):
         self.bad = BadRecords(spec.strict)
         self.reader = ShardReader(files, ids, len(spec.files), shard, spec.seed,
                                   spec.files_per_stream, spec.text_key, self.bad, self.times,
-                                  split=split, residues=residues)
+                                  split=split, residues=residues,
+                                  select=companions.Selection(spec.quality, spec.dedup,
+                                                              spec.companions))
         R = spec.seq_len + 1
         if spec.packing == "concat":
             self.packer = packing.ConcatPacker(R)

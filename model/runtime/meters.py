@@ -131,6 +131,8 @@ class IntervalMeter:
             "tokens_seen": step * self.tokens_per_step,
             **{f"data/{k}": v for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)},
             **{f"data/bad_{k}": v for k, v in stats.get("bad_records", {}).items()},
+            # data.quality / data.dedup: the documents each rule dropped in this interval
+            **{f"data/dropped/{k}": v for k, v in stats.get("dropped_by_rule", {}).items()},
         }
         if any(float(m.get("z_loss", 0.0)) for m in fetched):
             # train.z_loss > 0: the z-loss term's mean (the `loss` column is the cross-entropy alone).
@@ -302,22 +304,39 @@ class Profiler:
             self.active = False
 
 
+def dropped_line(hosts: list[dict], shown: int = 4) -> str | None:
+    """The end of a run with data.quality / data.dedup: the documents dropped in this start, by
+    rule (every host's `dropped_by_rule`), the rules dropping most first. None when none was."""
+    rules: dict[str, int] = {}
+    for h in hosts:
+        for rule, n in h.get("dropped_by_rule", {}).items():
+            rules[rule] = rules.get(rule, 0) + n
+    total = sum(rules.values())
+    if not total:
+        return None
+    top = sorted(rules.items(), key=lambda kv: (-kv[1], kv[0]))
+    more = f"; {len(top) - shown} more rules in metrics.jsonl (data/dropped/...)" if len(top) > shown else ""
+    return (f"Dropped {total} document(s) in this start (data.quality / data.dedup): "
+            + "; ".join(f"{rule} {n}" for rule, n in top[:shown]) + more)
+
+
 def skipped_line(hosts: list[dict], shown: int = 3) -> str | None:
     """The end of a lenient run that skipped bad records: how many in this start, of which kinds,
     and the first few `file:line: kind` (every host's `bad_records` and `bad_examples`, from the
-    input's stats). None when nothing was skipped."""
+    input's stats), then dropped_line's. None when nothing was skipped or dropped."""
     kinds: dict[str, int] = {}
     for h in hosts:
         for kind, n in h["bad_records"].items():
             kinds[kind] = kinds.get(kind, 0) + n
     total = sum(kinds.values())
+    dropped = dropped_line(hosts)
     if not total:
-        return None
+        return dropped
     examples = [e for h in hosts for e in h["bad_examples"]]
     more = f"; {len(examples) - shown} more named in metrics.jsonl (data/bad_examples)" if len(examples) > shown else ""
     by_kind = ", ".join(f"{k} {n}" for k, n in sorted(kinds.items(), key=lambda kv: (-kv[1], kv[0])))
     return (f"Skipped {total} bad record(s) in this start ({by_kind}; data.strict=false): "
-            + "; ".join(examples[:shown]) + more)
+            + "; ".join(examples[:shown]) + more + (f"\n{dropped}" if dropped else ""))
 
 
 def end_line(summary: dict, train_steps: int) -> str:

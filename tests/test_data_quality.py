@@ -1,0 +1,421 @@
+"""RedPajama-v2's quality signals and duplicates in the stream (data/readers/companions.py,
+data/readers/quality.py): the documents handed out are exactly those a reference computed from
+each document's markers keeps, each once, straight, resumed mid-epoch, on 2 hosts and resumed
+on another host count; a deep restore seeks the signals file; every kind of bad input is counted
+and named (lenient) or stops the run (strict); the selection is in the fingerprint and the stats.
+
+    pytest -n0 -q tests/test_data_quality.py
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import random
+import string
+
+import numpy as np
+import pytest
+
+import data
+from data.readers import companions, quality
+from data.readers.sources import BadDataError, BadRecords, ShardReader
+from tests.data_helpers import TOKENIZER, decode_doc_id, jround, rows_of, take, write_lines
+
+N_FILES, DOCS = 4, 24
+
+
+# ---------------------------------------------------------------- a marked RPv2-layout corpus
+def _passing() -> dict:
+    """Scores every gopher / c4 / rpv1 rule keeps."""
+    s = {"rps_doc_word_count": 200, "rps_doc_mean_word_length": 5, "rps_doc_symbol_to_word_ratio": 0,
+         "rps_doc_frac_lines_end_with_ellipsis": 0, "rps_doc_frac_no_alph_words": 0,
+         "ccnet_nlines": 4, "rps_doc_num_sentences": 9, "rps_doc_ldnoobw_words": 0,
+         "rps_doc_lorem_ipsum": 0, "rps_doc_curly_bracket": 0, "rps_doc_ml_wikiref_score": 0.9}
+    s.update({f"rps_doc_frac_chars_top_{k}gram": 0.01 for k in (2, 3, 4)})
+    s.update({f"rps_doc_frac_chars_dupe_{k}grams": 0.01 for k in range(5, 11)})
+    return s
+
+
+def marks(f: int, i: int) -> set[str]:
+    """What document i of file f is marked as: the reference the selection must reproduce."""
+    m = set()
+    if i % 5 == 2:
+        m.add("short")        # rps_doc_word_count 20
+    if i % 7 == 3:
+        m.add("bullets")      # every line starts with a bullet
+    if (i + f) % 6 == 5:
+        m.add("dup")          # listed in the duplicates file
+    if i % 11 == 4:
+        m.add("wikiref")      # rps_doc_ml_wikiref_score 0.1
+    return m
+
+
+def kept(f: int, i: int, rules=("short", "bullets", "dup")) -> bool:
+    return not (marks(f, i) & set(rules))
+
+
+def signals_of(f: int, i: int, lines: int = 4, pad: int = 0) -> dict:
+    s = {k: [[0, 10, float(v)]] for k, v in _passing().items()}
+    m = marks(f, i)
+    if "short" in m:
+        s["rps_doc_word_count"] = [[0, 10, 20.0]]
+    if "wikiref" in m:
+        s["rps_doc_ml_wikiref_score"] = [[0, 10, 0.1]]
+    s["rps_lines_start_with_bulletpoint"] = [[k, k + 1, 1.0 if "bullets" in m else 0.0] for k in range(lines)]
+    if pad:   # incompressible: a deep position in the text is deep in the .gz too
+        s["padding"] = [[0, 1, "".join(random.Random(f * 100003 + i).choices(string.ascii_letters, k=pad))]]
+    return s
+
+
+def sig_line(rel: str, f: int, i: int, **kw) -> bytes:
+    return json.dumps({"id": f"{rel}.json.gz/{i}", "id_int": (f << 24) | i, "metadata": {},
+                       "quality_signals": signals_of(f, i, **kw)}).encode()
+
+
+def write_rpv2(root, n_files=N_FILES, docs=DOCS, pad=0, words=6) -> list[str]:
+    """root/documents/2023-06/000f/en_head.json.gz with its signals and duplicates files."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    paths = []
+    for f in range(n_files):
+        rel = f"2023-06/{f:04d}/en_head"
+        doc = os.path.join(str(root), "documents", rel + ".json.gz")
+        os.makedirs(os.path.dirname(doc), exist_ok=True)
+        write_lines(doc, [json.dumps({"raw_content": f"doc {f}-{i} " + "word " * words}).encode()
+                          for i in range(docs)])
+        sp = companions.companion_path(doc, "signals")
+        os.makedirs(os.path.dirname(sp), exist_ok=True)
+        write_lines(sp, [sig_line(rel, f, i, pad=pad) for i in range(docs)])
+        dp = companions.companion_path(doc, "duplicates")
+        os.makedirs(os.path.dirname(dp), exist_ok=True)
+        pq.write_table(pa.table({"doc_id": [f"{rel}.json.gz/{i}" for i in range(docs)
+                                            if "dup" in marks(f, i)]}), dp)
+        paths.append(doc)
+    return paths
+
+
+def qcfg(root, **kw):
+    base = dict(paths=(os.path.join(str(root), "documents", "*", "*", "en_head.json.gz"),),
+                tokenizer=TOKENIZER, seq_len=16, global_batch_size=4, num_workers=0, num_shards=4,
+                shuffle_window=4, files_per_stream=2, seed=0,
+                quality=["gopher", "rps_doc_word_count >= 30"], dedup="exact")
+    base.update(kw)
+    return data.DataConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rpv2")
+    write_rpv2(root)
+    return root
+
+
+def epoch0_docs(batches, n_files=N_FILES) -> dict:
+    """{(file, line): tokens handed out} of epoch 0 (doc ids decoded)."""
+    out = {}
+    for _, did, _tok in rows_of(batches):
+        for d in did.tolist():
+            if d >= 0:
+                e, f, line = decode_doc_id(d, n_files)
+                if e == 0:
+                    out[(f, line)] = out.get((f, line), 0) + 1
+    return out
+
+
+def reference() -> set:
+    return {(f, i) for f in range(N_FILES) for i in range(DOCS) if kept(f, i)}
+
+
+# The documents are ~9 tokens + EOS: one epoch of the kept ones is ~50 rows of 17 tokens.
+STEPS = 40
+
+
+# ---------------------------------------------------------------- rules and paths
+def test_presets_rules_and_nulls():
+    assert quality.parse(None) == ()
+    both = quality.parse("gopher+c4")
+    assert both[:len(quality.PRESETS["gopher"])] == tuple(f"gopher: {r}" for r in quality.PRESETS["gopher"])
+    assert len(both) == len(quality.PRESETS["gopher"]) + len(quality.PRESETS["c4"])
+    assert quality.parse(["rpv1", "rps_doc_word_count>=50"]) == (
+        "rpv1: rps_doc_ml_wikiref_score >= 0.25", "rule: rps_doc_word_count>=50")
+    with pytest.raises(ValueError, match="neither a preset"):
+        quality.parse("gopher+c5")
+    with pytest.raises(ValueError, match="cannot read the rule"):
+        quality.Rule("rps_doc_word_count >>= 3", "")
+    sig = {"ccnet_nlines": [[0, 9, 4.0]], "rps_lines_x": [[0, 1, 1.0], [2, 3, 0.0], [4, 5, 1.0], [6, 7, 1.0]]}
+    assert quality.Rule("sum(rps_lines_x) / ccnet_nlines == 0.75", "").holds(sig)
+    assert quality.Rule("frac(rps_lines_x) > 0.7", "").holds(sig)
+    assert not quality.Rule("sum(rps_lines_x) < 3", "").holds(sig)
+    with pytest.raises(ValueError, match="line-level"):
+        quality.Rule("rps_lines_x < 3", "").holds(sig)
+    sig["ccnet_nlines"] = [[0, 9, None]]
+    with pytest.raises(quality.Null, match="ccnet_nlines"):
+        quality.Rule("sum(rps_lines_x) / ccnet_nlines <= 0.9", "").holds(sig)
+    with pytest.raises(quality.Null, match="absent"):
+        quality.Rule("absent > 1", "").holds(sig)
+    with pytest.raises(ValueError, match="data.dedup='fuzzy'.*conversion"):
+        qcfg("/x", dedup="fuzzy")
+    with pytest.raises(ValueError, match="data.sources\\[a\\].quality"):
+        data.DataConfig(paths=(), sources=({"name": "a", "paths": ["x"], "weight": 1, "quality": "goph"},),
+                        tokenizer=TOKENIZER, seq_len=8, global_batch_size=4)
+
+
+def test_companion_paths_follow_the_documents_path():
+    rp = "gs://b/rpv2/documents/2023-06/0000/en_head.json.gz"
+    assert companions.companion_path(rp, "signals") == \
+        "gs://b/rpv2/quality_signals/2023-06/0000/en_head.signals.json.gz"
+    assert companions.companion_path(rp, "duplicates") == \
+        "gs://b/rpv2/duplicates/2023-06/0000/en_head.duplicates.parquet"
+    assert companions.companion_path(rp, "minhash", "/mnt/sig") == \
+        "/mnt/sig/minhash/2023-06/0000/en_head.minhash.parquet"
+    assert companions.companion_path("/repo/data/sample/0003/en_head.json.gz", "signals") == \
+        "/repo/data/sample/quality_signals/0003/en_head.signals.json.gz"
+    assert companions.row_of("2023-06/0000/en_head.json.gz/17") == 17
+
+
+# ---------------------------------------------------------------- the selection in the stream
+def read_epoch(root, n_files=N_FILES, quality_="gopher+rps_doc_word_count >= 30", dedup="exact",
+               strict=False):
+    """One epoch of one virtual shard holding every file, read by a ShardReader (no tokenizer):
+    -> ({(file, line) handed out}, bad-record and drop counts, examples). Every file's row 0 is
+    kept, so the first piece of epoch 1 comes before any of its drops."""
+    paths = [os.path.join(str(root), "documents", "2023-06", f"{f:04d}", "en_head.json.gz")
+             for f in range(n_files)]
+    q = quality.parse(quality_.split("+", 1)[0]) + quality.parse(quality_.split("+", 1)[1:])
+    bad = BadRecords(strict)
+    r = ShardReader(paths, list(range(n_files)), n_files, 0, 0, 2, "raw_content", bad,
+                    select=companions.Selection(q, dedup))
+    got = set()
+    while True:
+        _, did, first, _ = r.next_piece()
+        e, f, line = decode_doc_id(did, n_files)
+        if e:
+            break
+        assert (f, line) not in got
+        got.add((f, line))
+    r.close()
+    return got, bad.counts, bad.examples
+
+
+def test_selection_is_the_reference_each_document_once_and_counted(corpus):
+    it = data.make_host_iterator(qcfg(corpus), 0, 1, debug=True)
+    got = epoch0_docs(take(it, STEPS))
+    it.close()
+    assert set(got) == reference()
+    assert all(n >= 9 for n in got.values())   # each kept document whole: ~9 tokens + EOS
+    docs, counts, examples = read_epoch(corpus)
+    assert docs == reference() and not examples
+    # counted under the first rule that drops it: dedup first, then the rules in order
+    want = {"dedup: exact": sum("dup" in marks(f, i) for f, i in _all()),
+            "gopher: rps_doc_word_count >= 50": sum("short" in marks(f, i) and "dup" not in marks(f, i)
+                                                    for f, i in _all()),
+            "gopher: sum(rps_lines_start_with_bulletpoint) / ccnet_nlines <= 0.9":
+                sum(marks(f, i) & {"short", "dup", "bullets"} == {"bullets"} for f, i in _all())}
+    assert counts == {f"dropped: {k}": v for k, v in want.items()}
+    assert sum(counts.values()) + len(docs) == N_FILES * DOCS
+
+
+def _all():
+    return [(f, i) for f in range(N_FILES) for i in range(DOCS)]
+
+
+def test_rpv1_and_a_plain_rule_select_their_own(corpus):
+    it = data.make_host_iterator(qcfg(corpus, quality="rpv1", dedup=None), 0, 1, debug=True)
+    assert set(epoch0_docs(take(it, STEPS + 10))) == {d for d in _all() if kept(*d, rules=("wikiref",))}
+    it.close()
+
+
+def test_resume_mid_epoch_is_exact_and_seeks_the_signals(corpus):
+    c = qcfg(corpus)
+    straight = take(data.make_host_iterator(c, 0, 1, debug=True), 20)
+    it = data.make_host_iterator(c, 0, 1, debug=True)
+    take(it, 9)       # inside each shard's second window: its start is mid-file
+    st = jround(it.get_state())
+    it.close()
+    slots = [sl for sh in st["shards"].values() for sl in sh["start"]["reader"]["slots"]]
+    assert slots and all(len(sl) == 7 and sl[6][0] > 0 for sl in slots)   # signals' [line, offset, point]
+    again = data.make_host_iterator(c, 0, 1, debug=True)
+    again.set_state(st)
+    for k, b in enumerate(take(again, 11)):
+        for key in b:
+            np.testing.assert_array_equal(b[key], straight[9 + k][key], err_msg=f"batch {9 + k} {key}")
+    again.close()
+
+
+@pytest.mark.parametrize("P1,P2", [(2, 2), (1, 2)])
+def test_two_hosts_and_another_host_count(corpus, P1, P2):
+    """2 hosts hand out the reference between them; a 1-host state resumed on 2 hosts goes on
+    with the 1-host run's batches (the hosts' batches side by side)."""
+    c = qcfg(corpus)
+    straight = take(data.make_host_iterator(c, 0, 1, debug=True), 2 * 6)
+    states, before = [], []
+    for h in range(P1):
+        it = data.make_host_iterator(c, h, P1, debug=True)
+        before.append(take(it, 6))
+        states.append(jround(it.get_state()))
+        it.close()
+    merged = jround(data.merge_host_states(states))
+    after = []
+    for h in range(P2):
+        it = data.make_host_iterator(c, h, P2, shard_states=merged, debug=True)
+        after.append(take(it, 6))
+        it.close()
+    for step in range(12):
+        hosts = [b[step] for b in before] if step < 6 else [a[step - 6] for a in after]
+        for key in ("inputs", "doc_ids", "row_shard"):
+            np.testing.assert_array_equal(np.concatenate([b[key] for b in hosts]), straight[step][key],
+                                          err_msg=f"step {step} {key}")
+
+
+def test_deep_restore_seeks_the_signals_file(tmp_path):
+    """A signals file read past gzseek's free re-read holds a seek point in the state, and a
+    reader restored from it (JSON round trip) goes on with the same documents."""
+    write_rpv2(tmp_path, n_files=1, docs=900, pad=3000, words=1)   # ~2.8 MB of signals text
+    doc = os.path.join(str(tmp_path), "documents", "2023-06", "0000", "en_head.json.gz")
+    sel = companions.Selection(quality.parse("gopher"), "exact")
+
+    def reader():
+        return ShardReader([doc], [0], 1, 0, 0, 1, "raw_content", BadRecords(False), select=sel)
+
+    r = reader()
+    for _ in range(sum(kept(0, i) for i in range(800))):
+        r.next_piece()
+    st = jround(r.get_state())
+    line, off, point = st["slots"][0][6]
+    assert line == 800 and off > 2 << 20 and point is not None and point[3] <= off
+    straight = [r.next_piece()[1] for _ in range(40)]
+    r.close()
+    again = reader()
+    again.set_state(st)
+    assert [again.next_piece()[1] for _ in range(40)] == straight
+    again.close()
+    assert all(kept(0, d & 0xFFFFFF) for d in straight)
+
+
+def test_a_mixture_source_keeps_its_own_selection(corpus, tmp_path):
+    plain = tmp_path / "plain" / "0000"
+    os.makedirs(plain)
+    write_lines(str(plain / "a.jsonl.gz"), [json.dumps({"text": f"plain {i} " + "x " * 5}).encode()
+                                            for i in range(16)])
+    c = qcfg(corpus, paths=(), quality=None, dedup=None, sources=(
+        {"name": "rp", "paths": list(qcfg(corpus).paths), "weight": 1, "quality": "gopher", "dedup": "exact"},
+        {"name": "plain", "paths": [str(tmp_path / "plain" / "*" / "*.gz")], "weight": 1, "text_key": "text"}))
+    pf = data.make_host_iterator(c, 0, 1)
+    take(pf, 12)
+    st = pf.get_state()
+    pf.close()
+    from data.pipeline import consumed_figures
+    figs = consumed_figures(st, data.make_host_iterator(c, 0, 1).get_state())
+    assert figs["dropped_documents"] > 0 and figs["source/rp/dropped_documents"] == figs["dropped_documents"]
+    assert figs["source/plain/dropped_documents"] == 0 and not figs["bad_records"]
+
+
+def test_the_selection_is_in_the_fingerprint(corpus):
+    fp = data.fingerprint(qcfg(corpus))
+    assert fp["dedup"] == "exact" and "rule: rps_doc_word_count >= 30" in fp["quality"]
+    assert data.fingerprint(qcfg(corpus, quality="gopher"))["quality"] != fp["quality"]
+    assert not {"quality", "dedup", "companions"} & set(data.fingerprint(qcfg(corpus, quality=None, dedup=None)))
+
+
+def test_stats_metrics_and_the_summary_line(corpus):
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from model.runtime.meters import skipped_line
+    sh = NamedSharding(Mesh(np.array(jax.devices()[:4]), ("data",)), P("data"))
+    pf = data.DevicePrefetcher(data.make_host_iterator(qcfg(corpus), 0, 1), sh)
+    for _ in range(10):
+        next(pf)
+    s = pf.stats()
+    pf.close()
+    assert s["dropped_documents"] == sum(s["dropped_by_rule"].values()) > 0
+    assert "dedup: exact" in s["dropped_by_rule"] and not s["bad_records"]
+    line = skipped_line([{k: s[k] for k in ("bad_records", "bad_examples", "dropped_by_rule")}] * 2)
+    assert line.startswith(f"Dropped {2 * s['dropped_documents']} document(s)") and "dedup: exact" in line
+
+
+# ---------------------------------------------------------------- bad input
+def _damage(root, kind) -> tuple[str, int]:
+    """One damaged companion of file 0001 -> (the path named, its line)."""
+    doc = os.path.join(str(root), "documents", "2023-06", "0001", "en_head.json.gz")
+    sp = companions.companion_path(doc, "signals")
+    rel = "2023-06/0001/en_head"
+    lines = [sig_line(rel, 1, i) for i in range(DOCS)]
+    if kind == "missing_signals":
+        os.remove(sp)
+        return sp, 0
+    if kind == "missing_duplicates":
+        dp = companions.companion_path(doc, "duplicates")
+        os.remove(dp)
+        return dp, 0
+    if kind == "signals_row_mismatch":
+        lines[2] = sig_line(rel, 1, 7)
+    elif kind == "malformed_signals":
+        lines[2] = b'{"id": "2023-06/0001/en_head.json.gz/2", "quality'
+    elif kind == "null_signal":
+        rec = json.loads(lines[2])
+        rec["quality_signals"]["rps_doc_word_count"] = [[0, 10, None]]
+        lines[2] = json.dumps(rec).encode()
+    write_lines(sp, lines)
+    return sp, 3
+
+
+BAD = {"missing_signals": "missing_companion", "missing_duplicates": "missing_companion",
+       "signals_row_mismatch": "signals_row_mismatch", "malformed_signals": "malformed_signals",
+       "null_signal": "null_signal"}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_lenient_and_strict(tmp_path, case):
+    write_rpv2(tmp_path, n_files=2)
+    path, line = _damage(tmp_path, case)
+    kind = BAD[case]
+    docs, counts, examples = read_epoch(tmp_path, n_files=2)
+    ref = {d for d in reference() if d[0] < 2}
+    if line == 0:   # a missing file: none of its documents is handed out, each counted, named once
+        assert docs == {d for d in ref if d[0] == 0}
+        assert counts[kind] == (DOCS if "duplicates" in case else
+                                sum("dup" not in marks(1, i) for i in range(DOCS)))
+    else:           # one document without usable signals: not handed out, whatever its marks
+        assert docs == ref - {(1, 2)} and counts[kind] == 1
+    assert examples == [f"{path}:{line}: {kind}" + examples[0].split(kind, 1)[1]]
+    with pytest.raises(BadDataError, match=f"{path}:{line}: {kind}"):
+        read_epoch(tmp_path, n_files=2, strict=True)
+    # and through the pipeline (the run's data.strict)
+    c = qcfg(tmp_path, num_shards=1, global_batch_size=2, strict=True)
+    strict = data.make_host_iterator(c, 0, 1)
+    with pytest.raises(BadDataError, match=f"{path}:{line}: {kind}"):
+        take(strict, STEPS)
+    strict.close()
+
+
+def test_the_sample_ships_its_companions():
+    """data/sample's companion files (scripts/make_sample_companions.py) line up with its documents."""
+    from tests.data_helpers import REPO
+    doc = os.path.join(REPO, "data", "sample", "0003", "en_head.json.gz")
+    with gzip.open(companions.companion_path(doc, "signals")) as f:
+        recs = [json.loads(x) for x in f]
+    with gzip.open(doc) as f:
+        n = sum(1 for _ in f)
+    assert len(recs) == n and [companions.row_of(r["id"]) for r in recs] == list(range(n))
+    rules = quality.Rules(quality.parse("gopher+c4+rpv1"))
+    assert all(rules.first_failed(r["quality_signals"]) in (None, *rules_names(rules)) for r in recs)
+    assert companions.duplicate_rows(companions.companion_path(doc, "duplicates")) == set()
+    import pyarrow.parquet as pq
+    mh = pq.read_table(companions.companion_path(doc, "minhash"))
+    assert mh.num_rows == n and len(mh.column("signature_sim0.8")[0]) == 9
+
+
+def rules_names(rules):
+    return [r.name for r in rules.rules]
+
+
+def test_input_workers_hand_out_the_same_selection(corpus):
+    """The selection is made inside the worker processes: the same batches as in-process."""
+    inproc = take(data.make_host_iterator(qcfg(corpus), 0, 1, debug=True), 8)
+    it = data.make_host_iterator(qcfg(corpus, num_workers=2), 0, 1, debug=True)
+    for k, b in enumerate(take(it, 8)):
+        np.testing.assert_array_equal(b["doc_ids"], inproc[k]["doc_ids"], err_msg=f"batch {k}")
+    it.close()
