@@ -143,8 +143,8 @@ class DataConfig:
         if dedup and dedup != "exact":
             if set(dedup.split(",")) <= set(companions.DEDUPS):
                 raise ValueError(f"{where}dedup={d!r}: fuzzy dedup is a corpus-wide group-by and runs "
-                                 "in the conversion (scripts/prepare_data.py --dedup exact,fuzzy "
-                                 "--runner DirectRunner); the stream does exact")
+                                 "in the conversion (scripts/prepare_data.py --dedup exact,fuzzy; then "
+                                 "data.paths=ITS_OUT); the stream does exact")
             raise ValueError(f"{where}dedup={d!r}: must be exact (or null)")
         if not rules and not dedup:
             return {}

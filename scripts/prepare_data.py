@@ -25,6 +25,15 @@ sizes come from the pattern's listing, and a URL --out gets each part written to
 temporary directory (--tmp) and uploaded when complete (an object appears whole or not at all),
 then its done/ marker, the manifest last; a restart lists --out once to find the finished parts.
 
+With --quality / --dedup (RedPajama-v2's quality signals and duplicates, as data.quality and
+data.dedup take them: docs/data.md "RedPajama-v2's quality signals and duplicates") a part holds
+only the documents kept, judged before tokenizing by the stream's own code
+(data/readers/companions.py); dropped ones are counted per rule in done/ and the manifest, bad
+companions are bad records. --dedup fuzzy runs in memory in this process: every input's minhash
+file is read first (about 200 bytes per document and band position held), then a document is
+dropped when another with a smaller id_int has the same band hash at the same position of
+signature_sim<--dedup-threshold>.
+
 On a pod every host converts its own share of the input files (input i goes to host
 i % process_count) into the same DIR on a shared bucket mount (or the same URL); the last host
 to finish writes the manifest (run it on all workers, each with its --process-index; see docs/data.md "Tokenize once").
@@ -42,8 +51,8 @@ import tempfile
 import time
 
 from data.listing import list_paths
-from data.readers import formats, objstore
-from data.readers.sources import BAD_KINDS, MAX_BAD_EXAMPLES, BadRecords, split_pieces
+from data.readers import companions, formats, objstore, quality
+from data.readers.sources import BAD_KINDS, DROPPED, MAX_BAD_EXAMPLES, BadRecords, split_pieces
 from data.state import files_hash
 from data.streams import records
 from data.tokenizer import BatchEncoder, available_cores, load_tokenizer, set_thread_env, tokenizer_hash
@@ -206,16 +215,58 @@ class BadRecordStop(SystemExit):
     """--strict: the first bad record ends the run with one line naming file:line."""
 
 
-def documents(path: str, text_key: str, bad: BadRecords, strict: bool, progress):
+FUZZY = "dedup: fuzzy"
+
+
+def fuzzy_dropped(files: list[str], threshold: str, root: str | None = None) -> dict[str, set[int]]:
+    """--dedup fuzzy, in memory: {documents file: its rows to drop}. A row is dropped when another
+    document with a smaller id_int has the same band hash at the same position of its
+    signature_sim<threshold> (the bands alone, as RPv2's). A missing minhash file drops nothing
+    of its file and is named in the returned dict under None."""
+    import pyarrow.parquet as pq
+    col = f"signature_sim{threshold}"
+    first: dict[tuple[int, bytes], int] = {}
+    tables = {}
+    for path in files:
+        mp = companions.companion_path(path, "minhash", root)
+        try:
+            src = formats.open_raw(mp)
+            try:
+                t = pq.read_table(src, columns=["id", "id_int", col])
+            finally:
+                src.close()
+        except FileNotFoundError:
+            tables[path] = mp
+            continue
+        ids, ints, bands = t.column("id").to_pylist(), t.column("id_int").to_pylist(), t.column(col).to_pylist()
+        tables[path] = (ids, ints, bands)
+        for n, bs in zip(ints, bands, strict=True):
+            for j, h in enumerate(bs or ()):
+                key = (j, h)
+                if first.get(key, n) >= n:
+                    first[key] = n
+    out: dict = {}
+    for path, t in tables.items():
+        if isinstance(t, str):
+            out.setdefault(None, []).append(t)
+            continue
+        out[path] = {companions.row_of(i) for i, n, bs in zip(*t, strict=True)
+                     if any(first[(j, h)] < n for j, h in enumerate(bs or ()))}
+    return out
+
+
+def documents(path: str, text_key: str, bad: BadRecords, strict: bool, progress, select=None,
+              fuzzy: set[int] | None = None):
     """(text pieces) per valid document of one file, in file order; bad records counted (or,
     strict, raised) by the streaming path's rules (data/readers/sources.py), whatever the file's format
-    (data/readers/formats.py)."""
-    def report(line_no, kind, detail=""):
+    (data/readers/formats.py). `select`: --quality / --dedup exact (companions.Selection), judged
+    per document before it is tokenized; `fuzzy`: the rows --dedup fuzzy drops."""
+    def report(line_no, kind, detail="", where=path):
         if strict:
-            raise BadRecordStop(f"prepare_data: bad record at {path}:{line_no}: {kind}"
+            raise BadRecordStop(f"prepare_data: bad record at {where}:{line_no}: {kind}"
                                 + (f" ({detail})" if detail else "")
                                 + " (--strict; drop it to skip and count bad records)")
-        bad.add(path, line_no, kind, detail)
+        bad.add(where, line_no, kind, detail)
 
     try:
         rec = formats.open_records(path, text_key)
@@ -226,6 +277,7 @@ def documents(path: str, text_key: str, bad: BadRecords, strict: bool, progress)
         report(0, "unreadable_file", type(e).__name__)
         return
     raw_file = rec.raw_file   # compressed bytes read: the bar's unit (None: columnar files)
+    sel = select.open(path, None) if select else None
     try:
         line_no = 0
         while True:
@@ -254,9 +306,21 @@ def documents(path: str, text_key: str, bad: BadRecords, strict: bool, progress)
                 continue
             if text is None:   # a blank line
                 continue
+            if fuzzy and line_no - 1 in fuzzy:
+                bad.drop(FUZZY)
+                continue
+            verdict = sel.judge(line_no - 1) if sel is not None else None
+            if verdict is not None:
+                if verdict[0] == "drop":
+                    bad.drop(verdict[1])
+                else:
+                    report(verdict[3], verdict[1], verdict[4], where=verdict[2])
+                continue
             yield split_pieces(text)
     finally:
         rec.close()
+        if sel is not None:
+            sel.close()
 
 
 class _Chunk:
@@ -282,6 +346,15 @@ class Converter:
         self.job = {"format": records.FORMAT, "tokenizer": self.tok_hash, "dtype": self.dtype,
                     "text_key": args.text_key, "sources": self._rel_sources(),
                     "sources_hash": files_hash(files)}
+        # --quality / --dedup: named in job.json and the manifest only when set (a plain
+        # conversion's files stay what they were)
+        self.selection = selection_of(args)
+        if self.selection:
+            self.job["selection"] = self.selection
+        self.select = companions.Selection(tuple(self.selection.get("quality", ())),
+                                           "exact" if "exact" in self.selection.get("dedup", "") else "",
+                                           args.companions) if self.selection else None
+        self.fuzzy = None
 
     def size(self, i: int) -> int:
         """Input i's bytes (the progress bar's unit): a URL's from its pattern's listing; a URL
@@ -330,7 +403,18 @@ class Converter:
                 bar.update(base + pos - bar.n)
 
             texts, per_doc, chars = [], [], 0
-            for pieces in documents(path, self.args.text_key, bad, self.args.strict, progress):
+            if self.fuzzy is not None and path not in self.fuzzy:   # its minhash file is missing
+                mp = companions.companion_path(path, "minhash", self.args.companions)
+                if self.args.strict:
+                    raise BadRecordStop(f"prepare_data: bad record at {mp}:0: missing_companion "
+                                        "(--strict; drop it to skip and count bad records)")
+                bad.add(mp, 0, "missing_companion", "no minhash file: none of its documents kept")
+                yield _Chunk(i, [], self.enc.submit([]), True)
+                done_bytes += self.size(i)
+                continue
+            fz = self.fuzzy.get(path) if self.fuzzy is not None else None
+            for pieces in documents(path, self.args.text_key, bad, self.args.strict, progress,
+                                    self.select, fz):
                 texts.extend(pieces)
                 per_doc.append(len(pieces))
                 chars += sum(map(len, pieces))
@@ -392,7 +476,9 @@ class Converter:
                 self.store.write_text(done_name(i), json.dumps({
                     "file": part_name(i), "source": self.job["sources"][i],
                     "documents": docs, "tokens": tokens, "bytes": nbytes,
-                    "bad_records": dict(sorted(bad.counts.items())),
+                    "bad_records": {k: v for k, v in sorted(bad.counts.items()) if not k.startswith(DROPPED)},
+                    **({"dropped": {k[len(DROPPED):]: v for k, v in sorted(bad.counts.items())
+                                    if k.startswith(DROPPED)}} if self.selection else {}),
                     "bad_examples": bad.examples}, sort_keys=True))
                 stats["parts"] += 1
         stats["seconds"] = time.perf_counter() - t0
@@ -408,8 +494,12 @@ class Converter:
         for p in parts:
             bad.update(p["bad_records"])
             examples.extend(p["bad_examples"][:MAX_BAD_EXAMPLES - len(examples)])
+        dropped: collections.Counter = collections.Counter()
+        for p in parts:
+            dropped.update(p.get("dropped", {}))
+        sel = {"selection": self.selection, "dropped": dict(sorted(dropped.items()))} if self.selection else {}
         return {"format": records.FORMAT, "tokenizer": self.tok_hash, "dtype": self.dtype,
-                "text_key": self.args.text_key, "documents": sum(p["documents"] for p in parts),
+                "text_key": self.args.text_key, **sel, "documents": sum(p["documents"] for p in parts),
                 "tokens": sum(p["tokens"] for p in parts),
                 "bad_records": {k: bad[k] for k in BAD_KINDS if bad[k]},
                 "bad_examples": examples,
@@ -431,11 +521,39 @@ def parse_args(argv):
     ap.add_argument("--process-index", type=int, default=0, help="this host's index (pods)")
     ap.add_argument("--process-count", type=int, default=1, help="hosts converting (pods)")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--quality", nargs="+", default=None,
+                    help="RedPajama-v2 quality rules, as data.quality: presets (gopher, c4, rpv1; "
+                    "joined by +) and/or rules such as 'rps_doc_word_count >= 50'")
+    ap.add_argument("--dedup", default=None, help="exact (the duplicates files), fuzzy (minhash "
+                    "bands, in memory) or exact,fuzzy")
+    ap.add_argument("--dedup-threshold", default="0.8", choices=("0.7", "0.8", "0.9", "1.0"),
+                    help="--dedup fuzzy: the signature_sim<T> column whose bands are compared")
+    ap.add_argument("--companions", default=None,
+                    help="the root of quality_signals/, duplicates/, minhash/ (default: the documents' own)")
     args = ap.parse_args(argv)
+    try:
+        selection_of(args)
+    except ValueError as e:
+        ap.error(str(e))
     if not 0 <= args.process_index < args.process_count:
         ap.error(f"--process-index={args.process_index} must be in [0, --process-count="
                  f"{args.process_count})")
     return args
+
+
+def selection_of(args) -> dict:
+    """--quality / --dedup as job.json holds them ({} without either); ValueError for a bad one."""
+    rules = list(quality.parse(args.quality)) if args.quality else []
+    asked = [d for d in (args.dedup or "").replace(" ", "").split(",") if d and d != "none"]
+    if set(asked) - set(companions.DEDUPS):
+        raise ValueError(f"--dedup {args.dedup}: must be exact, fuzzy or exact,fuzzy")
+    dedup = ",".join(d for d in companions.DEDUPS if d in asked)
+    if not rules and not dedup:
+        return {}
+    out = {"quality": rules, "dedup": dedup, "companions": args.companions or ""}
+    if "fuzzy" in dedup:
+        out["dedup_threshold"] = args.dedup_threshold
+    return out
 
 
 def main(argv=None) -> int:
@@ -455,6 +573,9 @@ def main(argv=None) -> int:
         conv.start()
         mine = list(range(args.process_index, len(files), args.process_count))
         todo = conv.pending(mine)
+        if todo and "fuzzy" in conv.selection.get("dedup", ""):
+            conv.fuzzy = fuzzy_dropped(files, args.dedup_threshold, args.companions)
+            conv.fuzzy.pop(None, None)
         total = sum(conv.size(i) for i in todo)
         with tqdm(total=total, unit="B", unit_scale=True, disable=args.no_progress,
                   desc=f"host {args.process_index}: {len(todo)} of {len(mine)} files") as bar:

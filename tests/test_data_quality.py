@@ -415,7 +415,112 @@ def rules_names(rules):
 def test_input_workers_hand_out_the_same_selection(corpus):
     """The selection is made inside the worker processes: the same batches as in-process."""
     inproc = take(data.make_host_iterator(qcfg(corpus), 0, 1, debug=True), 8)
-    it = data.make_host_iterator(qcfg(corpus, num_workers=2), 0, 1, debug=True)
+    it = data.make_host_iterator(qcfg(corpus, num_workers=1), 0, 1, debug=True)
     for k, b in enumerate(take(it, 8)):
         np.testing.assert_array_equal(b["doc_ids"], inproc[k]["doc_ids"], err_msg=f"batch {k}")
     it.close()
+
+
+def test_companions_at_a_url(tmp_path):
+    """Documents at an object-store URL (fsspec's memory://, as gs:// is read): their companions
+    are found and read at the same URL root; a missing one is named by its URL."""
+    import fsspec
+    write_rpv2(tmp_path, n_files=2)
+    fs = fsspec.filesystem("memory")
+    for p in tmp_path.rglob("*"):
+        if p.is_file():
+            fs.pipe(f"memory://rp56/{p.relative_to(tmp_path)}", p.read_bytes())
+    missing = "memory://rp56/quality_signals/2023-06/0001/en_head.signals.json.gz"
+    fs.rm(missing)
+    try:
+        paths = [f"memory://rp56/documents/2023-06/{f:04d}/en_head.json.gz" for f in range(2)]
+        bad = BadRecords(False)
+        r = ShardReader(paths, [0, 1], 2, 0, 0, 2, "raw_content", bad,
+                        select=companions.Selection(quality.parse("gopher"), "exact"))
+        got = set()
+        while True:
+            e, f, line = decode_doc_id(r.next_piece()[1], 2)
+            if e:
+                break
+            got.add((f, line))
+        r.close()
+        assert got == {d for d in reference() if d[0] == 0}
+        assert bad.examples == [f"{missing}:0: missing_companion (no signals file)"]
+    finally:
+        fs.rm("memory://rp56", recursive=True)
+
+
+# ---------------------------------------------------------------- the converter (scripts/prepare_data.py)
+def _parts(out) -> list[list[list[int]]]:
+    from array_record.python.array_record_module import ArrayRecordReader
+    m = json.load(open(os.path.join(out, "manifest.json")))
+    got = []
+    for f in m["files"]:
+        r = ArrayRecordReader(os.path.join(out, f["file"]))
+        got.append([np.frombuffer(x, m["dtype"]).tolist() for x in r.read_all()])
+        r.close()
+    return got
+
+
+def _texts(root, f, rows):
+    doc = os.path.join(str(root), "documents", "2023-06", f"{f:04d}", "en_head.json.gz")
+    with gzip.open(doc) as fh:
+        lines = [json.loads(x)["raw_content"] for x in fh]
+    return [lines[i] for i in rows]
+
+
+def test_converter_keeps_what_the_stream_keeps(corpus, tmp_path):
+    from tests.data_helpers import convert, expected_tokens
+    out = str(tmp_path / "tok")
+    convert(os.path.join(str(corpus), "documents", "*", "*", "en_head.json.gz"), out,
+            "--quality", "gopher", "rps_doc_word_count >= 30", "--dedup", "exact")
+    eos = expected_tokens("")[-1]
+    for f, docs in enumerate(_parts(out)):
+        rows = [i for i in range(DOCS) if kept(f, i)]
+        assert docs == [expected_tokens(t)[:-1] for t in _texts(corpus, f, rows)], f"file {f}"
+        assert eos not in sum(docs, [])
+    m = json.load(open(os.path.join(out, "manifest.json")))
+    assert m["selection"]["dedup"] == "exact" and m["documents"] == len(reference())
+    assert m["dropped"]["dedup: exact"] == sum("dup" in marks(f, i) for f, i in _all())
+    assert sum(m["dropped"].values()) + m["documents"] == N_FILES * DOCS and not m["bad_records"]
+    with pytest.raises(SystemExit, match="other selection"):   # another selection, the same --out
+        convert(os.path.join(str(corpus), "documents", "*", "*", "en_head.json.gz"), out, "--quality", "c4")
+
+
+def test_converter_fuzzy_dedup_on_known_band_collisions(tmp_path):
+    """Band hashes collide at the same position -> the larger id_int goes; the same hash at
+    another position, or another threshold's column, is no collision."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tests.data_helpers import convert, expected_tokens
+    write_rpv2(tmp_path, n_files=2, docs=4)
+    h = [bytes([k]) * 8 for k in range(40)]
+    bands = {   # (file, row): (id_int, sim0.8 bands, sim0.7 bands)
+        (0, 0): (5, [h[1], h[2]], [h[30]]), (0, 1): (9, [h[3], h[2]], [h[31]]),    # 9 shares band 1 with 5
+        (0, 2): (2, [h[4], h[1]], [h[32]]), (0, 3): (7, [h[5], h[6]], [h[30]]),    # h1 at another position; 0.7 only
+        (1, 0): (1, [h[5], h[7]], [h[33]]), (1, 1): (8, [h[8], h[9]], [h[34]]),    # 1 < 7: (0, 3) goes
+        (1, 2): (3, [h[10], h[11]], [h[35]]), (1, 3): (4, [h[10], h[12]], [h[36]]),  # 3 < 4: (1, 3) goes
+    }
+    for f in range(2):
+        doc = os.path.join(str(tmp_path), "documents", "2023-06", f"{f:04d}", "en_head.json.gz")
+        mp = companions.companion_path(doc, "minhash")
+        os.makedirs(os.path.dirname(mp), exist_ok=True)
+        rows = [bands[(f, i)] for i in range(4)]
+        pq.write_table(pa.table({
+            "id": [f"2023-06/{f:04d}/en_head.json.gz/{i}" for i in range(4)],
+            "id_int": pa.array([r[0] for r in rows], pa.int64()),
+            "signature_sim0.8": pa.array([r[1] for r in rows], pa.list_(pa.binary())),
+            "signature_sim0.7": pa.array([r[2] for r in rows], pa.list_(pa.binary()))}), mp)
+    out = str(tmp_path / "tok")
+    convert(os.path.join(str(tmp_path), "documents", "*", "*", "en_head.json.gz"), out, "--dedup", "fuzzy")
+    want = {0: [0, 2], 1: [0, 1, 2]}
+    for f, docs in enumerate(_parts(out)):
+        assert docs == [expected_tokens(t)[:-1] for t in _texts(tmp_path, f, want[f])], f"file {f}"
+    m = json.load(open(os.path.join(out, "manifest.json")))
+    assert m["dropped"] == {"dedup: fuzzy": 3} and m["selection"]["dedup_threshold"] == "0.8"
+    out7 = str(tmp_path / "tok7")   # at 0.7 only (0, 0) and (0, 3) share a band: 7 > 5 goes
+    convert(os.path.join(str(tmp_path), "documents", "*", "*", "en_head.json.gz"), out7, "--dedup", "fuzzy",
+            "--dedup-threshold", "0.7")
+    assert json.load(open(os.path.join(out7, "manifest.json")))["dropped"] == {"dedup: fuzzy": 1}
+    assert [len(d) for d in _parts(out7)] == [3, 4]
