@@ -1,0 +1,121 @@
+#!/usr/bin/env python3
+"""RedPajama-v2's quality signals in the stream (#56 item 8): what reading and judging the
+signals costs per document, and the stream's kept tokens/s with gopher + exact dedup against the
+tokenizer alone on the kept documents.
+
+    python /work/shared/bench/make_corpus.py /tmp/rpq --shards 4 --docs 1500 --median-chars 480
+    python scripts/bench/bench_quality.py --corpus /tmp/rpq --workers 2
+
+The corpus's companion files are written first when missing (scripts/make_sample_companions.py:
+our signals, exact duplicates, minhash bands); short documents make gopher drop about 30%.
+  select_us_per_doc   the reader's `select` stage (the signals line read, parsed and judged, the
+                      duplicates lookup) per record, one thread, files in the page cache
+  read_us_per_doc     the reader without a selection, per record (read + JSON parse)
+  kept_tok_s          the host iterator with data.quality=gopher data.dedup=exact and --workers
+                      input workers: tokens of the kept documents per second
+  tokenizer_tok_s     the tokenizer alone on all cores over the kept documents' texts
+and the same two without a selection (every document), the stream's baseline on this corpus.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import importlib.util
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+
+
+def _module(path: str, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def read_cost(files: list[str], select) -> tuple[float, int, float]:
+    """-> (seconds per record read, records, select-stage seconds) over one epoch of every file."""
+    from data.readers.sources import BadRecords, ShardReader
+    bad = BadRecords(False)
+    r = ShardReader(files, list(range(len(files))), len(files), 0, 0, 1, "raw_content", bad, select=select)
+    t0 = time.perf_counter()
+    n = 0
+    while True:
+        _, did, _, last = r.next_piece()
+        if did >> 24 >= len(files):   # epoch 1
+            break
+        n += last
+    dt = time.perf_counter() - t0
+    records = n + sum(bad.counts.values())
+    r.close()
+    return dt / records, records, r.times["select"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--corpus", required=True, help="make_corpus.py's output: DIR/NNNN/en_head.json.gz")
+    ap.add_argument("--tokenizer", default=os.path.join(REPO, "data", "sample", "tokenizer.json"))
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=3_000_000)
+    args = ap.parse_args()
+
+    import data
+    from data.readers import companions, quality
+    files = sorted(glob.glob(os.path.join(args.corpus, "*", "en_head.json.gz")))
+    if not files:
+        sys.exit(f"no {args.corpus}/*/en_head.json.gz")
+    if not os.path.exists(companions.companion_path(files[-1], "minhash")):
+        t0 = time.perf_counter()
+        _module(os.path.join(REPO, "scripts", "make_sample_companions.py"), "companions_writer").write_companions(files)
+        print(f"companions written in {time.perf_counter() - t0:.1f} s", flush=True)
+
+    rules = quality.Rules(quality.parse("gopher"))
+    kept_texts, all_texts, sig_bytes, total = [], [], 0, 0
+    for f in files:
+        dups = companions.duplicate_rows(companions.companion_path(f, "duplicates"))
+        with gzip.open(f) as d, gzip.open(companions.companion_path(f, "signals")) as s:
+            for row, (doc, sig) in enumerate(zip(d, s, strict=True)):
+                total += 1
+                sig_bytes += len(sig)
+                all_texts.append(json.loads(doc)["raw_content"])
+                if row not in dups and rules.first_failed(json.loads(sig)["quality_signals"]) is None:
+                    kept_texts.append(json.loads(doc)["raw_content"])
+    print(f"{total} documents, {len(kept_texts)} kept by gopher + exact ({len(kept_texts) / total:.1%}); "
+          f"signals {sig_bytes / total:.0f} bytes per document", flush=True)
+
+    plain, n, _ = read_cost(files, None)
+    sel = companions.Selection(quality.parse("gopher"), "exact")
+    with_sel, _, select_s = read_cost(files, sel)
+    print(f"read_us_per_doc {plain * 1e6:.1f}  with gopher+exact {with_sel * 1e6:.1f}  "
+          f"select_us_per_doc {select_s / n * 1e6:.1f} (over {n} records, one thread)", flush=True)
+
+    bench_input = _module(os.path.join(HERE, "bench_input.py"), "bench_input")
+    tok_s = bench_input.best_tokenizer_alone(kept_texts, args.tokenizer)[0][0]
+    cfg = data.DataConfig(paths=tuple(files), tokenizer=args.tokenizer, seq_len=args.seq_len,
+                          global_batch_size=args.batch, num_workers=args.workers, num_shards=len(files),
+                          quality="gopher", dedup="exact")
+    r = bench_input.run_pipeline(cfg, args.max_tokens, 10_000)
+    tok_after = bench_input.best_tokenizer_alone(kept_texts, args.tokenizer)[0][0]
+    ref = (tok_s + tok_after) / 2
+    print(f"kept_tok_s {r['tok_s'] / 1e6:.3f} M/s ({args.workers} workers, {r['batches']} batches of "
+          f"{args.batch} x {args.seq_len}); tokenizer_tok_s on the kept documents {tok_s / 1e6:.3f} before, "
+          f"{tok_after / 1e6:.3f} after; ratio {r['tok_s'] / ref:.2f}", flush=True)
+    # the same stream without a selection, against the tokenizer alone on every document
+    import dataclasses
+    all_s = bench_input.best_tokenizer_alone(all_texts, args.tokenizer)[0][0]
+    b = bench_input.run_pipeline(dataclasses.replace(cfg, quality=None, dedup=None), args.max_tokens, 10_000)
+    all_after = bench_input.best_tokenizer_alone(all_texts, args.tokenizer)[0][0]
+    print(f"without a selection: {b['tok_s'] / 1e6:.3f} M/s; tokenizer alone on every document "
+          f"{all_s / 1e6:.3f} before, {all_after / 1e6:.3f} after; ratio {b['tok_s'] / ((all_s + all_after) / 2):.2f}",
+          flush=True)
+
+
+if __name__ == "__main__":
+    main()
