@@ -115,9 +115,10 @@ class SignalsFile:
             return None, ("signals_row_mismatch", where, f"its id {rec['id']!r} names row {got}")
         return sig, None
 
-    def state(self) -> list:
-        """[line, offset, seek point]: the point refreshed every half spacing, as a slot's."""
-        if self.off >= self.recheck:
+    def state(self, refresh: bool = True) -> list:
+        """[line, offset, seek point]: the point refreshed every half spacing, as a slot's
+        (refresh=False: the last point found, still valid, without indexing further)."""
+        if refresh and self.off >= self.recheck:
             if self.finder is None:
                 self.finder = gzseek.PointFinder(self.path, self.point)
             self.point = self.finder.point_before(self.off)
@@ -185,8 +186,8 @@ class FileSelection:
             return "bad", "null_signal", self.sig.path, row + 1, f"{e.name} is null"
         return None if failed is None else ("drop", failed)
 
-    def state(self) -> list | None:
-        return self.sig.state() if self.sig is not None else None
+    def state(self, refresh: bool = True) -> list | None:
+        return self.sig.state(refresh) if self.sig is not None else None
 
     def close(self) -> None:
         if self.sig is not None:

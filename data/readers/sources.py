@@ -146,8 +146,8 @@ class _Slot:
         if self.finder is not None:
             self.finder.close()
             self.finder = None
-        if self.sel is not None:
-            self.sel_state = self.sel.state()
+        if self.sel is not None:   # a closed slot's position, without indexing the file further
+            self.sel_state = self.sel.state(refresh=False)
             self.sel.close()
             self.sel = None
 
