@@ -37,6 +37,7 @@ UNPARSED = "unparsed"
 _EXPLICIT = re.compile(r"replica_groups=\{((?:\{[0-9,]*\},?)*)\}")
 _IOTA = re.compile(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
 _MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\((.*?)\))? \{([^}]*)\}")
+_CHANNEL = re.compile(r"\bchannel_id=(\d+)")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{[0-9,]*\},?)*)\}")
 
 
@@ -173,6 +174,7 @@ def collectives(hlo_text: str, mesh: Mapping[str, int]) -> list[Collective]:
     step."""
     mesh = {str(a): int(n) for a, n in mesh.items()}
     out = []
+    channels: set[str] = set()
     for comp, text, times in hlo.executed_instructions(hlo_text):
         op = hlo.opcode(text)
         if op is None:
@@ -181,6 +183,14 @@ def collectives(hlo_text: str, mesh: Mapping[str, int]) -> list[Collective]:
         kind = name.removesuffix("-start")
         if kind not in KINDS:
             continue
+        # One collective, one channel id: libtpu's async collective fusion
+        # (--xla_tpu_enable_async_collective_fusion, tpu_flags.py) prints it in up to three
+        # computations (its start, the compute fusion it overlaps, its done), each run as often.
+        channel = _CHANNEL.search(text)
+        if channel:
+            if channel.group(1) in channels:
+                continue
+            channels.add(channel.group(1))
         tree = hlo.shape_tree(shape)
         if name.endswith("-start") and kind != "all-reduce":
             # (operands, results, context...): an all-gather-start, collective-permute-start or

@@ -28,8 +28,15 @@ would execute, from `jax.ShapeDtypeStruct`s: nothing is allocated and no data is
 Prints per chip what XLA reports (arguments, temporaries, outputs and the part of them aliased
 to donated arguments, generated code, total) against the chip's usable HBM, "fits" with the
 margin or "does not fit" with the compiler's own statement of what overflows, and the compile
-time; `--json` writes the same figures. Memory only: XLA's cost analysis counts a scanned layer
-once and misses the Pallas kernels, so no speed figure is derived from it.
+time; `--json` writes the same figures.
+
+Under the train step, its predicted time (`train_step.predicted`, model/predict.py): the step's
+FLOPs at the chips' peak (model/flops.py's count, remat and a chunked loss included: XLA's cost
+analysis counts a scanned layer once and misses the Pallas kernels), the ICI bytes below over the
+links each mesh axis spans on the slice's torus, and XLA's bytes accessed at the HBM bandwidth (a
+floor); the step between every collective hidden under compute and none, the MFU, and which term
+bounds it. The compile runs with libtpu's collective/compute overlap flags (model/tpu_flags.py), as
+`scripts/tpu.py run` starts the pod's run; LIBTPU_INIT_ARGS set in the environment comes first.
 
 For each step it also prints the bytes per chip that the step's collectives move over the slice's
 links (ICI), by the mesh axes their groups span ("context", "fsdp", "fsdp+context": model/ici.py
@@ -146,6 +153,11 @@ def libtpu_env(tpu: Slice) -> None:
     # libtpu takes a machine-wide lock meant for processes that drive TPU chips; compiling drives
     # none, and two checks at once (or one beside a test run) must not fail on the lock.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    # The collective/compute overlap flags a pod run gets from scripts/tpu.py (model/tpu_flags.py):
+    # the compiled program is the one the run executes, and its predicted time assumes the overlap.
+    from model.tpu_flags import init_args
+
+    os.environ["LIBTPU_INIT_ARGS"] = init_args(os.environ.get("LIBTPU_INIT_ARGS"))
 
 
 def slice_name(tpu: Slice, n_slices: int) -> str:
@@ -184,6 +196,11 @@ def _compile_one(fn, args, capacity: int, n_slices: int = 1, mesh: dict | None =
     total = (m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
              + m.generated_code_size_in_bytes)
     traffic = {}
+    # XLA's bytes accessed (a floor: it counts a loop body once); model/predict.py's hbm_s
+    cost = compiled.cost_analysis()
+    cost = (cost[0] if isinstance(cost, (list, tuple)) and cost else cost) or {}
+    if cost.get("bytes accessed"):
+        traffic["hbm_bytes_accessed"] = float(cost["bytes accessed"])
     if mesh is not None or n_slices > 1:
         hlo_text = compiled.as_text()
     if mesh is not None:
@@ -278,7 +295,27 @@ def compile_plan(cfg, tpu: Slice, quick: bool = False, dcn_gbps: float = DEFAULT
         if dcn is not None:
             dcn["sent_bytes_per_host"] = dcn["sent_bytes"] * plan["chips_per_host"]
             dcn["seconds_at_dcn_gbps"] = dcn["sent_bytes_per_host"] * 8 / (dcn_gbps * 1e9)
+    plan["libtpu_init_args"] = os.environ.get("LIBTPU_INIT_ARGS", "")
+    train = plan["train_step"]
+    if "ici" in train:    # compiled (it may still not fit): its predicted time
+        useful = flops_per_token(model_cfg, seq_len, causal=True) * global_batch * seq_len
+        train["predicted"] = predicted_step(program.mesh, tpu, useful, step_flops, train)
     return plan
+
+
+def predicted_step(mesh, tpu: Slice, useful_flops: float, executed_flops: float, compiled: dict) -> dict:
+    """model/predict.py's step time for a compiled train step over `mesh` on the slice `tpu`."""
+    import numpy as np
+
+    from model.predict import CHIPS, links_by_axes, predict, wraps
+
+    chip = CHIPS[tpu.generation.name]
+    coords = np.array([d.coords for d in mesh.devices.flat]).reshape(*mesh.devices.shape, -1)
+    links = links_by_axes(mesh.axis_names, coords, tpu.torus, wraps(chip, tpu.torus))
+    dcn_s = compiled.get("dcn", {}).get("seconds_at_dcn_gbps", 0.0)
+    return predict(useful_flops=useful_flops, executed_flops=executed_flops, chips=mesh.devices.size, chip=chip,
+                   ici_bytes_by_axes=compiled["ici"]["bytes_by_axes"], links=links,
+                   hbm_bytes=compiled.get("hbm_bytes_accessed"), dcn_s=dcn_s)
 
 
 def _size(nbytes: float) -> str:
@@ -288,6 +325,20 @@ def _size(nbytes: float) -> str:
             v = nbytes / scale
             return f"{v:,.0f} {unit}" if v >= 1000 else f"{v:.3g} {unit}"
     return f"{nbytes:.0f} B"
+
+
+def _secs(s: float) -> str:
+    return f"{s:.3g} s" if s >= 1 else f"{s * 1e3:.3g} ms"
+
+
+def predicted_line(p: dict) -> str:
+    """The prediction as the console shows it, under the train step."""
+    axes = ", ".join(f"{a} {_secs(t)} over {p['links_by_axes'][a]} link(s)" for a, t in p["ici_s_by_axes"].items())
+    dcn = f", dcn {_secs(p['dcn_s'])}" if p["dcn_s"] else ""
+    return (f"    predicted: step {_secs(p['step_s'])} (every collective under compute) to {_secs(p['step_s_upper'])} "
+            f"(none); MFU {p['mfu']:.0%} to {p['mfu_lower']:.0%}; {p['bound']}-bound; compute {_secs(p['compute_s'])} "
+            f"at peak, ici {_secs(p['ici_s'])} ({axes or 'none'}; {p['ici_over_compute']:.0%} of compute), "
+            f"hbm >= {_secs(p['hbm_s'])}{dcn}")
 
 
 def report(plan: dict) -> str:
@@ -317,6 +368,8 @@ def report(plan: dict) -> str:
         if "ici" in r:
             moved = [f"{axes} {_size(sent)}" for axes, sent in r["ici"]["bytes_by_axes"].items() if sent]
             lines.append(f"    ici per chip per step: {', '.join(moved) or 'none'}")
+        if "predicted" in r:
+            lines.append(predicted_line(r["predicted"]))
         if "dcn" in r:
             d = r["dcn"]
             compute = plan.get("compute_s_at_peak")

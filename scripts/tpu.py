@@ -65,6 +65,7 @@ except ModuleNotFoundError:   # Python 3.10: --extras goes unchecked here (pip s
 
 from model.runtime.distributed import EXIT_PREEMPTED, EXIT_PREEMPTED_ENV
 from model.runtime.watchdog import EXIT_HANG
+from model.tpu_flags import init_args as libtpu_init_args
 from train import PROJECT_ROOT as REPO_ROOT  # the repo root (the project is installed)
 
 PROGRAM = "train.py"
@@ -548,8 +549,18 @@ def cmd_sync(args, ex):
     return do_sync(args, ex)
 
 
+def with_overlap_flags(env: list[EnvVar]) -> list[EnvVar]:
+    """The run's environment with libtpu's collective/compute overlap flags in LIBTPU_INIT_ARGS
+    (model/tpu_flags.py; compile_tpu.py compiles with the same): added to a LIBTPU_INIT_ARGS given
+    with --env, where a flag it names keeps its given value."""
+    given = [e for e in env if e.name == "LIBTPU_INIT_ARGS"]
+    rest = [e for e in env if e.name != "LIBTPU_INIT_ARGS"]
+    value = libtpu_init_args(given[-1].value if given else None)
+    return [*rest, EnvVar("LIBTPU_INIT_ARGS", value, secret=bool(given) and given[-1].secret)]
+
+
 def cmd_run(args, ex):
-    env = collect_env(args, ex.dry_run)
+    env = with_overlap_flags(collect_env(args, ex.dry_run))
     ex.secrets += [e.value for e in env if e.secret and e.value]
     rc = on_every_slice(args, ex, lambda node, i: ssh_cmd(args, run_script(args, env, True, i), node=node),
                         shown=lambda node, i: ssh_cmd(args, run_script(args, env, False, i), node=node))

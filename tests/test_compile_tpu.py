@@ -174,6 +174,18 @@ def test_cli_prints_and_writes_the_compiled_figures(tmp_path):
         assert f"{step}: per chip {r['total_gib']:.2f} of 15.75 GiB" in result.stdout
     # The train state is donated: the new state's buffers alias the old one's.
     assert plan["train_step"]["aliased_gib"] == pytest.approx(plan["train_step"]["arguments_gib"], rel=0.01)
+    # compiled with libtpu's overlap flags (libtpu accepts each: it stops on one it does not know)
+    from model.tpu_flags import OVERLAP_FLAGS
+
+    assert set(OVERLAP_FLAGS) <= set(plan["libtpu_init_args"].split())
+    # the predicted step (model/predict.py): compute at peak is the plan's floor; the step is the
+    # largest term, the upper bound their sum; data parallel over a v5e-4 (2x2): 2 links
+    p = plan["train_step"]["predicted"]
+    assert p["compute_s"] == pytest.approx(plan["compute_s_at_peak"]) and p["hbm_s"] > 0
+    assert p["step_s"] == max(p["compute_s"], p["ici_s"], p["hbm_s"]) and p["bound"] in ("compute", "ici", "hbm")
+    assert p["step_s_upper"] == pytest.approx(max(p["compute_s"], p["hbm_s"]) + p["ici_s"])
+    assert p["links_by_axes"] == {"data": 2} and 0 < p["mfu_lower"] <= p["mfu"] <= 1
+    assert "    predicted: step " in result.stdout and "predicted" not in plan["eval_step"]
 
 
 @pytest.mark.slow
