@@ -16,7 +16,6 @@ goodput, meters), evaluation in model/evals/.
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import time
 from pathlib import Path
@@ -58,9 +57,10 @@ def run(cfg: DictConfig) -> dict:
     from etils import epath
 
     import data as data_lib
+    from data.batch_log import logging_step
     from model import flops as flops_lib
     from model.evals.evaluate import LoopEvals, TaskEvaluator
-    from model.runtime import distributed, goodput
+    from model.runtime import distributed, goodput, seam
     from model.runtime import resume as resume_lib
     from model.runtime import rollback as rollback_lib
     from model.runtime.checkpoint import Checkpointer
@@ -214,8 +214,10 @@ def run(cfg: DictConfig) -> dict:
                     watchdog, log_every=cfg.train.log_every, last_step=cfg.train.steps)
         profile = Profiler(cfg.profile.steps, s.run_dir / "profile", enabled=is_main)
         cleanup.callback(profile.maybe_stop, None)
-        train_step = with_test_hooks(distributed.compiled_together(program.train_step, "train_step"), cfg,
-                                     s.run_dir, process_index, cleanup)
+        train_step = distributed.compiled_together(program.train_step, "train_step")
+        if cfg.train.get("debug_batches", False):      # what each step consumed (data/batch_log.py)
+            train_step = logging_step(train_step, s.run_dir / f"debug_batches.p{process_index}.jsonl", cleanup)
+        train_step = seam.around_step(train_step, process_index)     # the tests' one seam (model/runtime/seam.py)
 
         def save_meta() -> dict:
             """What a checkpoint carries beside the arrays; "files" is the run's listing, reused by
@@ -391,48 +393,6 @@ def build_program(cfg: DictConfig, model_cfg, tx, devices=None):
                                   z_loss=float(cfg.train.z_loss), microbatches=int(cfg.train.microbatches),
                                   loss_chunk=int(cfg.train.loss_chunk), devices=devices, seq_len=int(cfg.data.seq_len),
                                   spikes=step_lib.SpikeConfig.from_mapping(cfg.train.get("spikes")))
-
-
-# JAXPT_TEST_LATE_FIRST_STEP="40@1": process 1 starts its first step 40 s after the others, as a
-# host that compiles slowly (tests/test_multihost.py; model/runtime/distributed.py compiled_together).
-LATE_FIRST_STEP_ENV = "JAXPT_TEST_LATE_FIRST_STEP"
-
-
-def late_first_step_s(process_index: int) -> float:
-    seconds, _, process = os.environ.get(LATE_FIRST_STEP_ENV, "").partition("@")
-    return float(seconds) if seconds and (not process or int(process) == process_index) else 0.0
-
-
-def with_test_hooks(train_step, cfg: DictConfig, run_dir: Path, process_index: int, cleanup: contextlib.ExitStack):
-    """The train step as the loop calls it, with the tests' hooks around it when they are asked
-    for: train.debug_batches logs what each step consumed (data/batch_log.py; a host sync per
-    step), JAXPT_TEST_DIVERGE_AT plants a divergence (model/runtime/rollback.py), JAXPT_TEST_LATE_FIRST_STEP
-    holds one host back before its first step."""
-    from data.batch_log import BatchLog
-    from model.runtime import rollback as rollback_lib
-
-    batch_log = None
-    if cfg.train.get("debug_batches", False):
-        batch_log = BatchLog(run_dir / f"debug_batches.p{process_index}.jsonl")
-        cleanup.callback(batch_log.close)
-    plant = rollback_lib.planted_divergence()
-    late_s = late_first_step_s(process_index)
-    if batch_log is None and not plant and not late_s:
-        return train_step
-    drawn = 0       # batches drawn in this start, rolled-back ones included
-
-    def hooked(state, batch):
-        nonlocal drawn
-        drawn += 1
-        if drawn == 1 and late_s:
-            time.sleep(late_s)      # this host reaches its first step (and compiles it) late
-        if batch_log is not None:
-            # The step a batch feeds is the state's step + 1, after a rollback too.
-            batch = batch_log.log(int(state["step"]) + 1, batch)
-        state, metrics = train_step(state, batch)
-        return rollback_lib.plant(state, metrics) if drawn in plant else (state, metrics)
-
-    return hooked
 
 
 # ====================================================================== CLI

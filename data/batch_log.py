@@ -53,3 +53,16 @@ class BatchLog:
 
     def close(self) -> None:
         self._f.close()
+
+
+def logging_step(train_step, path, cleanup):
+    """train.debug_batches=true: the train step with each batch logged before it runs (a host sync
+    per step). The step a batch feeds is the state's step + 1, after a rollback too. The log
+    closes with `cleanup` (the run's ExitStack)."""
+    log = BatchLog(path)
+    cleanup.callback(log.close)
+
+    def logged(state, batch):
+        return train_step(state, log.log(int(state["step"]) + 1, batch))
+
+    return logged

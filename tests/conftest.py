@@ -10,7 +10,13 @@ import tempfile
 
 import pytest
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# XLA's CPU backend compiles at LLVM level 1 in tests: the suite's programs are tiny and compiled
+# far more often than they run, and level 1 compiles them in about half the time of the default
+# (level 2) while running a 30-step training loop no slower (docs/development.md, "Where the
+# time goes"). Subprocesses inherit it: tests.run_helpers.without_device_count keeps it where a
+# test gives processes their own device count.
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=1"
+os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {TEST_XLA_FLAGS}")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
@@ -65,3 +71,29 @@ def straight(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("straight")
     run(run_dir, "data.num_workers=0", f"checkpoint.every={K}")
     return run_dir
+
+
+# ---------------------------------------------------------------- where the suite's time goes
+def pytest_addoption(parser):
+    parser.addoption("--file-durations", type=int, default=15, metavar="N",
+                     help="print the N test files that took longest (setup + call + teardown summed; "
+                          "0: none). docs/development.md holds each new file to a budget")
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """The slowest files, summed over their tests' phases: a file's module fixtures (a trained run,
+    a compile) land in its first test's setup, so the per-test durations alone hide them."""
+    n = config.getoption("--file-durations")
+    per_file: dict[str, list] = {}
+    for reports in terminalreporter.stats.values():
+        for r in reports:
+            if getattr(r, "when", None) in ("setup", "call", "teardown") and getattr(r, "nodeid", ""):
+                entry = per_file.setdefault(r.nodeid.split("::")[0], [0.0, set()])
+                entry[0] += r.duration
+                entry[1].add(r.nodeid)
+    if n <= 0 or len(per_file) < 2:
+        return
+    terminalreporter.write_sep("=", f"slowest {min(n, len(per_file))} test files "
+                                    f"(of {len(per_file)}: {sum(v[0] for v in per_file.values()):.0f} s summed)")
+    for path, (seconds, ids) in sorted(per_file.items(), key=lambda kv: -kv[1][0])[:n]:
+        terminalreporter.write_line(f"{seconds:8.1f}s  {len(ids):4d} tests  {path}")

@@ -2,6 +2,7 @@
 and the exact-resume runs of test_resume.py (subprocesses with per-step batch hashes)."""
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -99,11 +100,22 @@ def shard_streams(steps_rows, steps):
     return dict(out)
 
 
-def env_for(processes):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
-    if processes:       # local_device_count sets the fake devices per process
+def without_device_count(env=None) -> dict:
+    """The environment (default: this process's) without the suite's 8 fake devices, for
+    processes that get their own device count; the rest of XLA_FLAGS (tests/conftest.py's
+    compile level) stays."""
+    env = dict(os.environ if env is None else env)
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", "")).strip()
+    if flags:
+        env["XLA_FLAGS"] = flags
+    else:
         env.pop("XLA_FLAGS", None)
     return env
+
+
+def env_for(processes):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+    return without_device_count(env) if processes else env    # local_device_count sets them per process
 
 
 def free_port():

@@ -12,7 +12,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 process_id, n_proc, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={8 // n_proc}"
+devices = f"--xla_force_host_platform_device_count={8 // n_proc}"
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {devices}".strip()   # the suite's compile level kept
 
 import jax  # noqa: E402
 

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from run_helpers import TINY_FAST, make_cfg, read_metrics
+from run_helpers import TINY_FAST, make_cfg, read_metrics, without_device_count
 
 import data
 import train as train_mod
@@ -202,7 +202,7 @@ def free_port() -> int:
 def test_second_host_receives_the_list_and_never_touches_the_files(tmp_path):
     corpus = copy_sample(tmp_path / "corpus")
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = without_device_count()
     env["JAX_PLATFORMS"] = "cpu"
     traced = shutil.which("strace") is not None
     procs = []

@@ -8,7 +8,6 @@ The figures that say the extension took (loss by position against a control) are
 scripts/bench/bench_extend.py's, in BENCHMARKS.md.
 """
 import json
-import os
 import re
 import shlex
 import subprocess
@@ -18,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import train  # noqa: F401 - registers ${project_root:}
-from tests.run_helpers import make_cfg
+from tests.run_helpers import make_cfg, without_device_count
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "long-context.md"
@@ -59,8 +58,8 @@ def test_the_recipe_runs_as_documented(tmp_path):
     """Stage 2 resumes stage 1's run and says what changed; its held-out rows carry the loss by
     position over rows of 1024 and the passkey cells at the end."""
     stage1, stage2 = recipe()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
-    env.pop("XLA_FLAGS", None)    # one device, as on a laptop: stage 2's 4 rows over the suite's 8 would not divide
+    # One device, as on a laptop: stage 2's 4 rows over the suite's 8 would not divide.
+    env = {**without_device_count(), "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
     run_dir = tmp_path / "run"
 
     def launch(*args: str, rc: int = 0) -> str:

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from run_helpers import read_metrics
+from run_helpers import read_metrics, without_device_count
 
 from model.runtime import goodput
 from model.runtime.meters import IntervalMeter
@@ -354,7 +354,7 @@ def test_two_processes_name_the_slow_host(tmp_path):
     from data.pipeline import SLOW_STAGE_ENV
 
     run_dir = tmp_path / "multi"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = without_device_count()
     env.update({SLOW_STAGE_ENV: f"{PLANTED_S}@1", "PYTHONPATH": str(ROOT)})     # process 1's input only
     result = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "launch_local.py"), "--processes", "2", "--devices-per-process", "2",

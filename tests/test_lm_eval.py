@@ -36,6 +36,7 @@ from model.evals.tasks import RequestEncoder, TaskSpec, read_task  # noqa: E402
 from model.llama import Llama, LlamaConfig  # noqa: E402
 from model.runtime import checkpoint as ckpt_lib  # noqa: E402
 from model.step import param_shardings  # noqa: E402
+from tests.run_helpers import without_device_count  # noqa: E402
 
 pytestmark = pytest.mark.slow
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -213,8 +214,7 @@ def test_cli_wrapper(setup, both, tmp_path):
 
 
 def cli_env():
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-    env.pop("XLA_FLAGS", None)
+    env = {**without_device_count(), "PYTHONPATH": str(ROOT), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
     return env
 
 

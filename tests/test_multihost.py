@@ -8,13 +8,12 @@ rows of it), so the losses must agree step for step; each host reads only its ow
 checkpoint written by both processes restores in both.
 """
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from run_helpers import make_cfg, read_metrics
+from run_helpers import make_cfg, read_metrics, without_device_count
 
 import train as train_mod
 
@@ -27,7 +26,7 @@ COMMON = ["mesh=fsdp", "data.seq_len=64", "data.global_batch_size=16", "data.num
 
 
 def launch_two(run_dir, *overrides, env=None):
-    env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, **(env or {})}
+    env = {**without_device_count(), **(env or {})}
     result = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "launch_local.py"), "--processes", "2", "--devices-per-process", "4",
          "--log-dir", str(run_dir / "logs"), "--", f"hydra.run.dir={run_dir}", *COMMON, *overrides],
@@ -76,8 +75,8 @@ def test_a_host_that_compiles_late_starts_with_the_others(tmp_path):
     """One host reaches its first step 40 s after the other (a slow compile on a busy host). The
     first run of a step opens its collectives' communicators, a rendezvous that gives up after 30 s
     on CPU hosts (Gloo); compiled_together's barrier keeps the early host waiting there instead."""
-    from train import LATE_FIRST_STEP_ENV
+    from tests.step_hooks import planted
 
-    out = launch_two(tmp_path / "late", "train.steps=2", "checkpoint.every=0", env={LATE_FIRST_STEP_ENV: "40@1"})
+    out = launch_two(tmp_path / "late", "train.steps=2", "checkpoint.every=0", env=planted(late_first_step="40@1"))
     assert "Gloo context initialization failed" not in out
     assert [r["step"] for r in read_metrics(tmp_path / "late") if "loss" in r] == [1, 2]

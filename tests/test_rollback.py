@@ -14,11 +14,18 @@ import sys
 import numpy as np
 import pytest
 
-from model.runtime.rollback import DIVERGE_ENV, find_divergence, rollbacks_of
+from model.runtime.rollback import find_divergence, rollbacks_of
 from tests.run_helpers import ROOT, run_cli
+from tests.step_hooks import planted
 
 COMMON = ["train.log_every=2", "checkpoint.every=4", "data.num_workers=0", "optimizer.warmup_steps=2",
           "train.debug_batches=true", "train.eval_every=0", "logger.progress_bar=false"]
+
+
+def _plant(monkeypatch, diverge_at: str):
+    """NaN parameters after the listed batches of each start (tests/step_hooks.py, through the seam)."""
+    for k, v in planted(diverge_at=diverge_at).items():
+        monkeypatch.setenv(k, v)
 
 
 def m(loss=1.0, norm=1.0, skipped=None, run=0):
@@ -83,7 +90,7 @@ def test_rollback_skips_the_batches_twice_stops_and_a_resume_goes_on_past_them(t
     # Planted: NaN parameters after the 6th and the 8th batch drawn. Found at step 6 (a log row):
     # back to checkpoint 4, steps 5 and 6 take batches 7 and 8; the second is found at step 6
     # again, back to checkpoint 4 again: twice in a row, the run stops.
-    monkeypatch.setenv(DIVERGE_ENV, "6,8")
+    _plant(monkeypatch, "6,8")
     r = run_cli(tmp_path / "rb", "train.steps=12", "train.on_divergence=rollback", *COMMON)
     assert r.returncode == 1, r.stderr[-3000:]
     assert "rolled back to step 4 from step 6" in r.stdout, r.stdout[-3000:]
@@ -110,7 +117,7 @@ def test_rollback_skips_the_batches_twice_stops_and_a_resume_goes_on_past_them(t
 
     # A resume (nothing planted) starts past both: step 5 takes batch 9. A divergence planted at
     # its 6th batch (step 10, after checkpoint 8) rolls back to 8 and the run goes on to the end.
-    monkeypatch.setenv(DIVERGE_ENV, "6")
+    _plant(monkeypatch, "6")
     r = run_cli(tmp_path / "rb", "train.steps=12", "train.on_divergence=rollback", *COMMON)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "Its data goes on past the steps rolled back at step 6" in r.stdout
@@ -136,7 +143,7 @@ def test_two_processes_roll_back_together_and_every_shard_skips_the_same_batches
 
     ref, two = tmp_path / "ref", tmp_path / "two"
     run(ref, "data.num_workers=0", "checkpoint.every=0", "train.steps=12")
-    monkeypatch.setenv(DIVERGE_ENV, "6")
+    _plant(monkeypatch, "6")
     run(two, "data.num_workers=0", "checkpoint.every=4", "train.on_divergence=rollback", processes=2)
     logs = "".join(p.read_text() for p in sorted(two.glob("log_*_p*.txt")))
     assert logs.count("rolled back to step 4 from step 6") == 1, logs[-3000:]      # printed by process 0

@@ -4,7 +4,6 @@ the same rows are scored, each process's devices a disjoint slice of them, resul
 Run: pytest tests/test_tasks_multihost.py -q     (~1 min)
 """
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -12,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from tests.run_helpers import without_device_count
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,7 +24,7 @@ def free_port() -> int:
 
 
 def launch(n, out):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = without_device_count()
     port = free_port()
     procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "tasks_host.py"), str(i), str(n), str(port),
                                str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 from omegaconf import OmegaConf
-from run_helpers import CONFIGS, ROOT, TINY_FAST, main_in_process, make_cfg, read_metrics, run_cli
+from run_helpers import CONFIGS, ROOT, TINY_FAST, main_in_process, make_cfg, read_metrics, run_cli, without_device_count
 
 import train as train_mod
 
@@ -119,7 +119,7 @@ def test_multihost_gpu_form_joins_two_processes_through_the_environment(tmp_path
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = without_device_count()
     env.update(JAX_PLATFORMS="cpu", JAX_COORDINATOR_ADDRESS=f"localhost:{port}")
     run_dir = tmp_path / "run"
     shrunk = [o for o in GPU_SHRUNK if not o.startswith("checkpoint.")]
@@ -176,18 +176,26 @@ def test_loss_falls_on_the_sample(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_run_shorter_than_the_warmup_just_works(tmp_path, capsys):
-    # `python train.py train.steps=3` with the default 30-step warmup and decay over the run:
-    # warms up over the first half of the run, says so in one line, and trains.
-    summary = train_mod.train(make_cfg(tmp_path, "train.steps=3", "train.log_every=1", "train.eval_every=0",
+def test_a_short_run_with_its_own_held_out_files_just_works(tmp_path, capsys):
+    """Two start-up conveniences in one 3-step run (they were two runs; each check is unchanged):
+    - `python train.py train.steps=3` with the default 30-step warmup and decay over the run warms
+      up over the first half of the run, says so in one line, and trains;
+    - 3 held-out files and a batch of 16: the eval set picks a shard count that divides the batch
+      instead of failing on a data.num_shards the user never set."""
+    sample = "${project_root:}/data/sample"
+    summary = train_mod.train(make_cfg(tmp_path, "train.steps=3", "train.log_every=1", "train.eval_every=3",
                                        "checkpoint.every=0", "logger.wandb.mode=disabled", "data.num_workers=0",
-                                       "optimizer.warmup_steps=30", "optimizer.decay_steps=null"))
+                                       "optimizer.warmup_steps=30", "optimizer.decay_steps=null",
+                                       f"data.paths=['{sample}/000[0-4]/en_head.json.gz']", "data.eval.holdout_files=0",
+                                       f"data.eval.paths=['{sample}/000[5-7]/en_head.json.gz']"))
     assert summary["steps"] == 3
     notes = [line for line in capsys.readouterr().out.splitlines() if "optimizer.warmup_steps" in line]
     assert notes == ["note: optimizer.warmup_steps=30 is not below train.steps=3: warming up over the first "
                      "1 steps (half the run) instead"]
-    lrs = [r["lr"] for r in read_metrics(tmp_path)]
+    rows = read_metrics(tmp_path)
+    lrs = [r["lr"] for r in rows]
     assert lrs[0] == 0.0 and lrs[1] == pytest.approx(3.0e-3) and 0 < lrs[2] < lrs[1]
+    assert [r["step"] for r in rows if "eval_loss" in r] == [3] and rows[-1]["eval_loss"] > 0
 
 
 # ---------------------------------------------------------------- bad input fails in one line
@@ -261,18 +269,6 @@ def test_a_cpu_start_with_libtpu_installed_prints_no_tpu_warnings(tmp_path):
                             capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2 and len(lines) == 1 and "global_batch_size" in lines[0], result.stderr[-3000:]
-
-
-@pytest.mark.slow
-def test_eval_files_need_not_divide_the_batch(tmp_path):
-    # 3 held-out files and a batch of 16: the eval set picks a shard count that divides the batch
-    # instead of failing on a data.num_shards the user never set.
-    sample = "${project_root:}/data/sample"
-    train_mod.train(make_cfg(tmp_path, *TINY_FAST, "train.steps=3", "train.log_every=3", "train.eval_every=3",
-                             f"data.paths=['{sample}/000[0-4]/en_head.json.gz']", "data.eval.holdout_files=0",
-                             f"data.eval.paths=['{sample}/000[5-7]/en_head.json.gz']"))
-    [row] = read_metrics(tmp_path)
-    assert row["eval_loss"] > 0
 
 
 @pytest.mark.slow

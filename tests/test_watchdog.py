@@ -12,7 +12,7 @@ import pytest
 
 from model.runtime import goodput
 from model.runtime.watchdog import EXIT_HANG, MIN_TIMEOUT_S, announce_last_hang, hang_timeout, heartbeat_over
-from tests.run_helpers import ROOT, read_metrics, run_cli
+from tests.run_helpers import ROOT, read_metrics, run_cli, without_device_count
 
 # A watchdog in a process of its own (it ends the process it fires in).
 SCRIPT = textwrap.dedent("""
@@ -190,7 +190,7 @@ def test_two_processes_one_hung_both_exit_and_launch_local_restarts(tmp_path):
     from data.pipeline import SLOW_ONCE_ENV
 
     run_dir = tmp_path / "multi"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = without_device_count()
     env.update({**_planted_hang_env("600@1+8"), "PYTHONPATH": str(ROOT)})
     result = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "launch_local.py"), "--processes", "2", "--devices-per-process", "2",

@@ -75,25 +75,6 @@ def check_settings(on_divergence: str, divergence_skips) -> None:
         raise ValueError(f"train.divergence_skips={divergence_skips} must be >= 0 (0: never)")
 
 
-# ---------------------------------------------------------------- a planted divergence (tests)
-DIVERGE_ENV = "JAXPT_TEST_DIVERGE_AT"
-
-
-def planted_divergence() -> set[int]:
-    """JAXPT_TEST_DIVERGE_AT=3,7: after the step that draws the 3rd (7th) batch of this start,
-    the parameters become NaN, as a NaN gradient leaves them. For tests of the rollback."""
-    raw = os.environ.get(DIVERGE_ENV, "")
-    return {int(x) for x in raw.split(",") if x.strip()}
-
-
-def plant(state: dict, metrics: dict) -> tuple[dict, dict]:
-    import jax
-    import jax.numpy as jnp
-
-    state = dict(state, params=jax.tree.map(lambda x: x * jnp.nan, state["params"]))
-    return state, dict(metrics, param_norm=jnp.float32(jnp.nan))
-
-
 # ---------------------------------------------------------------- the records on disk
 def _records_dir(ckpt_dir: str, step: int):
     from etils import epath  # checkpoint.dir may be gs://
