@@ -3,7 +3,7 @@
 signals costs per document, and the stream's kept tokens/s with gopher + exact dedup against the
 tokenizer alone on the kept documents.
 
-    python /work/shared/bench/make_corpus.py /tmp/rpq --shards 4 --docs 1500 --median-chars 480
+    python ../shared/bench/make_corpus.py /tmp/rpq --shards 4 --docs 1500 --median-chars 480
     python scripts/bench/bench_quality.py --corpus /tmp/rpq --workers 2
 
 The corpus's companion files are written first when missing (scripts/make_sample_companions.py:
