@@ -2,7 +2,6 @@
 and the exact-resume runs of test_resume.py (subprocesses with per-step batch hashes)."""
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -101,16 +100,10 @@ def shard_streams(steps_rows, steps):
 
 
 def without_device_count(env=None) -> dict:
-    """The environment (default: this process's) without the suite's 8 fake devices, for
-    processes that get their own device count; the rest of XLA_FLAGS (tests/conftest.py's
-    compile level) stays."""
-    env = dict(os.environ if env is None else env)
-    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", "")).strip()
-    if flags:
-        env["XLA_FLAGS"] = flags
-    else:
-        env.pop("XLA_FLAGS", None)
-    return env
+    """The environment (default: this process's) as scripts/launch_local.py gives its processes:
+    without the suite's 8 fake devices, for processes that get their own device count; the rest of
+    XLA_FLAGS (tests/conftest.py's compile level) stays."""
+    return load_script("launch_local").child_env(os.environ if env is None else env)
 
 
 def env_for(processes):
