@@ -569,6 +569,24 @@ def kv_heads_for_shards(k_bskh, v_bskh, n_heads: int, mesh, head_axes):
     return jnp.repeat(k_bskh, g, axis=2), jnp.repeat(v_bskh, g, axis=2)
 
 
+# Splash's tile edge. The library's default (128, marked "select better parameters" in its source)
+# is its placeholder; 512 is what tuned TPU setups run. The block map splash builds on the host
+# while tracing has one entry per tile pair, so at 128 a chip's 32k queries against a 128k row
+# took about a minute of CPU per process before anything compiled; at 512, a sixteenth of that
+# (BENCHMARKS.md "The suite's time, #55").
+SPLASH_BLOCK = 512
+
+
+def splash_block_sizes(t_q: int, t_kv: int):
+    """Splash's BlockSizes for t_q queries against t_kv keys: SPLASH_BLOCK, or the largest power of
+    two below it that divides the length (a tile must divide its axis)."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    bq, bkv = math.gcd(SPLASH_BLOCK, t_q), math.gcd(SPLASH_BLOCK, t_kv)
+    return splash.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq, block_kv_dkv=bkv,
+                             block_kv_dkv_compute=bkv, block_q_dq=bq, block_kv_dq=bkv)
+
+
 def attention_splash(q_btnh, k_bskh, v_bskh, segment_ids_bt, interpret: bool = False, window: int | None = None):
     """Pallas splash attention (TPU). A per-device kernel, so it runs under shard_map.
 
@@ -602,7 +620,8 @@ def attention_splash(q_btnh, k_bskh, v_bskh, segment_ids_bt, interpret: bool = F
         n_local, t_chip = q.shape[1], q.shape[2]
         k, v, seg_kv = ctx.unstripe(k, c, 2), ctx.unstripe(v, c, 2), ctx.unstripe(seg_kv, c, 1)
         mask = splash.MultiHeadMask([ctx.StripedSplashMask((t_chip, t), c, window) for _ in range(n_local)])
-        kernel = splash.make_splash_mha(mask, head_shards=1, q_seq_shards=1, interpret=interpret)
+        kernel = splash.make_splash_mha(mask, head_shards=1, q_seq_shards=1, interpret=interpret,
+                                         block_sizes=splash_block_sizes(t_chip, t))
         # This chip's query rows: the kernel computes the mask from them (its block map holds for every chip).
         rows = ctx.chip_rows(t_chip, c, jax.lax.axis_index(len_axes) if c > 1 else 0)
         infos = (kernel.fwd_mask_info, kernel.dq_mask_info, kernel.dkv_mask_info)

@@ -76,7 +76,7 @@ def straight(corpus):
         feed.close()
 
 
-@pytest.mark.parametrize("workers", [0, 1])
+@pytest.mark.parametrize("workers", [0, pytest.param(1, marks=pytest.mark.slow)])   # 1: worker processes
 def test_a_restore_hands_out_the_carried_batch_then_goes_on_exactly(corpus, straight, workers, tmp_path):
     c = cfg(corpus, global_batch_size=8, num_workers=workers)
     state = _saved_after(c, K)

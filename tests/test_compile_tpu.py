@@ -143,6 +143,7 @@ def test_every_experiment_passes_every_check_before_anything_is_rented(experimen
     check_plan_facts(experiment, plan, result.stdout)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("override, key", [
     ("data.num_shards=3", "data.num_shards=3"),                  # does not divide the batch of 512
     ("data.num_workers=256", "data.num_shards=512"),             # 4 hosts x 256 workers > 512 shards
@@ -160,6 +161,7 @@ def test_a_broken_experiment_fails_in_one_line_naming_the_key(override, key):
     assert "plan " not in result.stdout
 
 
+@pytest.mark.slow
 def test_a_gpu_plan_checks_its_tokenizer_and_states_its_hardware():
     # A local tokenizer is loaded and checked against the model (the sample's 4,096 ids)...
     result = run_script("experiment=sample_125m", "model.vocab_size=1000", "--no-compile")

@@ -86,6 +86,7 @@ def test_kept_documents_are_in_the_bucket_and_every_one_of_them_is_kept(tmp_path
     close(it)
 
 
+@pytest.mark.slow
 def test_a_document_in_pieces_is_judged_by_its_whole_length(tmp_path):
     # File 0's line 2 is ~250 k characters: tokenized in 3 pieces of <= 100 k characters
     # (data/readers/sources.py PIECE_CHARS). A bound between a piece's tokens and the document's
@@ -146,7 +147,7 @@ def test_a_mixture_of_buckets_keeps_each_sources_bucket_and_counts_per_source():
     close(it)
 
 
-@pytest.mark.parametrize("workers", [0, 1])
+@pytest.mark.parametrize("workers", [0, pytest.param(1, marks=pytest.mark.slow)])   # 1: worker processes
 def test_restore_of_a_bucketed_mixture_is_exact(workers):
     n = 14
     it = data.make_host_iterator(mix(num_workers=workers), 0, 1, debug=True)

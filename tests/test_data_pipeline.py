@@ -260,6 +260,7 @@ def test_input_workers_start_together(tmp_path):
         f"workers created {gap:.2f} s apart; their first rows after {workers_first_rows_s:.2f} s")
 
 
+@pytest.mark.slow
 def test_input_workers_exit_on_their_own_when_closed(tmp_path):
     """A worker whose queue is full has slabs waiting in its queue's feeder thread (a pipe holds
     less than one); it can exit only once they are read. Closed without reading them, Grain

@@ -412,6 +412,7 @@ def rules_names(rules):
     return [r.name for r in rules.rules]
 
 
+@pytest.mark.slow
 def test_input_workers_hand_out_the_same_selection(corpus):
     """The selection is made inside the worker processes: the same batches as in-process."""
     inproc = take(data.make_host_iterator(qcfg(corpus), 0, 1, debug=True), 8)

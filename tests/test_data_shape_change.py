@@ -100,7 +100,7 @@ def first_epoch_key(n_files: int):
     ("concat", 8, 32, 128, 5, 40, 0),        # longer rows, 2 hosts -> 1, batch 8 -> 4
     ("concat", 8, 128, 32, 3, 120, 0),       # shorter rows: the old window's rest is many new rows
     ("first_fit", 0, 32, 128, 5, 40, 0),     # no shuffle: each document's tokens in order
-    ("first_fit", 8, 32, 128, 5, 40, 2),     # re-packed in 2 input worker processes
+    pytest.param("first_fit", 8, 32, 128, 5, 40, 2, marks=pytest.mark.slow),   # re-packed in 2 input worker processes
 ])
 def test_every_document_once_across_a_switch(tmp_path, packing, window, L1, L2, n1, n2, workers):
     texts = write_corpus(tmp_path, n_files=8, docs_per_file=6, max_words=80)

@@ -372,6 +372,7 @@ def _children_nice() -> dict[int, set[int]]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread priorities from Linux /proc")
 @pytest.mark.parametrize("nice", [10, 0])
 def test_input_workers_run_nicer_than_the_trainer(tmp_path, nice):

@@ -183,6 +183,7 @@ def test_dataloader_and_stateful_dataloader(corpus):
         next(iter(DataLoader(Batches(ov), batch_size=None, num_workers=1)))
 
 
+@pytest.mark.slow
 def test_bad_input_is_counted_and_named_as_in_training(tmp_path):
     write_corpus(tmp_path, n_files=4, docs_per_file=8)
     bad = tmp_path / "0002" / "en_head.json.gz"

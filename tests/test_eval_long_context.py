@@ -46,6 +46,7 @@ def test_position_buckets_average_the_positions_they_span():
     assert list(position_losses(np.ones(200), np.ones(200), 100))[-1] == "eval_loss_pos/99"
 
 
+@pytest.mark.slow
 def test_eval_step_sums_by_the_tokens_position_in_its_document():
     mesh, rules = mesh_and_rules()
     b, t = 8, 32
@@ -165,6 +166,7 @@ def test_passkey_mistakes_fail_in_one_line(passkey, needle):
 
 
 # ---------------------------------------------------------------- the report's plot
+@pytest.mark.slow
 def test_report_draws_the_loss_by_position_when_the_run_logged_it(tmp_path):
     import json
 

@@ -145,6 +145,7 @@ def test_backward_takes_the_gradient_in_e5m2(spec):
         assert np.abs(got - wrong).max() > DIFFERS * np.abs(want).max()  # an e4m3 gradient reads otherwise
 
 
+@pytest.mark.slow
 def test_compiled_program_keeps_the_fp8_types():
     """The step's StableHLO has the seven projections' dots on e4m3 x e4m3 and their fourteen
     gradient dots on e5m2 x e4m3 (the scanned layer body once), the vocab head's in bf16; XLA's
@@ -182,6 +183,7 @@ def test_gpu_runs_the_projections_as_fp8_gemms():
 
 
 # ---------------------------------------------------------------- the network in FP8
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", [dict(remat="full"), dict(remat="dots"), dict(scan_layers=False)])
 def test_remat_and_unscanned_layers_run_the_same_fp8_numbers(variant):
     """fp8_einsum's custom gradient under jax.checkpoint's policies and outside the scan (in fp32
@@ -199,6 +201,7 @@ def test_remat_and_unscanned_layers_run_the_same_fp8_numbers(variant):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5 * loose, atol=1e-7 * loose), g, ref_g)
 
 
+@pytest.mark.slow
 def test_fp8_loss_and_gradients_follow_bf16():
     params, bf16_loss, bf16_g = _loss_and_grads(SMALL)
     _, fp8_loss, fp8_g = _loss_and_grads(dataclasses.replace(SMALL, fp8=True), params)

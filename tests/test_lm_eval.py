@@ -19,26 +19,21 @@ import numpy as np
 import pytest
 from flax import nnx
 
-pytest.importorskip("torch")
-pytest.importorskip("transformers")
-pytest.importorskip("lm_eval")
-pytest.importorskip("accelerate")   # the harness's HF backend imports it
+from data.tokenizer import load_tokenizer
+from model import sharding as shd
+from model.evals.evaluate import Scorer
+from model.evals.tasks import RequestEncoder, TaskSpec, read_task
+from model.llama import Llama, LlamaConfig
+from model.runtime import checkpoint as ckpt_lib
+from model.step import param_shardings
+from tests.run_helpers import without_device_count
 
-import lm_eval  # noqa: E402
-from lm_eval.models.huggingface import HFLM  # noqa: E402
-from lm_eval.tasks import TaskManager  # noqa: E402
+# The harness and torch load only where these tests run: found, not imported, at collection (each
+# test worker collects every file; importing lm_eval and torch there cost seconds per worker).
+# accelerate: the harness's HF backend imports it.
+MISSING = [m for m in ("torch", "transformers", "lm_eval", "accelerate") if importlib.util.find_spec(m) is None]
 
-import model.evals.harness  # noqa: E402,F401  (registers "jaxpt")
-from data.tokenizer import load_tokenizer  # noqa: E402
-from model import sharding as shd  # noqa: E402
-from model.evals.evaluate import Scorer  # noqa: E402
-from model.evals.tasks import RequestEncoder, TaskSpec, read_task  # noqa: E402
-from model.llama import Llama, LlamaConfig  # noqa: E402
-from model.runtime import checkpoint as ckpt_lib  # noqa: E402
-from model.step import param_shardings  # noqa: E402
-from tests.run_helpers import without_device_count  # noqa: E402
-
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(MISSING), reason=f"not installed: {MISSING}")]
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
@@ -145,7 +140,25 @@ def setup(tmp_path_factory):
     return ckpt, base / "hf", base / "tasks", mc
 
 
+def harness():
+    """model/evals/harness.py, imported (which registers "jaxpt" with lm_eval) where a test runs."""
+    import model.evals.harness
+
+    return model.evals.harness
+
+
+def hf_backend(hf_dir):
+    """The harness's own HF backend on an exported model (transformers' classes, fp32 on CPU)."""
+    from lm_eval.models.huggingface import HFLM
+
+    return HFLM(pretrained=str(hf_dir), device="cpu", dtype="float32", batch_size=4)
+
+
 def run(model, task_dir, **kw):
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    harness()
     # Only the local tasks: indexing the harness's ~15k built-in task YAMLs costs 10-20 s a call.
     tasks = TaskManager(include_path=str(task_dir), include_defaults=False)
     return lm_eval.simple_evaluate(model=model, tasks=["jx_mc", "jx_lambada"], task_manager=tasks,
@@ -160,7 +173,7 @@ def lls(results, task):
 @pytest.fixture(scope="module")
 def both(setup):
     ckpt, hf_dir, task_dir, _ = setup
-    hf = run(HFLM(pretrained=str(hf_dir), device="cpu", dtype="float32", batch_size=4), task_dir)
+    hf = run(hf_backend(hf_dir), task_dir)
     ours = run("jaxpt", task_dir, model_args=f"run_dir={ckpt},step=0,batch_rows=8")
     return hf, ours
 
@@ -185,7 +198,7 @@ def test_in_loop_scorer_matches_the_hf_backend(setup, both):
     ckpt, _, _, mc = setup
     hf, _ = both
     _, params, _ = ckpt_lib.load_params(ckpt)
-    mesh_cfg = model.evals.harness._MESH
+    mesh_cfg = harness()._MESH
     mesh, rules = shd.make_mesh(mesh_cfg), shd.rules_from_cfg(mesh_cfg)
     shardings = param_shardings(CFG, mesh, rules)
     scorer = Scorer(CFG, mesh, rules, shardings, seq_len=SEQ, batch_rows=len(jax.devices()))
@@ -219,7 +232,7 @@ def cli_env():
 
 
 def test_registering_jaxpt_keeps_every_harness_model():
-    """A fresh process (this module's HFLM import fills the registry and would hide the bug): after
+    """A fresh process (the other tests' HFLM import fills the registry and would hide the bug): after
     our module registers "jaxpt", every model of the harness's catalogue still resolves by name."""
     # The lookups come before the catalogue's import: importing lm_eval.models registers it.
     probe = ("import model.evals.harness\n"
@@ -254,9 +267,9 @@ def test_cli_wrapper_runs_the_harness_hf_backend(setup, both, tmp_path):
 def test_bad_model_args_and_generation_are_one_line(setup):
     ckpt, _, _, _ = setup
     with pytest.raises(ValueError, match="unknown model_args.*'temperature'"):
-        model.evals.harness.JaxptLM(run_dir=ckpt, temperature=1.0)
+        harness().JaxptLM(run_dir=ckpt, temperature=1.0)
     with pytest.raises(FileNotFoundError, match="no checkpoint at step 7"):
-        model.evals.harness.JaxptLM(run_dir=ckpt, step=7)
+        harness().JaxptLM(run_dir=ckpt, step=7)
 
 
 def _mc_lines(task_dir):
@@ -290,7 +303,7 @@ def test_each_family_matches_the_hf_backend_per_request(family, setup, tmp_path)
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == cfg.hf_model_type
     n_mc = len(_mc_lines(task_dir))
     docs = {"jx_mc": [0, 1, 2, 3, 4, 5, n_mc - 2, n_mc - 1], "jx_lambada": list(range(8))}
-    hf = run(HFLM(pretrained=str(tmp_path / "hf"), device="cpu", dtype="float32", batch_size=4), task_dir,
+    hf = run(hf_backend(tmp_path / "hf"), task_dir,
              samples=docs)
     ours = run("jaxpt", task_dir, model_args=f"run_dir={ckpt},step=0,batch_rows=8", samples=docs)
     for task in ("jx_mc", "jx_lambada"):

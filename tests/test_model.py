@@ -160,6 +160,28 @@ def test_sliding_window_attention_on_every_kernel(impl):
 
 
 @pytest.mark.slow
+def test_splash_at_its_512_tiles_matches_reference_forward_and_backward():
+    """Rows of 2,048 run splash at its 512 x 512 tiles (llama.SPLASH_BLOCK; the other tests' 128-token
+    rows fit one tile): documents and a window cross the tile edges, so the block map skips some
+    tiles (wholly outside the window) and masks others, and the backward kernels (dq, dkv: their own
+    block maps) give the reference's gradients."""
+    t, window = 2048, 600
+    sizes = llama.splash_block_sizes(t, t)
+    assert (sizes.block_q, sizes.block_kv, sizes.block_q_dkv, sizes.block_kv_dq) == (512,) * 4
+    assert llama.splash_block_sizes(384, 640).block_q == 128 and llama.splash_block_sizes(384, 640).block_kv == 128
+    q, k, v, _ = _qkv(4, b=1, t=t, h=128)
+    seg = jnp.asarray(np.digitize(np.arange(t), [700, 1800])[None] + 1, jnp.int32)     # edges off the tiles
+
+    def loss(fn):
+        return jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(fn(q, k, v) ** 2), argnums=(0, 1, 2)))
+
+    got = loss(lambda q, k, v: llama.attention_splash(q, k, v, seg, interpret=True, window=window))(q, k, v)
+    want = loss(lambda q, k, v: llama.attention_xla(q, k, v, seg, window=window))(q, k, v)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.slow
 def test_splash_under_shard_map_matches_reference():
     """Splash on a fsdp=4 x tensor=2 mesh: batch and heads split, per-device kernels."""
     import yaml as _yaml

@@ -88,13 +88,15 @@ def test_logits_match_hf_llama(tie):
 # One tiny random model per family, built by transformers' own class (tests/hf_helpers.py).
 
 
-@pytest.mark.parametrize("name", list(VARIANTS))
+# One family in the fast tier; the rest with the slow tests (~4 s each)
+@pytest.mark.parametrize("name", [n if n == "llama3" else pytest.param(n, marks=pytest.mark.slow) for n in VARIANTS])
 def test_family_logits_match_transformers(name, tmp_path):
     gap, scale = logit_gap(name, tmp_path / name)
     assert scale > 1.0  # not vacuous
     assert gap <= 1e-4, gap
 
 
+@pytest.mark.slow
 def test_variant_features_are_read_and_matter(tmp_path):
     """Each variant's field is read, and leaving it out would change the logits (so the parity
     above checks it): RoPE scaling, the window, biases and q/k norms."""
@@ -128,6 +130,7 @@ def test_variant_features_are_read_and_matter(tmp_path):
             assert gap > 1e-2, (name, gap)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, fields", [
     # Qwen2.5's spelling: rope_scaling {"type": "yarn", ...} and a top-level rope_theta
     ("qwen2_yarn_hub_spelling", dict(rope_type="yarn", rope_theta=1e6, rope_factor=4.0, rope_original_max_len=32,

@@ -450,6 +450,7 @@ def test_every_format_from_a_url_gives_the_local_batches(tmp_path, kind):
 
 
 # ---------------------------------------------------------------- gzip seek points through a URL
+@pytest.mark.slow
 def test_gzip_seek_points_and_restore_from_a_url_match_the_local_file(tmp_path):
     """data/readers/gzseek.py on a URL: indexed_gzip reads through the object-store file, and a restore
     inflates from the seek point (the same points and bytes as the local file)."""

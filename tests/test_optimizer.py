@@ -41,6 +41,7 @@ def test_a_run_not_longer_than_its_warmup_warms_up_over_half_of_it():
         resolve_warmup({**OPT, "decay_steps": 1000}, 42_000)
 
 
+@pytest.mark.slow
 def test_fresh_opt_state_keeps_the_schedule_count():
     """checkpoint.reset_optimizer (model/step.py fresh_opt_state): Adam's moments and count start
     again, the learning-rate schedule's count goes on where the run is."""

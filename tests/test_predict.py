@@ -205,6 +205,7 @@ def test_the_flags_reach_the_compile_and_the_pod(monkeypatch, capsys):
         assert script.index("export LIBTPU_INIT_ARGS=") < script.index("setsid nohup")   # before train.py starts
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason='libtpu not installed: pip install -e ".[tpu]"')
 def test_libtpu_reads_the_flags_in_compile_tpus_process():
     # A flag libtpu does not know stops it as it loads: what compile_tpu puts in LIBTPU_INIT_ARGS

@@ -52,6 +52,7 @@ def test_what_counts_as_a_divergence():
     assert find_divergence(run, 12, skips_in_a_row=0) is None
 
 
+@pytest.mark.slow
 def test_a_bad_setting_fails_in_one_line(tmp_path):
     r = run_cli(tmp_path, "train.on_divergence=restart", *COMMON)
     assert r.returncode == 2            # config errors exit 2, before anything starts

@@ -32,6 +32,7 @@ def full_size():
     return {family: mt.constructed(family) for family in ("llama3", "qwen2")}
 
 
+@pytest.mark.slow
 def test_boundary_tokens_at_the_families_ids(full_size):
     llama3, qwen2 = full_size["llama3"], full_size["qwen2"]
     assert llama3.get_vocab_size() == 128_256 and qwen2.get_vocab_size() == 151_665

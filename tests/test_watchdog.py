@@ -41,6 +41,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_stuck_process_writes_stacks_and_a_report_then_exits_75(tmp_path):
     t0 = time.monotonic()
     r = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=60,
