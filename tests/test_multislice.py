@@ -4,8 +4,9 @@ mesh of model/sharding.py, data parallel across the slices.
 
     pytest tests/test_multislice.py -q -n0      (~5 min on 2 cores: four runs of real processes)
 
-- 2 slices x 2 processes train exactly as 1 slice x 4 processes with the same global batch
-  (losses within 1e-5 relative), and the rows name the slowest hosts' slices;
+- 2 slices x 2 processes train exactly as one process of 8 devices with the same global batch (the
+  suite's straight run: losses within 1e-5 relative), and the rows name the slowest hosts' slices;
+  1 slice x 2 processes names none;
 - the 2 x 2 run's checkpoint resumes on 1 slice x 2 processes and on 4 slices x 1 process with
   every virtual shard continuing exactly (no row lost or repeated), as a host-count change does.
 """
@@ -24,40 +25,38 @@ def losses(run_dir) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def one_by_four(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("one_by_four")
-    run(run_dir, "data.num_workers=0", processes=4)
-    return run_dir
-
-
-@pytest.fixture(scope="module")
 def two_by_two(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("two_by_two")
     run(run_dir, "data.num_workers=0", f"checkpoint.every={K}", processes=4, slices=2)
     return run_dir
 
 
-def test_two_slices_train_as_one(one_by_four, two_by_two):
-    want, got = losses(one_by_four), losses(two_by_two)
+def test_two_slices_train_as_one(straight, two_by_two):
+    """straight (tests/conftest.py): the same run in one process over the same 8 devices; that any
+    host count trains it alike is test_multihost.py's (1 and 2 processes)."""
+    want, got = losses(straight), losses(two_by_two)
     assert sorted(got) == sorted(want) == list(range(1, N + 1))
     np.testing.assert_allclose([got[s] for s in sorted(got)], [want[s] for s in sorted(want)], rtol=1e-5)
     rows = read_jsonl(two_by_two / "metrics.jsonl")
-    # Per-host figures name the slice of the slowest host; one slice names none.
+    # Per-host figures name the slice of the slowest host (one slice names none: the resume test's).
     assert all(r["host/slowest_step_slice"] == r["host/slowest_step"] // 2 for r in rows if "loss" in r), rows[-1]
-    assert not any("host/slowest_step_slice" in r for r in read_jsonl(one_by_four / "metrics.jsonl"))
 
 
 @pytest.mark.parametrize("processes,slices", [(2, 1), (4, 4)], ids=["1_slice_x_2", "4_slices_x_1"])
-def test_checkpoint_of_two_slices_resumes_on_other_layouts(one_by_four, two_by_two, tmp_path, processes, slices):
+def test_checkpoint_of_two_slices_resumes_on_other_layouts(straight, two_by_two, tmp_path, processes, slices):
     run(tmp_path, "data.num_workers=0", f"checkpoint.resume_from={two_by_two / 'checkpoints' / str(K)}",
         "checkpoint.every=0", processes=processes, slices=slices)
     assert resumed_at(tmp_path) == K
     assert_every_shard_continues_exactly([(two_by_two, range(1, K + 1)), (tmp_path, range(K + 1, N + 1))],
-                                         one_by_four)
-    got, want = losses(tmp_path), losses(one_by_four)
-    # The same global batch over the same rows: the continued run's losses are the 1 x 4 run's.
+                                         straight)
+    got, want = losses(tmp_path), losses(straight)
+    # The same global batch over the same rows: the continued run's losses are the straight run's.
     np.testing.assert_allclose([got[s] for s in range(K + 1, N + 1)], [want[s] for s in range(K + 1, N + 1)],
                                rtol=1e-5)
+    # Several hosts of one slice: per-host figures, but no slice to name.
+    rows = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "loss" in r]
+    assert all(("host/slowest_step" in r) == (processes > 1) for r in rows), rows[-1]
+    assert all(("host/slowest_step_slice" in r) == (slices > 1) for r in rows), rows[-1]
 
 
 def test_a_lost_slice_brings_the_job_back_and_is_named(tmp_path):

@@ -1,5 +1,5 @@
 """Context extension as one step of a run (data.shape_change=continue), through train.py: a run of
-2 processes at seq_len 256 x batch 16 resumes on 1 process (8 devices) at 1024 x 8 with model.rope_theta raised.
+2 processes at seq_len 128 x batch 16 resumes on 1 process (8 devices) at 512 x 8 with model.rope_theta raised.
 
     pytest -n0 tests/test_shape_change.py -q        (~4 min on 2 shared cores)
 
@@ -24,8 +24,8 @@ pytestmark = pytest.mark.slow
 
 K, N = 3, 11          # the switch after step K; the switched run's last step
 DATA = ["data.eval.holdout_files=0", "data.shuffle_window=4", "checkpoint.every=3"]
-BEFORE = ["data.seq_len=256", "data.global_batch_size=16", f"train.steps={K}"]
-AFTER = ["data.seq_len=1024", "data.global_batch_size=8", "model.max_seq_len=1024", "model.rope_theta=40000",
+BEFORE = ["data.seq_len=128", "data.global_batch_size=16", f"train.steps={K}"]     # model.max_seq_len 256
+AFTER = ["data.seq_len=512", "data.global_batch_size=8", "model.max_seq_len=512", "model.rope_theta=40000",
          "data.shape_change=continue", f"train.steps={N}"]
 
 
@@ -40,10 +40,11 @@ def losses(run_dir: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def switched(tmp_path_factory):
-    """(corpus files, the run at 256 x 16 on 2 processes to step K, the same continued at 1024 x 8 on
+    """(corpus files, the run at 128 x 16 on 2 processes to step K, the same continued at 512 x 8 on
     1 process to step N)."""
     root = tmp_path_factory.mktemp("shape")
-    write_corpus(root / "corpus", n_files=8, docs_per_file=20, min_words=40, max_words=160)
+    # ~24k tokens: the run (3 x 2,048 then 8 x 4,096 tokens) reads past its first epoch
+    write_corpus(root / "corpus", n_files=8, docs_per_file=12, min_words=40, max_words=160)
     files = sorted(str(p) for p in (root / "corpus").glob("*/en_head.json.gz"))
     data = [f"data.paths=[{root / 'corpus'}/*/en_head.json.gz]", *DATA]
     before = root / "before"
@@ -69,11 +70,11 @@ def test_every_document_once_across_the_switch(switched):
                 got[(epoch, f, line)] += n
     first_epoch = {(f, line): n for (epoch, f, line), n in got.items() if epoch == 0}
     assert first_epoch == want, {k: (first_epoch.get(k), n) for k, n in want.items() if first_epoch.get(k) != n}
-    assert len(want) == 160 and any(epoch == 1 for epoch, _, _ in got)     # the epoch ended inside the run
+    assert len(want) == 96 and any(epoch == 1 for epoch, _, _ in got)     # the epoch ended inside the run
     steps = {step for _, step in last_records(straight, "debug_batches")}
     assert steps == set(range(1, N + 1))
     text = logs(straight)
-    assert ("data.seq_len 256 -> 1024, data.global_batch_size 16 -> 8, model.max_seq_len 256 -> 1024, "
+    assert ("data.seq_len 128 -> 512, data.global_batch_size 16 -> 8, model.max_seq_len 256 -> 512, "
             "model.rope_theta 10000.0 -> 40000: continuing the data (data.shape_change=continue)") in text
 
 
@@ -96,13 +97,13 @@ def test_refusals_name_the_setting_in_one_line(switched, tmp_path, capsys):
     field are still refused."""
     _, data, before, _ = switched
     for i, (extra, message) in enumerate([
-        (["data.seq_len=1024", "data.global_batch_size=8", "model.max_seq_len=1024"],
-         "data.seq_len 256 -> 1024, data.global_batch_size 16 -> 8, model.max_seq_len 256 -> 1024): set "
+        (["data.seq_len=512", "data.global_batch_size=8", "model.max_seq_len=512"],
+         "data.seq_len 128 -> 512, data.global_batch_size 16 -> 8, model.max_seq_len 256 -> 512): set "
          "data.shape_change=continue"),
         (["data.global_batch_size=8"], "data.global_batch_size 16 -> 8): set data.shape_change=continue"),
-        (["data.seq_len=1024", "model.max_seq_len=1024", "data.shape_change=continue", "data.num_shards=8",
+        (["data.seq_len=512", "model.max_seq_len=512", "data.shape_change=continue", "data.num_shards=8",
           "data.global_batch_size=8"], "data.shape_change=continue: data.num_shards changed (4 -> 8)"),
-        (["data.seq_len=1024", "model.max_seq_len=1024", "data.shape_change=continue", "model.norm_eps=1e-6",
+        (["data.seq_len=512", "model.max_seq_len=512", "data.shape_change=continue", "model.norm_eps=1e-6",
           "data.global_batch_size=8"], "model.norm_eps: checkpoint=1e-05 now=1e-06"),
     ]):
         run_dir = tmp_path / f"r{i}"
