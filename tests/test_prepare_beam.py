@@ -20,7 +20,7 @@ import shutil
 import pytest
 
 from data.readers import companions
-from tests.data_helpers import REPO, TOKENIZER, SCRIPT, convert
+from tests.data_helpers import REPO, SCRIPT, TOKENIZER, convert
 
 pytest.importorskip("apache_beam", reason="the [beam] extra: pip install -e '.[beam]'")
 
