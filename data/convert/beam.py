@@ -129,7 +129,8 @@ class ConvertPart(beam.DoFn):
         path, got = element
         for i in got["part"]:
             if self.fuzzy:   # a file without a minhash file is left out: Converter names it
-                self.conv.fuzzy = {} if got.get("missing") else {path: set(got.get("drop", ()))}
+                missing = list(got.get("missing", ()))   # grouped values may be lazy iterables
+                self.conv.fuzzy = {} if missing else {path: set(got.get("drop", ()))}
             self.conv.run([i], _NoBar())
             yield i
 
@@ -180,7 +181,7 @@ def build(p: beam.Pipeline, args, files: list[str], todo: list[int], tok_json: s
                  | "Dropped" >> beam.FlatMap(_dropped))
         work = ({"part": parts, "drop": drops, "missing": bands.missing}
                 | "ByFile" >> beam.CoGroupByKey()
-                | "OnlyToDo" >> beam.Filter(lambda kv: bool(kv[1]["part"])))
+                | "OnlyToDo" >> beam.Filter(lambda kv: any(True for _ in kv[1]["part"])))
     else:
         # A shuffle keyed by file spreads the parts over the workers (a Create is one bundle).
         work = (parts | "ByFile" >> beam.GroupByKey()
