@@ -4,7 +4,8 @@ exact + fuzzy dedup; fuzzy dedup as a GroupByKey over band buckets equals the in
 known band collisions (a missing minhash file included); a re-run over existing parts redoes only
 what a killed attempt left, to the same bytes; the options built for Dataflow, offline.
 
-Real Beam (DirectRunner), real ArrayRecord files; skipped without the [beam] extra.
+Real Beam (DirectRunner), real ArrayRecord files; skipped without the [beam] extra. ~26 s on 2
+cores, 23 s of it the two tests on the sample (marked slow).
 
     pytest -n0 -q tests/test_prepare_beam.py
 """
@@ -56,6 +57,7 @@ def sample_outs(tmp_path_factory):
     return local, direct
 
 
+@pytest.mark.slow   # the sample converted twice (~20 s on 2 cores), shared with the next test
 def test_direct_runner_parts_equal_the_in_process_converters(sample_outs):
     local, direct = sample_outs
     a, b = tree(local), tree(direct)
@@ -67,6 +69,7 @@ def test_direct_runner_parts_equal_the_in_process_converters(sample_outs):
     assert m["documents"] + sum(m["dropped"].values()) == 960
 
 
+@pytest.mark.slow
 def test_a_rerun_redoes_only_an_unfinished_part_to_the_same_bytes(sample_outs, tmp_path):
     _, direct = sample_outs
     out = str(tmp_path / "again")
