@@ -1,11 +1,13 @@
 """The conversion on Apache Beam (scripts/prepare_data.py --runner DirectRunner, data/convert/beam.py):
 its parts equal the in-process converter's byte for byte on the bundled sample with gopher and
 exact + fuzzy dedup; fuzzy dedup as a GroupByKey over band buckets equals the in-memory result on
-known band collisions (a missing minhash file included); a re-run over existing parts redoes only
+known band collisions (a missing minhash file included), and a minhash row naming no document
+stops naming its file and row on both; a re-run over existing parts redoes only
 what a killed attempt left, to the same bytes; the options built for Dataflow, offline.
 
-Real Beam (DirectRunner), real ArrayRecord files; skipped without the [beam] extra. ~26 s on 2
-cores, 23 s of it the two tests on the sample (marked slow).
+Real Beam (DirectRunner), real ArrayRecord files; skipped without the [beam] extra. 26-47 s on 2
+shared cores, most of it the sample's two conversions (those tests are marked slow); the fast tier's
+part (fuzzy on known collisions, Dataflow's options) ~3-6 s.
 
     pytest -n0 -q tests/test_prepare_beam.py
 """
@@ -170,3 +172,17 @@ def test_dataflow_options_built_by_the_script():
 def test_beam_options_are_refused_with_the_local_runner():
     with pytest.raises(SystemExit):
         script().parse_args(["--paths", SAMPLE, "--tokenizer", TOKENIZER, "--out", "x", "--project=p"])
+
+
+@pytest.mark.slow   # two conversions, Beam's start (~4 s)
+def test_a_minhash_row_naming_no_document_stops_naming_file_and_row(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    docs = _corpus(tmp_path)
+    mp = companions.companion_path(sorted(glob.glob(docs))[1], "minhash")
+    t = pq.read_table(mp)
+    pq.write_table(t.set_column(0, "id", pa.array(["x/0", "x/1", "no-row", "x/3"])), mp)
+    with pytest.raises(SystemExit, match=f"{mp}: row 2 \\(id 'no-row'"):
+        convert(docs, str(tmp_path / "local"), "--dedup", "fuzzy")
+    with pytest.raises(SystemExit, match=f"{mp}: row 2 \\(id 'no-row'"):   # raised on a Beam worker
+        convert(docs, str(tmp_path / "direct"), "--dedup", "fuzzy", *DIRECT)
