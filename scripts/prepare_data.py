@@ -34,6 +34,12 @@ file is read first (about 200 bytes per document and band position held), then a
 dropped when another with a smaller id_int has the same band hash at the same position of
 signature_sim<--dedup-threshold>.
 
+--runner DirectRunner | DataflowRunner | FlinkRunner | SparkRunner runs the same conversion as an
+Apache Beam pipeline (the [beam] extra; data/convert/beam.py; docs/tokenize-at-scale.md): Beam's own
+options follow the script's (optionally after `--`), one part per input file byte-identical to
+this process's, fuzzy dedup as a GroupByKey over band buckets. This process then only lists the
+inputs, checks job.json and clears what killed attempts left; the workers convert.
+
 On a pod every host converts its own share of the input files (input i goes to host
 i % process_count) into the same DIR on a shared bucket mount (or the same URL); the last host
 to finish writes the manifest (run it on all workers, each with its --process-index; see docs/data.md "Tokenize once").
