@@ -4,6 +4,8 @@ Two bands, then the pipeline's assembly at the top (no circle, each band imports
 below it; tests/test_imports.py keeps it so):
   readers/     files -> documents: object stores, gzip seek points, one reader per format
   streams/     documents -> one virtual shard's packed rows and its state; mixtures of them
+  convert/     the conversion (scripts/prepare_data.py): input files -> ArrayRecord parts, in this
+               process or on Apache Beam (convert/beam.py imports Beam; nothing else imports it)
   timing, tokenizer        leaves every band may use: stage clocks, the tokenizer and its pool
   listing      what a run reads: paths, globs, URLs and folders -> one listing per run
   config       DataConfig and its checks (loads neither Grain nor JAX)
