@@ -12,7 +12,7 @@ scripts/compile_tpu.py --search drives it; this module holds what needs no compi
    keeps, one layer's working set and the logits) and the ICI bytes per mesh axis (FSDP's weight
    gathers and gradient reduce-scatters per pass, the head's per loss chunk, tensor's activation
    all-reduces, context's K/V gathers, data's gradient all-reduce), priced by the same model as a
-   compiled program. Arithmetic only: within ~15% of the compiled memory on the shipped 1B plans
+   compiled program. Arithmetic only: within 16% of the compiled memory of four 1B plans
    (docs/tpu-pod.md "Choose a plan with --search" has the figures), so it prunes only plans it puts
    above PRUNE_OVER x the limit and orders the rest, never decides a fit.
 3. to_compile(): the shipped plan first, then the estimated-fitting plans by estimated step, then the
@@ -34,7 +34,7 @@ HBM_LIMIT = 0.9
 QUICK_BELOW_FULL = 0.04
 QUICK_LIMIT = HBM_LIMIT * (1 - QUICK_BELOW_FULL)
 # Pruned unseen: an estimate this far above the limit (the estimate overshot the compiled figure
-# by up to 15% on the shipped plans; 1.25 leaves that and more).
+# by up to 16% on the 1B plans of tests/test_plan_search.py; 1.25 leaves that and more).
 PRUNE_OVER = 1.25
 MIN_LOSS_CHUNK = 512        # below it the head is gathered too often for a saving worth having
 RANK_BY = ("step", "upper")
@@ -149,7 +149,7 @@ def estimate(plan: Plan, model, seq_len: int, global_batch: int) -> Estimate:
     every = 6 * d + (2 * q + 2 * kv) / t + 4 * f / t
     kept = {"none": 2 * every, "full": d}.get(plan.remat, 3 * d + d + (q + 2 * kv + 2 * f) / t)
     activations = 2 * kept * layers * tokens
-    working = 2 * 2 * every * tokens + 2 * 2 * kv / t * tokens * c   # one layer's backward; its gathered K/V
+    working = 2 * every * tokens + 2 * 2 * kv / t * tokens * c   # one layer's backward (bf16); its gathered K/V
     # the fp32 logits and their bf16 gradient, over the whole row or one chunk of it
     logit_tokens = tokens if not plan.loss_chunk else tokens * plan.loss_chunk / seq_len
     logits = 6 * logit_tokens * v / t
