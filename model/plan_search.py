@@ -154,9 +154,11 @@ def estimate(plan: Plan, model, seq_len: int, global_batch: int) -> Estimate:
     logit_tokens = tokens if not plan.loss_chunk else tokens * plan.loss_chunk / seq_len
     logits = 6 * logit_tokens * v / t
     memory = state + activations + working + logits
-    # ICI, per pass (x microbatches): the FSDP ways (fsdp x context) gather each layer's fp32 weights
-    # in the forward and again in the backward and reduce-scatter their gradients (the compiled 1B
-    # plans: 3 x 4 B x params x 15/16 per pass, within 5%); a chunked loss gathers the head per chunk
+    # ICI, per pass (x microbatches): the FSDP ways (fsdp x context) gather each layer's weights in
+    # the forward and again in the backward and reduce-scatter their gradients, in fp32 when they
+    # span every chip (the compiled 1B over fsdp 16: 3 x 4 B x params x 15/16 per pass, within 5%)
+    # and in bf16 beside data ways (XLA's choice, libtpu 0.0.42.1: data 2 x fsdp 8 on the v5e-16
+    # moved 5.5 GiB per pass, 3 x 2 B x params x 7/8); a chunked loss gathers the head per chunk
     ici: dict[str, float] = {}
 
     def add(axes, nbytes):
@@ -166,7 +168,8 @@ def estimate(plan: Plan, model, seq_len: int, global_batch: int) -> Estimate:
 
     g = plan.fsdp * plan.context
     chunks = seq_len // plan.loss_chunk if plan.loss_chunk else 1
-    add(("fsdp", "context"), (3 * 4 * params / t + 3 * 4 * head / t * (chunks - 1)) * (g - 1) / g)
+    width = 2 if plan.data > 1 else 4
+    add(("fsdp", "context"), (3 * width * params / t + 3 * width * head / t * (chunks - 1)) * (g - 1) / g)
     # tensor: each layer all-reduces its attention and MLP outputs ([tokens, d], bf16) forward and
     # backward, and again where the forward is re-run (full); the embedding lookup once each way
     if t > 1:

@@ -5,6 +5,7 @@
     python scripts/compile_tpu.py experiment=v4_32_llama_1b --topology v5e-16 model.remat=dots --json plan.json
     python scripts/compile_tpu.py experiment=v4_32_llama_1b --quick model.remat=full   # ~3x faster, +-9%
     python scripts/compile_tpu.py experiment=v4_32_llama_1b tpu.slices=2 --dcn-gbps 100   # 2 x v4-32
+    python scripts/compile_tpu.py experiment=v5e_16_llama_1b --search [--search-budget 6] [--search-by upper]
     python scripts/compile_tpu.py experiment=v4_32_llama3_1_8b --no-compile   # the checks and the plan, ~10 s
     python scripts/compile_tpu.py experiment=gpu_8_llama_1b --no-compile      # GPU plans: plan.hosts x devices
 
@@ -49,6 +50,16 @@ the report adds, per step, the bytes each chip hands over to the DCN (the compil
 Megascale transfers: the parts of collectives whose groups span slices, model/dcn.py), what a host
 sends for its chips and the seconds that takes at `--dcn-gbps` per host, beside the step's compute
 at the chips' peak FLOP/s (the least it can take).
+
+`--search` ranks the slice's plans (model/plan_search.py): every mesh (data x fsdp x context x tensor
+ways multiplying to the chips), microbatch count, remat policy and loss chunk that divides; a cheap
+estimate of each one's memory and ICI bytes prunes those far over the HBM limit and orders the rest;
+the shipped plan and the best-estimated ones, `--search-budget` in all, compile --quick and rank by
+predicted step (every collective hidden, then none; `--search-by upper`: none first) among those
+within the limit (90% of the usable HBM, less --quick's 4%). It prints a row per compile as it goes
+and the table, then compiles the winner in full (with --quick: takes its quick compile), prints its
+report and the overrides that give a run its plan; `--json` adds the ranking under "search" and the
+winner under "winner". One slice only (tpu.slices=1).
 
 `--quick` tells the compiler to spend no effort on the program's speed
 (jax_exec_time_optimization_effort=-1): a 1B plan compiles in ~20 CPU-s instead of ~70-110, for
@@ -416,19 +427,26 @@ def search_plans(overrides: list[str], cfg, tpu: Slice, budget: int, by: str = "
                       "train": cfg.train, "model": cfg.model})
     chip = CHIPS[tpu.generation.name]
     useful = flops_per_token(model, seq, causal=True) * batch * seq
-    links: dict[tuple, dict] = {}      # per mesh shape: the links each set of axes drives on the torus
-    estimated = []
+    links: dict[tuple, dict | None] = {}   # per mesh shape: the links each set of axes drives on the torus
+    estimated, unplaced = [], set()
     for plan in ps.candidates(model, seq, batch, tpu.chips, own):
         shape = tuple(plan.mesh.values())
         if shape not in links:
-            links[shape] = mesh_links(sharding.make_mesh(plan.mesh, devices), tpu)
+            try:
+                links[shape] = mesh_links(sharding.make_mesh(plan.mesh, devices), tpu)
+            except NotImplementedError:   # jax.make_mesh: each axis must be whole torus axes (train.py's mesh)
+                links[shape] = None
+        if links[shape] is None:
+            unplaced.add(shape)
+            continue
         est = ps.estimate(plan, model, seq, batch)
         executed = useful * recompute_factor(dc.replace(model, remat=plan.remat), seq, plan.loss_chunk)
         estimated.append((plan, est.memory_bytes, ps.estimated_step(
             est, useful_flops=useful, executed_flops=executed, chips=tpu.chips, chip=chip, links=links[shape])))
     capacity = tpu.generation.usable_gib * GIB
     chosen, pruned = ps.to_compile(estimated, own, budget, capacity, by)
-    print(f"search {cfg.name} on {tpu.name}: {len(estimated)} plans divide; {pruned} pruned by the estimate "
+    no_layout = f" ({len(unplaced)} more meshes have no layout on the torus)" if unplaced else ""
+    print(f"search {cfg.name} on {tpu.name}: {len(estimated)} plans divide{no_layout}; {pruned} pruned by the estimate "
           f"(memory above {ps.PRUNE_OVER:g} x {ps.HBM_LIMIT:.0%} of {tpu.generation.usable_gib:g} GiB); compiling "
           f"{len(chosen)} (--search-budget {budget}, the shipped plan first), --quick, ranked by {by}", flush=True)
     evals: dict[tuple, dict] = {}     # per (mesh, loss chunk): the eval step does not see remat or microbatches
