@@ -166,10 +166,11 @@ def test_search_compiles_the_chosen_plans_and_ranks_them():
 
 # ---------------------------------------------------------------- the override line
 def test_the_override_line_composes_to_the_plan(tmp_path):
-    plan = ps.Plan(2, 4, 2, 1, 8, "full", 512)
+    # every field differs from the experiment's (data 2, fsdp -1, 4 microbatches, dots, chunk 0)
+    plan = ps.Plan(1, 4, 2, 2, 8, "full", 512)
     cfg = make_cfg(tmp_path, "experiment=v5e_16_llama_1b", *plan.overrides())
     assert ps.plan_of(cfg) == plan
-    assert plan.label() == "data 2 x fsdp 4 x context 2, 8 mb, remat full, chunk 512"
+    assert plan.label() == "fsdp 4 x context 2 x tensor 2, 8 mb, remat full, chunk 512"
 
 
 # ---------------------------------------------------------------- the CLI
