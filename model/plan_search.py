@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from model.predict import Chip, predict
 
@@ -247,9 +247,3 @@ def rank(results: Iterable[Result], by: str = "step") -> list[Result]:
                 r.plan)
     return sorted(results, key=key)
 
-
-def search(estimated: Sequence[tuple[Plan, float, Mapping]], own: Plan, budget: int, capacity: float,
-           compile_one: Callable[[Plan], Result], by: str = "step") -> tuple[list[Result], int]:
-    """Compile the chosen plans with `compile_one` and rank them: (ranking, plans pruned)."""
-    plans, pruned = to_compile(estimated, own, budget, capacity, by)
-    return rank([compile_one(p) for p in plans], by), pruned

@@ -452,7 +452,7 @@ def search_plans(overrides: list[str], cfg, tpu: Slice, budget: int, by: str = "
     evals: dict[tuple, dict] = {}     # per (mesh, loss chunk): the eval step does not see remat or microbatches
     compiled: dict = {}
 
-    def compile_one(plan):
+    def compile_one(i, plan):
         t0 = time.perf_counter()
         try:
             got = compile_plan(compose([*overrides, *plan.overrides()]), tpu, quick=True,
@@ -463,11 +463,10 @@ def search_plans(overrides: list[str], cfg, tpu: Slice, budget: int, by: str = "
             evals[(tuple(plan.mesh.values()), plan.loss_chunk)] = got["eval_step"]
             compiled[plan] = got
             result = ps.result_of(plan, got)
-        print(f"  [{len(compiled)}] {search_row(result)} ({time.perf_counter() - t0:.0f} s)", flush=True)
+        print(f"  [{i}] {search_row(result)} ({time.perf_counter() - t0:.0f} s)", flush=True)
         return result
 
-    ranking = [compile_one(p) for p in chosen]
-    ranking = ps.rank(ranking, by)
+    ranking = ps.rank([compile_one(i, p) for i, p in enumerate(chosen, 1)], by)
     print(search_table(ranking, own), flush=True)
     winner = ranking[0]
     out = {"search": {"candidates": len(estimated), "pruned": pruned, "compiled": len(chosen), "budget": budget,

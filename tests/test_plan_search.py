@@ -149,21 +149,6 @@ def test_ranking_orders_by_predicted_step_and_an_over_hbm_plan_never_wins():
         ps.sort_key(pred(1, 1), "fast")
 
 
-def test_search_compiles_the_chosen_plans_and_ranks_them():
-    a, b, c = (ps.Plan(1, 16, 1, 1, mb, "dots", 0) for mb in (1, 2, 4))
-    estimated = [(a, GIB, pred(1.0, 1.1)), (b, GIB, pred(1.0, 1.2)), (c, GIB, pred(1.0, 1.3))]
-    figures = {a: compiled(0.5, 0.4, 1.2, 1.3), b: compiled(0.5, 0.4, 1.0, 1.2), c: compiled(0.95, 0.4, 0.8, 0.9)}
-    seen = []
-
-    def compile_one(plan):
-        seen.append(plan)
-        return ps.result_of(plan, figures[plan])
-
-    ranking, pruned = ps.search(estimated, c, 2, 10 * GIB, compile_one)
-    assert seen == [c, a] and pruned == 0                  # the budget: the shipped plan and the best estimate
-    assert [r.plan for r in ranking] == [a, c]             # c is faster but over the limit
-
-
 # ---------------------------------------------------------------- the override line
 def test_the_override_line_composes_to_the_plan(tmp_path):
     # every field differs from the experiment's (data 2, fsdp -1, 4 microbatches, dots, chunk 0)
