@@ -5,7 +5,7 @@
     python scripts/compile_tpu.py experiment=v4_32_llama_1b --topology v5e-16 model.remat=dots --json plan.json
     python scripts/compile_tpu.py experiment=v4_32_llama_1b --quick model.remat=full   # ~3x faster, +-9%
     python scripts/compile_tpu.py experiment=v4_32_llama_1b tpu.slices=2 --dcn-gbps 100   # 2 x v4-32
-    python scripts/compile_tpu.py experiment=v5e_16_llama_1b --search [--search-budget 6] [--search-by upper]
+    python scripts/compile_tpu.py experiment=v5e_16_llama_1b --search [--search-budget 6] [--search-by step]
     python scripts/compile_tpu.py experiment=v4_32_llama3_1_8b --no-compile   # the checks and the plan, ~10 s
     python scripts/compile_tpu.py experiment=gpu_8_llama_1b --no-compile      # GPU plans: plan.hosts x devices
 
@@ -55,11 +55,11 @@ at the chips' peak FLOP/s (the least it can take).
 ways multiplying to the chips), microbatch count, remat policy and loss chunk that divides; a cheap
 estimate of each one's memory and ICI bytes prunes those far over the HBM limit and orders the rest;
 the shipped plan and the best-estimated ones, `--search-budget` in all, compile --quick and rank by
-predicted step (every collective hidden, then none; `--search-by upper`: none first) among those
-within the limit (90% of the usable HBM, less --quick's 4%). It prints a row per compile as it goes
-and the table, then compiles the winner in full (with --quick: takes its quick compile), prints its
-report and the overrides that give a run its plan; `--json` adds the ranking under "search" and the
-winner under "winner". One slice only (tpu.slices=1).
+predicted step (the middle of its range, half the collective time hidden; `--search-by step` or
+`upper`: all or none hidden) among those within the limit (90% of the usable HBM, less --quick's
+4%). It prints a row per compile as it goes and the table, then compiles the winner in full (with
+--quick: takes its quick compile), prints its report and the overrides that give a run its plan;
+`--json` adds the ranking under "search" and the winner under "winner". One slice only.
 
 `--quick` tells the compiler to spend no effort on the program's speed
 (jax_exec_time_optimization_effort=-1): a 1B plan compiles in ~20 CPU-s instead of ~70-110, for
@@ -402,7 +402,7 @@ def report(plan: dict) -> str:
 # ----------------------------------------------------------------------------- the plan search (--search)
 
 
-def search_plans(overrides: list[str], cfg, tpu: Slice, budget: int, by: str = "step",
+def search_plans(overrides: list[str], cfg, tpu: Slice, budget: int, by: str = "mid",
                  quick: bool = False) -> dict:
     """--search (model/plan_search.py): every plan of the slice that divides, the estimate's pruning
     and order, `budget` quick compiles ranked by predicted step, then a full compile of the winner
@@ -718,9 +718,10 @@ def main(argv=None) -> int:
     parser.add_argument("--search-budget", type=int, default=None,
                         help="--search: how many plans to compile, the shipped one included (default "
                              "%d; each a quick compile of 1-2 min on 2 cores for a 1B)" % DEFAULT_SEARCH_BUDGET)
-    parser.add_argument("--search-by", choices=("step", "upper"), default=None,
-                        help="--search: rank by the predicted step with every collective hidden, then with none "
-                             "(step, the default), or with none first (upper)")
+    parser.add_argument("--search-by", choices=("mid", "step", "upper"), default=None,
+                        help="--search: rank by the middle of the predicted step's range (mid, the default: half "
+                             "the collectives' time hidden), its lower bound (step: all hidden) or its upper "
+                             "bound (upper: none hidden)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py (experiment=...)")
     args = parser.parse_intermixed_args(argv)   # overrides before and after the options
     if not args.search and (args.search_budget is not None or args.search_by is not None):
@@ -757,7 +758,7 @@ def main(argv=None) -> int:
     try:
         if args.search:
             plan = search_plans(args.overrides, cfg, tpu, args.search_budget or DEFAULT_SEARCH_BUDGET,
-                                args.search_by or "step", quick=args.quick)
+                                args.search_by or "mid", quick=args.quick)
         elif not args.no_compile:
             plan = compile_plan(cfg, tpu, quick=args.quick, dcn_gbps=args.dcn_gbps)
             print(plan_report(plan["plan"]), flush=True)

@@ -135,12 +135,20 @@ def test_ranking_orders_by_predicted_step_and_an_over_hbm_plan_never_wins():
     ]
     assert [r.fits for r in results] == [False, True, True, False, False]
     assert "train step at 95% of HBM" in results[0].note and "eval step at 88%" in results[3].note
-    ranked = ps.rank(results)
-    assert [r.plan for r in ranked] == [c, b, a, d, e]
-    assert [r.plan for r in ps.rank(results, by="upper")] == [b, c, a, d, e]
+    # by the middle of the range (the default): b 1.2, c 1.3; then the plans over the limit, a, d;
+    # then the one that did not compile
+    assert [r.plan for r in ps.rank(results)] == [b, c, a, d, e]
+    assert [r.plan for r in ps.rank(results, by="step")] == [c, b, a, d, e]      # lower bounds 1.0, 1.1
+    assert [r.plan for r in ps.rank(results, by="upper")] == [b, c, a, d, e]     # upper bounds 1.3, 1.6
+    # the three orders differ: lower bound 1.0 - 2.2 (mid 1.6) against 1.2 - 1.6 (1.4) and 1.3 - 1.5 (1.4)
+    spread = [ps.result_of(a, compiled(0.5, 0.4, 1.0, 2.2)), ps.result_of(b, compiled(0.5, 0.4, 1.2, 1.6)),
+              ps.result_of(c, compiled(0.5, 0.4, 1.3, 1.5))]
+    assert [r.plan for r in ps.rank(spread)] == [b, c, a]          # equal middles: the lower bound decides
+    assert [r.plan for r in ps.rank(spread, by="step")] == [a, b, c]
+    assert [r.plan for r in ps.rank(spread, by="upper")] == [c, b, a]
     # equal lower bounds: the smaller upper bound first (less of the step hangs on the overlap)
     tie = [ps.result_of(c, compiled(0.5, 0.4, 1.0, 1.6)), ps.result_of(b, compiled(0.5, 0.4, 1.0, 1.2))]
-    assert [r.plan for r in ps.rank(tie)] == [b, c]
+    assert [r.plan for r in ps.rank(tie)] == [b, c] == [r.plan for r in ps.rank(tie, by="step")]
     # the compiler's own "does not fit" (no figures) never wins either
     oom = {"train_step": {"fits": False, "compiler_says": "RESOURCE_EXHAUSTED: ... exceeds available HBM"},
            "eval_step": {"fits": True, "hbm_fraction": 0.3}}
