@@ -40,8 +40,8 @@ MIN_LOSS_CHUNK = 512        # below it the head is gathered too often for a savi
 # How compiled plans rank (sort_key): "mid", the default, by the middle of the predicted range (half
 # the collectives' time hidden) then the lower bound; "step" by the lower bound (all of it hidden)
 # then the upper; "upper" by the upper bound (none hidden) then the lower. The lower bound alone
-# trusts the overlap entirely: on the v4-32 it would rank remat none at 8 microbatches (links busy
-# 79-95% of compute, 2.7% less recompute) above remat dots at 2 (23%).
+# trusts the overlap entirely: by it the estimate ranks remat none at 8 microbatches on the v4-32
+# (links busy 79-95% of compute, 2.7% less recompute) above remat dots at 2 (23%).
 RANK_BY = ("mid", "step", "upper")
 
 
