@@ -1,6 +1,6 @@
 """compile_tpu.py --search (model/plan_search.py): the candidate plans, the estimate that prunes and
 orders them, the ranking and the override line, on hand-made predictions and compiled figures. No
-compile but one (marked slow: the CLI end to end on the default tiny run, ~20 s).
+compile but one (marked slow: the CLI end to end on the default tiny run, ~13 CPU-s).
 
     pytest tests/test_plan_search.py -q
 """
@@ -190,7 +190,7 @@ def test_bad_search_flags_fail_in_one_line(capsys, args, says):
 @pytest.mark.skipif(not HAS_LIBTPU, reason='libtpu not installed: pip install -e ".[tpu]"')
 def test_cli_search_prints_a_table_and_an_override_line_that_composes(tmp_path):
     """The default tiny run on a v5e-4, one quick compile (the budget of 1 is the shipped plan, and
-    --quick takes its compile as the winner's): ~20 s."""
+    --quick takes its compile as the winner's): ~13 CPU-s, 28-60 s wall on a loaded 2-core machine."""
     out = tmp_path / "search.json"
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     result = subprocess.run([sys.executable, str(ROOT / "scripts" / "compile_tpu.py"), "--topology", "v5e-4",
