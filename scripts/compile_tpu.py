@@ -5,6 +5,7 @@
     python scripts/compile_tpu.py experiment=v4_32_llama_1b --topology v5e-16 model.remat=dots --json plan.json
     python scripts/compile_tpu.py experiment=v4_32_llama_1b --quick model.remat=full   # ~3x faster, +-9%
     python scripts/compile_tpu.py experiment=v4_32_llama_1b tpu.slices=2 --dcn-gbps 100   # 2 x v4-32
+    python scripts/compile_tpu.py experiment=v5e_16_llama_1b --search [--search-budget 6] [--search-by step]
     python scripts/compile_tpu.py experiment=v4_32_llama3_1_8b --no-compile   # the checks and the plan, ~10 s
     python scripts/compile_tpu.py experiment=gpu_8_llama_1b --no-compile      # GPU plans: plan.hosts x devices
 
@@ -49,6 +50,16 @@ the report adds, per step, the bytes each chip hands over to the DCN (the compil
 Megascale transfers: the parts of collectives whose groups span slices, model/dcn.py), what a host
 sends for its chips and the seconds that takes at `--dcn-gbps` per host, beside the step's compute
 at the chips' peak FLOP/s (the least it can take).
+
+`--search` ranks the slice's plans (model/plan_search.py): every mesh (data x fsdp x context x tensor
+ways multiplying to the chips), microbatch count, remat policy and loss chunk that divides; a cheap
+estimate of each one's memory and ICI bytes prunes those far over the HBM limit and orders the rest;
+the shipped plan and the best-estimated ones, `--search-budget` in all, compile --quick and rank by
+predicted step (the middle of its range, half the collective time hidden; `--search-by step` or
+`upper`: all or none hidden) among those within the limit (90% of the usable HBM, less --quick's
+4%). It prints a row per compile as it goes and the table, then compiles the winner in full (with
+--quick: takes its quick compile), prints its report and the overrides that give a run its plan;
+`--json` adds the ranking under "search" and the winner under "winner". One slice only.
 
 `--quick` tells the compiler to spend no effort on the program's speed
 (jax_exec_time_optimization_effort=-1): a 1B plan compiles in ~20 CPU-s instead of ~70-110, for
@@ -225,6 +236,11 @@ def _compile_one(fn, args, capacity: int, n_slices: int = 1, mesh: dict | None =
 QUICK_EXEC_TIME_EFFORT = -1.0
 
 
+# --search's compiles when --search-budget is not given: model/plan_search.py's default (no import
+# of the model at start-up: --help and the flag checks stay instant)
+DEFAULT_SEARCH_BUDGET = 6
+
+
 # What --dcn-gbps states when not given: the DCN bandwidth of one host, Gbit/s. A stated figure to
 # price the transfers, not a measured one: pass what your hosts get.
 DEFAULT_DCN_GBPS = 100.0
@@ -238,11 +254,14 @@ def slices_from_cfg(cfg) -> int:
     return value
 
 
-def compile_plan(cfg, tpu: Slice, quick: bool = False, dcn_gbps: float = DEFAULT_DCN_GBPS) -> dict:
+def compile_plan(cfg, tpu: Slice, quick: bool = False, dcn_gbps: float = DEFAULT_DCN_GBPS,
+                 eval_step: dict | None = None) -> dict:
     """Compile the run `cfg` describes for `tpu` (times `tpu.slices`): {"train_step": figures,
     "eval_step": figures, ...}. quick: the least compiler effort on execution time (see the module
     doc); the memory fitting effort stays XLA's default. dcn_gbps: the DCN bandwidth per host the
-    transfers between slices are priced at."""
+    transfers between slices are priced at. eval_step: that step's figures from a compile of the
+    same mesh and loss chunk, taken instead of compiling it again (--search: remat and microbatches
+    do not reach the eval step, a forward pass over the whole batch)."""
     import jax
 
     from model import sharding
@@ -286,8 +305,8 @@ def compile_plan(cfg, tpu: Slice, quick: bool = False, dcn_gbps: float = DEFAULT
     try:
         plan["train_step"] = _compile_one(program.train_step, (program.abstract_state, batch), capacity, n_slices,
                                           plan["mesh"])
-        plan["eval_step"] = _compile_one(program.eval_step, (program.abstract_state["params"], batch), capacity,
-                                         n_slices, plan["mesh"])
+        plan["eval_step"] = eval_step if eval_step is not None else _compile_one(
+            program.eval_step, (program.abstract_state["params"], batch), capacity, n_slices, plan["mesh"])
     finally:
         jax.config.update("jax_exec_time_optimization_effort", effort)
     for step in ("train_step", "eval_step"):
@@ -305,13 +324,10 @@ def compile_plan(cfg, tpu: Slice, quick: bool = False, dcn_gbps: float = DEFAULT
 
 def predicted_step(mesh, tpu: Slice, useful_flops: float, executed_flops: float, compiled: dict) -> dict:
     """model/predict.py's step time for a compiled train step over `mesh` on the slice `tpu`."""
-    import numpy as np
-
-    from model.predict import CHIPS, links_by_axes, predict, wraps
+    from model.predict import CHIPS, predict
 
     chip = CHIPS[tpu.generation.name]
-    coords = np.array([d.coords for d in mesh.devices.flat]).reshape(*mesh.devices.shape, -1)
-    links = links_by_axes(mesh.axis_names, coords, tpu.torus, wraps(chip, tpu.torus))
+    links = mesh_links(mesh, tpu)
     dcn_s = compiled.get("dcn", {}).get("seconds_at_dcn_gbps", 0.0)
     return predict(useful_flops=useful_flops, executed_flops=executed_flops, chips=mesh.devices.size, chip=chip,
                    ici_bytes_by_axes=compiled["ici"]["bytes_by_axes"], links=links,
@@ -381,6 +397,134 @@ def report(plan: dict) -> str:
                          f"{d['sent_bytes_per_host'] / 2**20:.1f} MiB = {d['seconds_at_dcn_gbps'] * 1e3:.1f} ms at "
                          f"{plan['dcn_gbps_per_host']:g} Gbit/s{beside}")
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- the plan search (--search)
+
+
+def search_plans(overrides: list[str], cfg, tpu: Slice, budget: int, by: str = "mid",
+                 quick: bool = False) -> dict:
+    """--search (model/plan_search.py): every plan of the slice that divides, the estimate's pruning
+    and order, `budget` quick compiles ranked by predicted step, then a full compile of the winner
+    (quick too with `quick`: the ranking's own compile is taken). Prints as it goes; returns the
+    winner's compiled plan with the ranking under "search"."""
+    import dataclasses as dc
+
+    from model import plan_search as ps
+    from model import sharding
+    from model.flops import flops_per_token, recompute_factor
+    from model.predict import CHIPS
+
+    if slices_from_cfg(cfg) > 1:
+        raise ValueError(f"tpu.slices={cfg.tpu.slices}: --search plans one slice (the mesh within it); "
+                         "search with tpu.slices=1, then add the slices")
+    import train
+
+    model = train.check_config(cfg).model
+    seq, batch = int(cfg.data.seq_len), int(cfg.data.global_batch_size)
+    devices = slice_devices(tpu)
+    own = ps.plan_of({"mesh": dict(zip(sharding.MESH_AXES, sharding.mesh_shape(cfg.mesh, tpu.chips), strict=True)),
+                      "train": cfg.train, "model": cfg.model})
+    chip = CHIPS[tpu.generation.name]
+    useful = flops_per_token(model, seq, causal=True) * batch * seq
+    links: dict[tuple, dict | None] = {}   # per mesh shape: the links each set of axes drives on the torus
+    estimated, unplaced = [], set()
+    for plan in ps.candidates(model, seq, batch, tpu.chips, own):
+        shape = tuple(plan.mesh.values())
+        if shape not in links:
+            try:
+                links[shape] = mesh_links(sharding.make_mesh(plan.mesh, devices), tpu)
+            except NotImplementedError:   # jax.make_mesh: each axis must be whole torus axes (train.py's mesh)
+                links[shape] = None
+        if links[shape] is None:
+            unplaced.add(shape)
+            continue
+        est = ps.estimate(plan, model, seq, batch)
+        executed = useful * recompute_factor(dc.replace(model, remat=plan.remat), seq, plan.loss_chunk)
+        estimated.append((plan, est.memory_bytes, ps.estimated_step(
+            est, useful_flops=useful, executed_flops=executed, chips=tpu.chips, chip=chip, links=links[shape])))
+    capacity = tpu.generation.usable_gib * GIB
+    chosen, pruned = ps.to_compile(estimated, own, budget, capacity, by)
+    no_layout = f" ({len(unplaced)} more meshes have no layout on the torus)" if unplaced else ""
+    print(f"search {cfg.name} on {tpu.name}: {len(estimated)} plans divide{no_layout}; {pruned} pruned by the estimate "
+          f"(memory above {ps.PRUNE_OVER:g} x {ps.HBM_LIMIT:.0%} of {tpu.generation.usable_gib:g} GiB); compiling "
+          f"{len(chosen)} (--search-budget {budget}, the shipped plan first), --quick, ranked by {by}", flush=True)
+    evals: dict[tuple, dict] = {}     # per (mesh, loss chunk): the eval step does not see remat or microbatches
+    compiled: dict = {}
+
+    def compile_one(i, plan):
+        t0 = time.perf_counter()
+        try:
+            got = compile_plan(compose([*overrides, *plan.overrides()]), tpu, quick=True,
+                               eval_step=evals.get((tuple(plan.mesh.values()), plan.loss_chunk)))
+        except ValueError as e:     # a check the divisibility rules do not cover: listed, not ranked
+            result = ps.result_of(plan, None, error=" ".join(str(e).split()))
+        else:
+            evals[(tuple(plan.mesh.values()), plan.loss_chunk)] = got["eval_step"]
+            compiled[plan] = got
+            result = ps.result_of(plan, got)
+        print(f"  [{i}] {search_row(result)} ({time.perf_counter() - t0:.0f} s)", flush=True)
+        return result
+
+    ranking = ps.rank([compile_one(i, p) for i, p in enumerate(chosen, 1)], by)
+    print(search_table(ranking, own), flush=True)
+    winner = ranking[0]
+    out = {"search": {"candidates": len(estimated), "pruned": pruned, "compiled": len(chosen), "budget": budget,
+                      "by": by, "hbm_limit": ps.HBM_LIMIT, "quick_limit": ps.QUICK_LIMIT,
+                      "shipped": own.overrides(),
+                      "ranking": [{"plan": r.plan.label(), "overrides": r.plan.overrides(), "fits": r.fits,
+                                   "train_hbm_fraction": r.train_fraction, "eval_hbm_fraction": r.eval_fraction,
+                                   "predicted": r.predicted, "note": r.note} for r in ranking]}}
+    if not winner.fits:
+        print(f"search: no compiled plan fits under {ps.QUICK_LIMIT:.1%} of the usable HBM (quick); "
+              f"raise --search-budget or change the batch", flush=True)
+        return {**out, "winner": None}
+    final = compiled[winner.plan] if quick else compile_plan(compose([*overrides, *winner.plan.overrides()]), tpu)
+    print(plan_report(final["plan"]) + "\n" + report(final), flush=True)
+    line = " ".join(winner.plan.overrides())
+    verdict = ("the shipped plan wins" if winner.plan == own else
+               f"beats the shipped plan ({search_row(next(r for r in ranking if r.plan == own))})")
+    print(f"winner: {winner.plan.label()}: {verdict}\n  overrides: {line}", flush=True)
+    return {**final, **out, "winner": {"plan": winner.plan.label(), "overrides": winner.plan.overrides(),
+                                       "override_line": line, "is_shipped": winner.plan == own}}
+
+
+def mesh_links(mesh, tpu: Slice) -> dict:
+    """{axes: links} a collective over each set of the mesh's axes drives on the slice's torus."""
+    import numpy as np
+
+    from model.predict import CHIPS, links_by_axes, wraps
+
+    coords = np.array([d.coords for d in mesh.devices.flat]).reshape(*mesh.devices.shape, -1)
+    return links_by_axes(mesh.axis_names, coords, tpu.torus, wraps(CHIPS[tpu.generation.name], tpu.torus))
+
+
+def search_row(r) -> str:
+    """One ranked plan, as the search prints it while compiling."""
+    if not r.compiled:
+        return f"{r.plan.label()}: not compiled ({r.note})"
+    text = f"{r.plan.label()}: " + ("fits" if r.fits else f"does not fit ({r.note})")
+    p = r.predicted
+    if p is not None:
+        text += (f"; step {_secs(p['step_s'])}-{_secs(p['step_s_upper'])}, MFU {p['mfu']:.0%}, {p['bound']}-bound, "
+                 f"ICI {p['ici_over_compute']:.0%} of compute")
+    return text
+
+
+def search_table(ranking, own) -> str:
+    """The ranking as a table: the fitting plans by predicted step, then the rest."""
+    def pct(x):
+        return f"{x:.0%}" if x is not None else "-"
+
+    rows = [("#", "plan", "fits", "train / eval HBM", "step s (lower-upper)", "MFU", "bound", "ICI / compute")]
+    for i, r in enumerate(ranking, 1):
+        p = r.predicted
+        rows.append((str(i), r.plan.label() + (" (shipped)" if r.plan == own else ""), "yes" if r.fits else "no",
+                     f"{pct(r.train_fraction)} / {pct(r.eval_fraction)}",
+                     f"{p['step_s']:.3f}-{p['step_s_upper']:.3f}" if p else "-", pct(p["mfu"]) if p else "-",
+                     p["bound"] if p else "-", pct(p["ici_over_compute"]) if p else "-"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows)
 
 
 # ----------------------------------------------------------------------------- the checks and the plan
@@ -567,8 +711,28 @@ def main(argv=None) -> int:
     parser.add_argument("--dcn-gbps", type=float, default=DEFAULT_DCN_GBPS,
                         help="over several slices (tpu.slices=N): the DCN bandwidth of one host in Gbit/s that the "
                              f"transfers between slices are priced at (default {DEFAULT_DCN_GBPS:g}, a stated figure)")
+    parser.add_argument("--search", action="store_true",
+                        help="rank the slice's plans (mesh ways, microbatches, remat, loss chunk) under the HBM "
+                             "limit by predicted step time, compiling each --quick, then compile the winner and "
+                             "print its overrides (model/plan_search.py; docs/tpu-pod.md)")
+    parser.add_argument("--search-budget", type=int, default=None,
+                        help="--search: how many plans to compile, the shipped one included (default "
+                             "%d; each a quick compile of 1-2 min on 2 cores for a 1B)" % DEFAULT_SEARCH_BUDGET)
+    parser.add_argument("--search-by", choices=("mid", "step", "upper"), default=None,
+                        help="--search: rank by the middle of the predicted step's range (mid, the default: half "
+                             "the collectives' time hidden), its lower bound (step: all hidden) or its upper "
+                             "bound (upper: none hidden)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py (experiment=...)")
     args = parser.parse_intermixed_args(argv)   # overrides before and after the options
+    if not args.search and (args.search_budget is not None or args.search_by is not None):
+        print("compile_tpu: --search-budget and --search-by apply to --search", file=sys.stderr)
+        return 2
+    if args.search and args.no_compile:
+        print("compile_tpu: --search compiles its plans: drop --no-compile", file=sys.stderr)
+        return 2
+    if args.search_budget is not None and args.search_budget < 1:
+        print(f"compile_tpu: --search-budget {args.search_budget}: expected 1 or more compiles", file=sys.stderr)
+        return 2
 
     from omegaconf.errors import InterpolationResolutionError
 
@@ -592,7 +756,10 @@ def main(argv=None) -> int:
         require_libtpu()
         libtpu_env(tpu)
     try:
-        if not args.no_compile:
+        if args.search:
+            plan = search_plans(args.overrides, cfg, tpu, args.search_budget or DEFAULT_SEARCH_BUDGET,
+                                args.search_by or "mid", quick=args.quick)
+        elif not args.no_compile:
             plan = compile_plan(cfg, tpu, quick=args.quick, dcn_gbps=args.dcn_gbps)
             print(plan_report(plan["plan"]), flush=True)
             print(report(plan), flush=True)
@@ -611,6 +778,8 @@ def main(argv=None) -> int:
         args.json.write_text(json.dumps(plan, indent=1) + "\n")
     if args.no_compile:
         return 0
+    if args.search and plan["winner"] is None:
+        return 1
     return 0 if plan["train_step"]["fits"] and plan["eval_step"]["fits"] else 1
 
 
