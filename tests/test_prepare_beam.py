@@ -118,6 +118,7 @@ def _corpus(root) -> str:
     return os.path.join(str(root), "documents", "*", "*", "en_head.json.gz")
 
 
+@pytest.mark.slow   # a Beam pipeline start, 3-6 s
 def test_fuzzy_group_by_key_equals_the_in_memory_result(tmp_path):
     from data.convert.fuzzy import fuzzy_dropped
     docs = _corpus(tmp_path)
