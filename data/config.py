@@ -108,10 +108,14 @@ class DataConfig:
     # of rules such as "rps_doc_word_count >= 50"; data/readers/quality.py) and are not listed
     # in their duplicates file (dedup: exact); decided before tokenizing, dropped ones counted
     # per rule. companions: the root of quality_signals/ and duplicates/ (None: the documents'
-    # own root).
+    # own root). dedup: fuzzy (or exact,fuzzy) drops the rows a conversion's fuzzy dedup dropped:
+    # fuzzy_lists is that conversion's --out (scripts/prepare_data.py --dedup fuzzy writes its
+    # fuzzy/<...>.fuzzy.json lists there), dedup_threshold the --dedup-threshold it ran at.
     quality: str | list | None = None
     dedup: str | None = None
     companions: str | None = None
+    fuzzy_lists: str | None = None
+    dedup_threshold: str | float | None = "0.8"
 
     def __post_init__(self):
         p = self.paths
@@ -139,16 +143,31 @@ class DataConfig:
             rules = quality.parse(q)
         except ValueError as e:
             raise ValueError(str(e).replace("data.", where, 1)) from None
-        dedup = "" if d in (None, "", "none") else str(d).replace(" ", "")
-        if dedup and dedup != "exact":
-            if set(dedup.split(",")) <= set(companions.DEDUPS):
-                raise ValueError(f"{where}dedup={d!r}: fuzzy dedup is a corpus-wide group-by and runs "
-                                 "in the conversion (scripts/prepare_data.py --dedup exact,fuzzy; then "
-                                 "data.paths=ITS_OUT); the stream does exact")
-            raise ValueError(f"{where}dedup={d!r}: must be exact (or null)")
+        asked = [x for x in ("" if d in (None, "", "none") else str(d).replace(" ", "")).split(",") if x]
+        if set(asked) - set(companions.DEDUPS):
+            raise ValueError(f"{where}dedup={d!r}: must be exact, fuzzy or exact,fuzzy (or null)")
+        dedup = ",".join(x for x in companions.DEDUPS if x in asked)
         if not rules and not dedup:
             return {}
-        return {"quality": rules, "dedup": dedup, "companions": self.companions or ""}
+        out = {"quality": rules, "dedup": dedup, "companions": self.companions or ""}
+        if "fuzzy" in asked:
+            if not self.fuzzy_lists:
+                raise ValueError(f"{where}dedup={d!r} reads a conversion's fuzzy dedup lists: run "
+                                 "scripts/prepare_data.py --paths ... --dedup fuzzy --out DIR first, then "
+                                 "set data.fuzzy_lists=DIR")
+            out.update(fuzzy_lists=str(self.fuzzy_lists), dedup_threshold=self.threshold())
+        return out
+
+    def threshold(self) -> str:
+        """data.dedup_threshold as --dedup-threshold writes it ("0.8"); ValueError for another value."""
+        t = self.dedup_threshold
+        try:
+            s = f"{float(t):.1f}" if t is not None else ""
+        except (TypeError, ValueError):
+            s = ""
+        if s not in companions.THRESHOLDS or abs(float(t) - float(s)) > 1e-9:
+            raise ValueError(f"data.dedup_threshold={t!r}: must be one of {', '.join(companions.THRESHOLDS)}")
+        return s
 
     def source_text_key(self, src: SourceConfig) -> str:
         return src.text_key or self.text_key
@@ -310,6 +329,32 @@ def validate(cfg: DataConfig, process_count: int, local_device_count: int) -> No
     check_files(cfg, process_count, list_files(cfg))
 
 
+def check_fuzzy_lists(cfg: DataConfig) -> None:
+    """data.dedup with fuzzy: data.fuzzy_lists is a conversion's --out that ran --dedup fuzzy at
+    data.dedup_threshold (its job.json, one read); ValueError in one line naming both otherwise."""
+    if not any("fuzzy" in cfg.selection(s).get("dedup", "") for s in (None, *cfg.sources)):
+        return
+    import json
+    root, want = str(cfg.fuzzy_lists).rstrip("/"), cfg.threshold()
+    try:
+        src = formats.open_raw(f"{root}/job.json")
+        try:
+            job = json.loads(src.read())
+        finally:
+            src.close()
+    except FileNotFoundError:
+        job = None
+    sel = (job or {}).get("selection") or {}
+    if "fuzzy" not in sel.get("dedup", ""):
+        raise ValueError(f"data.fuzzy_lists={cfg.fuzzy_lists} holds no conversion with --dedup fuzzy "
+                         f"({root}/job.json): run scripts/prepare_data.py --paths ... --dedup fuzzy --out "
+                         f"{cfg.fuzzy_lists} first")
+    if sel.get("dedup_threshold") != want:
+        raise ValueError(f"data.dedup_threshold={want} but data.fuzzy_lists={cfg.fuzzy_lists} was converted "
+                         f"with --dedup-threshold {sel.get('dedup_threshold')}: set data.dedup_threshold="
+                         f"{sel.get('dedup_threshold')} or convert again")
+
+
 def check_files(cfg: DataConfig, process_count: int, files, tokenizer=None) -> None:
     """The checks that need the listing (list_files' result): every source has files, and a
     converted directory is what its manifest describes, written with the run's tokenizer (one
@@ -317,6 +362,7 @@ def check_files(cfg: DataConfig, process_count: int, files, tokenizer=None) -> N
     from data.streams import records
 
     check_shards(cfg, process_count, None)
+    check_fuzzy_lists(cfg)
     named = ([(f"data.sources[{s.name}]", files[s.name]) for s in cfg.sources]
              if isinstance(files, dict) else [("data.paths", files)])
     for where, fs in named:

@@ -93,12 +93,15 @@ def bucket_marks(min_key: str, max_key: str, bucket: dict) -> dict:
 
 
 def selection_marks(prefix: str, sel: dict) -> dict:
-    """data.quality's rules, data.dedup and data.companions, named only when a selection is set
+    """data.quality's rules, data.dedup and data.companions (and data.fuzzy_lists with
+    data.dedup_threshold for fuzzy), named only when a selection is set
     (the fingerprint of a run without one stays what it was): another selection is other data."""
     if not sel:
         return {}
     return {f"{prefix}quality": list(sel["quality"]), f"{prefix}dedup": sel["dedup"],
-            f"{prefix}companions": sel["companions"]}
+            f"{prefix}companions": sel["companions"],
+            # fuzzy dedup's lists and threshold, named only with it
+            **{f"{prefix}{k}": sel[k] for k in ("fuzzy_lists", "dedup_threshold") if k in sel}}
 
 
 def fingerprint(cfg: DataConfig, tokenizer=None,

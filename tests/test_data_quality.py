@@ -525,3 +525,117 @@ def test_converter_fuzzy_dedup_on_known_band_collisions(tmp_path):
             "--dedup-threshold", "0.7")
     assert json.load(open(os.path.join(out7, "manifest.json")))["dropped"] == {"dedup: fuzzy": 1}
     assert [len(d) for d in _parts(out7)] == [3, 4]
+    # the lists beside the parts: JSON, threshold and source recorded, the stream drops the same rows
+    docs = [os.path.join(str(tmp_path), "documents", "2023-06", f"{f:04d}", "en_head.json.gz") for f in range(2)]
+    lists = [companions.companion_path(d, "fuzzy", out) for d in docs]
+    assert [json.load(open(p)) for p in lists] == [
+        {"rows": [1, 3], "source": "0000/en_head.json.gz", "threshold": "0.8"},
+        {"rows": [3], "source": "0001/en_head.json.gz", "threshold": "0.8"}]
+    assert json.load(open(companions.companion_path(docs[0], "fuzzy", out7)))["rows"] == [3]
+    got, counts, _ = read_files(docs, companions.Selection((), "fuzzy", None, out, "0.8"))
+    assert got == {(f, r) for f in range(2) for r in want[f]} and counts == {"dropped: dedup: fuzzy": 3}
+    before = {p: open(p, "rb").read() for p in lists}   # idempotent: a re-run leaves the same bytes
+    os.remove(os.path.join(out, "done", "part-000001.json"))
+    os.remove(lists[1])
+    convert(os.path.join(str(tmp_path), "documents", "*", "*", "en_head.json.gz"), out, "--dedup", "fuzzy")
+    assert {p: open(p, "rb").read() for p in lists} == before
+
+
+# ---------------------------------------------------------------- fuzzy dedup's lists in the stream
+SAMPLE_DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "sample",
+                           "*", "en_head.json.gz")
+
+
+@pytest.fixture(scope="module")
+def sample_lists(tmp_path_factory):
+    """The fuzzy lists of the bundled sample at 0.8, as scripts/prepare_data.py --dedup fuzzy writes
+    them beside its parts (the converter's own naming and bytes, without tokenizing: that part is
+    test_converter_fuzzy_dedup_on_known_band_collisions') -> (--out, files, fuzzy_dropped's result)."""
+    import glob
+
+    from data.convert.fuzzy import fuzzy_dropped
+    out = tmp_path_factory.mktemp("fuzzy_out")
+    files = sorted(glob.glob(SAMPLE_DOCS))
+    mem = fuzzy_dropped(files, "0.8")
+    assert None not in mem and sum(map(len, mem.values())) == 3   # the sample's 3 near-duplicates
+    for f in files:
+        p = out / companions.rel_name(f, "fuzzy")
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(companions.fuzzy_list_text(os.path.relpath(f, os.path.dirname(os.path.dirname(f))),
+                                                "0.8", mem[f]))
+    (out / "job.json").write_text(json.dumps({"selection": {"dedup": "fuzzy", "dedup_threshold": "0.8"}}))
+    return str(out), files, mem
+
+
+def read_files(paths, select, strict=False):
+    """One epoch of one virtual shard of `paths` (every file's row 0 kept) -> ({(file, row)}, counts, examples)."""
+    bad = BadRecords(strict)
+    r = ShardReader(paths, list(range(len(paths))), len(paths), 0, 0, 2, "raw_content", bad, select=select)
+    got = set()
+    while True:
+        _, did, _, _ = r.next_piece()
+        e, f, line = decode_doc_id(did, len(paths))
+        if e:
+            break
+        got.add((f, line))
+    r.close()
+    return got, bad.counts, bad.examples
+
+
+def _rows(path):
+    with gzip.open(path) as fh:
+        return sum(1 for _ in fh)
+
+
+def test_stream_fuzzy_drops_the_conversions_rows_and_counts_them(sample_lists):
+    out, files, mem = sample_lists
+    cfg = qcfg("/x", paths=(SAMPLE_DOCS,), quality=None, dedup="exact,fuzzy", fuzzy_lists=out)
+    data.config.check_fuzzy_lists(cfg)
+    sel = cfg.selection()
+    assert sel["dedup"] == "exact,fuzzy" and sel["dedup_threshold"] == "0.8"
+    got, counts, examples = read_files(files, companions.Selection(
+        sel["quality"], sel["dedup"], None, sel["fuzzy_lists"], sel["dedup_threshold"]))
+    want = {(k, r) for k, f in enumerate(files) for r in range(_rows(f)) if r not in mem[f]}
+    assert got == want and not examples   # the sample has no exact duplicates
+    assert counts == {"dropped: dedup: fuzzy": 3}
+    # in the fingerprint, only with fuzzy
+    fp = data.fingerprint(cfg)
+    assert fp["dedup"] == "exact,fuzzy" and fp["fuzzy_lists"] == out and fp["dedup_threshold"] == "0.8"
+    assert "fuzzy_lists" not in data.fingerprint(qcfg("/x", paths=(SAMPLE_DOCS,), quality=None))
+
+
+def test_fuzzy_without_its_lists_or_at_another_threshold_is_one_line(sample_lists, tmp_path):
+    out = sample_lists[0]
+    with pytest.raises(ValueError, match=r"data.dedup='fuzzy' .*prepare_data.py .*--dedup fuzzy.*"
+                                         r"data.fuzzy_lists=DIR$"):
+        qcfg("/x", dedup="fuzzy")
+    for t in (0.9, "0.9"):
+        with pytest.raises(ValueError, match=r"^data.dedup_threshold=0.9 but data.fuzzy_lists=.* "
+                                             r"--dedup-threshold 0.8: [^\n]*$"):
+            data.config.check_fuzzy_lists(qcfg("/x", dedup="fuzzy", fuzzy_lists=out, dedup_threshold=t))
+    with pytest.raises(ValueError, match=r"^data.fuzzy_lists=.* holds no conversion with --dedup fuzzy"):
+        data.config.check_fuzzy_lists(qcfg("/x", dedup="fuzzy", fuzzy_lists=str(tmp_path)))
+    with pytest.raises(ValueError, match=r"data.dedup_threshold=0.75: must be one of"):
+        qcfg("/x", dedup="fuzzy", fuzzy_lists=out, dedup_threshold=0.75)
+    # a list at another threshold (job.json says the run's): its file is refused naming both
+    files = sample_lists[1][:1]
+    with pytest.raises(ValueError, match=r"data.dedup_threshold=0.9 but .*en_head.fuzzy.json was written at "
+                                         r"--dedup-threshold 0.8"):
+        read_files(files, companions.Selection((), "fuzzy", None, out, "0.9"))
+
+
+def test_a_missing_fuzzy_list_is_lenient_or_strict(sample_lists, tmp_path):
+    import shutil
+    src, files, mem = sample_lists
+    out = str(tmp_path / "out")
+    shutil.copytree(src, out)
+    files = files[:2]
+    gone = companions.companion_path(files[1], "fuzzy", out)
+    os.remove(gone)
+    sel = companions.Selection((), "fuzzy", None, out, "0.8")
+    got, counts, examples = read_files(files, sel)
+    assert got == {(0, r) for r in range(_rows(files[0])) if r not in mem[files[0]]}
+    assert counts == {"missing_companion": _rows(files[1])}   # each of its documents, named once
+    assert examples == [f"{gone}:0: missing_companion (no fuzzy dedup list)"]
+    with pytest.raises(BadDataError, match=f"{gone}:0: missing_companion"):
+        read_files(files, sel, strict=True)

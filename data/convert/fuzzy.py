@@ -7,9 +7,7 @@ as a GroupByKey over (position, hash) buckets with the same `file_bands` and `bu
 from __future__ import annotations
 
 from data.readers import companions, formats
-
-# The name a fuzzy duplicate is counted under (done/ markers, the manifest's "dropped").
-FUZZY = "dedup: fuzzy"
+from data.readers.companions import FUZZY  # noqa: F401  (the name a fuzzy duplicate is counted under)
 
 
 def file_bands(path: str, threshold: str, root: str | None = None):

@@ -14,8 +14,8 @@ import shutil
 import tempfile
 import time
 
-from data.convert.fuzzy import FUZZY
 from data.readers import companions, formats, objstore, quality
+from data.readers.companions import FUZZY
 from data.readers.sources import BAD_KINDS, DROPPED, MAX_BAD_EXAMPLES, BadRecords, split_pieces
 from data.state import files_hash
 from data.streams import records
@@ -68,21 +68,33 @@ class LocalOut:
             return None
 
     def write_text(self, name: str, text: str) -> None:
+        if "/" in name:   # done/... exists; a fuzzy list's directories are made here
+            os.makedirs(os.path.dirname(self.join(name)), exist_ok=True)
         _atomic_write(self.join(name), text, self.owner)
 
-    def finished(self, i: int) -> bool:
-        """Part i is complete (its done marker is written after the part's rename); the
-        temporary files a killed run left for it (under any host's name: the share may have been
-        another host's) removed otherwise."""
+    def finished(self, i: int, listed: str | None = None) -> bool:
+        """Part i is complete (its done marker is written after the part's rename and its fuzzy
+        list, `listed`); the temporary files a killed run left for it (under any host's name: the
+        share may have been another host's) removed otherwise."""
         final, done = self.join(part_name(i)), self.join(done_name(i))
         if os.path.exists(done) and os.path.exists(final):
             return True
         if self._leftovers is None:
             self._leftovers = ([self.join(n) for n in os.listdir(self.root)]
                                + [self.join("done", n) for n in os.listdir(self.join("done"))])
+        ends = (final + ".tmp-", done + ".tmp-")
         for path in self._leftovers:
-            if path.startswith((final + ".tmp-", done + ".tmp-")):
+            if path.startswith(ends):
                 os.remove(path)
+        if listed is not None:   # a list's directory is its input's own: listed per part
+            lp = self.join(listed)
+            try:
+                names = os.listdir(os.path.dirname(lp))
+            except FileNotFoundError:
+                names = []
+            for n in names:
+                if n.startswith(os.path.basename(lp) + ".tmp-"):
+                    os.remove(os.path.join(os.path.dirname(lp), n))
         return False
 
     def staging(self, i: int) -> str:
@@ -146,7 +158,7 @@ class UrlOut:
     def write_text(self, name: str, text: str) -> None:
         self.fs.pipe_file(self.join(name), text.encode())
 
-    def finished(self, i: int) -> bool:
+    def finished(self, i: int, listed: str | None = None) -> bool:
         return done_name(i) in self.listed and part_name(i) in self.listed
 
     def staging(self, i: int) -> str:
@@ -317,7 +329,14 @@ class Converter:
 
     def pending(self, mine: list[int]) -> list[int]:
         """My parts not yet complete."""
-        return [i for i in mine if not self.store.finished(i)]
+        return [i for i in mine if not self.store.finished(i, self.fuzzy_list_name(i))]
+
+    def fuzzy_list_name(self, i: int) -> str | None:
+        """Where input i's fuzzy list goes under --out (data.fuzzy_lists=--out reads it), with
+        --dedup fuzzy; else None."""
+        if "fuzzy" not in self.selection.get("dedup", ""):
+            return None
+        return companions.rel_name(self.files[i], "fuzzy")
 
     def _chunks(self, todo: list[int], bads: dict, bar):
         """Chunks of documents handed to the tokenizer pool in order; a chunk never spans
@@ -402,6 +421,10 @@ class Converter:
                 nbytes = os.path.getsize(tmp)
                 self.store.commit(i, tmp)
                 bad = bads.pop(i)
+                rows = self.fuzzy.get(self.files[i]) if self.fuzzy is not None else None
+                if rows is not None:   # no list for a file whose minhash file is missing
+                    self.store.write_text(self.fuzzy_list_name(i), companions.fuzzy_list_text(
+                        self.job["sources"][i], self.args.dedup_threshold, rows))
                 self.store.write_text(done_name(i), json.dumps({
                     "file": part_name(i), "source": self.job["sources"][i],
                     "documents": docs, "tokens": tokens, "bytes": nbytes,

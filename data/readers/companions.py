@@ -7,6 +7,10 @@ Layout (RPv2's; the same under a local path, a mount or a gs:// URL):
   <root>/quality_signals/<snap>/<shard>/<lang>_<part>.signals.json.gz  JSON lines, one per document
   <root>/duplicates/<snap>/<shard>/<lang>_<part>.duplicates.parquet    `doc_id`: every copy but the first
   <root>/minhash/<snap>/<shard>/<lang>_<part>.minhash.parquet          band hashes (the conversion's)
+  <out>/fuzzy/<snap>/<shard>/<lang>_<part>.fuzzy.json                 the rows --dedup fuzzy dropped
+The fuzzy lists are written by scripts/prepare_data.py --dedup fuzzy beside its parts (`<out>` its
+--out; data.fuzzy_lists=<out> in the stream): a JSON object {"source": the input file as the
+conversion's job.json names it, "threshold": --dedup-threshold, "rows": sorted rows dropped}.
 The part after a path's last `documents/` directory is its relative name; a path without one
 (the bundled sample's `<shard>/<lang>_<part>.json.gz`) takes its last two components, the
 directory above them as the root. `data.companions` puts the root elsewhere.
@@ -18,27 +22,32 @@ signals file is read beside its documents file, a line per record, in lockstep: 
 file's, so a restore deep in a file seeks both (data/readers/gzseek.py), re-reading neither.
 
 Bad input, each a bad record of data/readers/sources.py (named file:line, counted; data.strict=true
-stops there): `missing_companion` (the signals or duplicates file of a documents file is not
-there: every document of it), `signals_row_mismatch` (the line beside a document names another
+stops there): `missing_companion` (the signals or duplicates file, or the fuzzy list, of a
+documents file is not there: every document of it), `signals_row_mismatch` (the line beside a document names another
 row, or the file ends first: that document has no signals), `malformed_signals` (not a JSON
 object with `id` and `quality_signals`), `null_signal` (a score a rule needs is null or absent).
 """
 from __future__ import annotations
+
+import json
 
 import orjson
 
 from data.readers import formats, gzseek
 from data.readers.quality import Null, Rules
 
-KINDS = ("signals", "duplicates", "minhash")
+KINDS = ("signals", "duplicates", "minhash", "fuzzy")
 DEDUPS = ("exact", "fuzzy")
-_DIRS = {"signals": "quality_signals", "duplicates": "duplicates", "minhash": "minhash"}
+THRESHOLDS = ("0.7", "0.8", "0.9", "1.0")
+_DIRS = {"signals": "quality_signals", "duplicates": "duplicates", "minhash": "minhash", "fuzzy": "fuzzy"}
 _SUFFIX = {"signals": ".signals.json.gz", "duplicates": ".duplicates.parquet",
-           "minhash": ".minhash.parquet"}
+           "minhash": ".minhash.parquet", "fuzzy": ".fuzzy.json"}
 # The documents' name endings a companion's name replaces.
 _DOC_ENDINGS = (".json.gz", ".jsonl.gz", ".json.zst", ".jsonl.zst", ".jsonl", ".json")
 # The first rule name a document dropped as an exact duplicate is counted under.
 EXACT = "dedup: exact"
+# The name a fuzzy duplicate is counted under (the conversion's done/ markers and manifest, the stream).
+FUZZY = "dedup: fuzzy"
 
 
 def split_path(path: str) -> tuple[str, str]:
@@ -55,12 +64,17 @@ def split_path(path: str) -> tuple[str, str]:
     return root, rel.rsplit(".", 1)[0]
 
 
+def rel_name(path: str, kind: str) -> str:
+    """`kind`'s name below its root for the documents file `path` ("fuzzy/2023-06/0000/en_head.fuzzy.json"):
+    the one place companion names are made (the conversion writes a fuzzy list under it)."""
+    return f"{_DIRS[kind]}/{split_path(path)[1]}{_SUFFIX[kind]}"
+
+
 def companion_path(path: str, kind: str, root: str | None = None) -> str:
-    """Where `kind` ("signals", "duplicates", "minhash") of the documents file `path` is;
-    `root`: data.companions (None: the documents' own root)."""
-    own, rel = split_path(path)
-    base = (root.rstrip("/") if root else own)
-    return f"{base}/{_DIRS[kind]}/{rel}{_SUFFIX[kind]}" if base else f"{_DIRS[kind]}/{rel}{_SUFFIX[kind]}"
+    """Where `kind` ("signals", "duplicates", "minhash", "fuzzy") of the documents file `path`
+    is; `root`: data.companions (None: the documents' own root)."""
+    base = root.rstrip("/") if root else split_path(path)[0]
+    return f"{base}/{rel_name(path, kind)}" if base else rel_name(path, kind)
 
 
 def row_of(doc_id: str) -> int | None:
@@ -78,6 +92,27 @@ def duplicate_rows(path: str) -> set[int]:
     finally:
         src.close()
     return {r for r in map(row_of, (i for i in ids if i)) if r is not None}
+
+
+def fuzzy_list_text(source: str, threshold: str, rows) -> str:
+    """A fuzzy list's bytes: the same for the same input file, threshold and rows, whichever
+    runner wrote it."""
+    return json.dumps({"rows": sorted(int(r) for r in rows), "source": source, "threshold": threshold},
+                      sort_keys=True)
+
+
+def fuzzy_rows(path: str, threshold: str) -> set[int]:
+    """The rows a fuzzy list drops. FileNotFoundError when absent; ValueError (one line naming
+    the list and both thresholds) when it was written at another threshold."""
+    src = formats.open_raw(path)
+    try:
+        rec = json.loads(src.read())
+    finally:
+        src.close()
+    if rec.get("threshold") != threshold:
+        raise ValueError(f"data.dedup_threshold={threshold} but {path} was written at "
+                         f"--dedup-threshold {rec.get('threshold')}")
+    return set(rec["rows"])
 
 
 class SignalsFile:
@@ -135,13 +170,17 @@ class SignalsFile:
 class Selection:
     """What a run keeps: data.quality's rules and data.dedup, over companions under `root`."""
 
-    def __init__(self, quality: tuple[str, ...] = (), dedup: str = "", root: str | None = None):
+    def __init__(self, quality: tuple[str, ...] = (), dedup: str = "", root: str | None = None,
+                 fuzzy_lists: str = "", threshold: str = ""):
         self.rules = Rules(quality)
         self.dedup = tuple(d for d in dedup.split(",") if d) if dedup else ()
         self.root = root or None
+        # data.fuzzy_lists: the --out of a conversion with --dedup fuzzy (its fuzzy/ lists), read
+        # when dedup has fuzzy; threshold: data.dedup_threshold, checked against each list's
+        self.fuzzy_lists, self.threshold = fuzzy_lists, threshold
 
     def __bool__(self) -> bool:
-        return bool(self.rules) or "exact" in self.dedup
+        return bool(self.rules) or "exact" in self.dedup or "fuzzy" in self.dedup
 
     def open(self, path: str, state: list | None) -> "FileSelection":
         return FileSelection(self, path, state)
@@ -154,6 +193,13 @@ class FileSelection:
         self.sel = sel
         self.sig = self.sig_missing = None
         self.dups = self.dups_missing = None
+        self.fuzzy = self.fuzzy_missing = None
+        if "fuzzy" in sel.dedup:
+            fp = companion_path(path, "fuzzy", sel.fuzzy_lists)
+            try:
+                self.fuzzy = fuzzy_rows(fp, sel.threshold)
+            except FileNotFoundError:
+                self.fuzzy_missing = fp
         if sel.rules:
             sp = companion_path(path, "signals", sel.root)
             try:
@@ -168,7 +214,12 @@ class FileSelection:
                 self.dups_missing = dp
 
     def judge(self, row: int):
-        """None: keep row; ("drop", rule name); or ("bad", kind, path, line, detail)."""
+        """None: keep row; ("drop", rule name); or ("bad", kind, path, line, detail). Fuzzy
+        first, then exact, then the rules: the conversion's order (data/convert/parts.py)."""
+        if self.fuzzy_missing:
+            return "bad", "missing_companion", self.fuzzy_missing, 0, "no fuzzy dedup list"
+        if self.fuzzy is not None and row in self.fuzzy:
+            return "drop", FUZZY
         if self.dups_missing:
             return "bad", "missing_companion", self.dups_missing, 0, "no duplicates file"
         if self.dups is not None and row in self.dups:

@@ -115,11 +115,14 @@ class StreamSpec:
     min_tokens: int = 0
     max_tokens: int = 0
     bucket_key: str = ""
-    # data.quality's rules (data/readers/quality.py parse), data.dedup ("" or "exact") and
-    # data.companions ("": beside the documents): which documents are handed out
+    # data.quality's rules (data/readers/quality.py parse), data.dedup ("", "exact", "fuzzy",
+    # "exact,fuzzy"), data.companions ("": beside the documents) and, with fuzzy, data.fuzzy_lists
+    # and data.dedup_threshold: which documents are handed out
     quality: tuple = ()
     dedup: str = ""
     companions: str = ""
+    fuzzy_lists: str = ""
+    dedup_threshold: str = ""
 
 
 def url_sizes(files) -> tuple:
@@ -224,7 +227,8 @@ class ShardStream(WindowRows):
                                   spec.files_per_stream, spec.text_key, self.bad, self.times,
                                   split=split, residues=residues,
                                   select=companions.Selection(spec.quality, spec.dedup,
-                                                              spec.companions))
+                                                              spec.companions, spec.fuzzy_lists,
+                                                              spec.dedup_threshold))
         R = spec.seq_len + 1
         if spec.packing == "concat":
             self.packer = packing.ConcatPacker(R)
