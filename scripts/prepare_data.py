@@ -16,6 +16,7 @@ Output, one ArrayRecord file per input file (input i of the sorted list -> part-
   DIR/part-000000.array_record      documents of input 0, in file order
   DIR/done/part-000000.json         written once part-000000 is complete (its counts)
   DIR/manifest.json                 written when every part is done: what training reads
+  DIR/fuzzy/<rel>.fuzzy.json        --dedup fuzzy: the rows it dropped from that input (data.fuzzy_lists=DIR)
 A part is written under a temporary name and renamed when complete, so a conversion killed
 at any moment (SIGKILL included) continues when started again with the same arguments and
 ends byte-identical to an uninterrupted one; the same inputs always give the same bytes.
@@ -32,7 +33,10 @@ only the documents kept, judged before tokenizing by the stream's own code
 companions are bad records. --dedup fuzzy runs in memory in this process: every input's minhash
 file is read first (about 200 bytes per document and band position held), then a document is
 dropped when another with a smaller id_int has the same band hash at the same position of
-signature_sim<--dedup-threshold>.
+signature_sim<--dedup-threshold>. Its result, the rows dropped, is written beside the parts as
+one JSON list per input file, DIR/fuzzy/<snap>/<shard>/<lang>_<part>.fuzzy.json (before the part's
+done/ marker; the same bytes from every runner), which the stream reads with data.dedup=fuzzy
+data.fuzzy_lists=DIR (docs/data.md).
 
 --runner DirectRunner | DataflowRunner | FlinkRunner | SparkRunner runs the same conversion as an
 Apache Beam pipeline (the [beam] extra; data/convert/beam.py; docs/tokenize-at-scale.md): Beam's own
