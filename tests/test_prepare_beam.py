@@ -2,8 +2,8 @@
 its parts equal the in-process converter's byte for byte on the bundled sample with gopher and
 exact + fuzzy dedup; fuzzy dedup as a GroupByKey over band buckets equals the in-memory result on
 known band collisions (a missing minhash file included), and a minhash row naming no document
-stops naming its file and row on both; a re-run over existing parts redoes only
-what a killed attempt left, to the same bytes; the options built for Dataflow, offline.
+stops naming its file and row on both; both write the same fuzzy lists for the stream; a re-run
+over existing parts redoes only what a killed attempt left, to the same bytes; the options built for Dataflow, offline.
 
 Real Beam (DirectRunner), real ArrayRecord files; skipped without the [beam] extra. 26-47 s on 2
 shared cores, most of it the sample's two conversions (those tests are marked slow); the fast tier's
@@ -132,6 +132,12 @@ def test_fuzzy_group_by_key_equals_the_in_memory_result(tmp_path):
     assert kept == [2, 3, 0]          # rows 1 and 3 of file 0, row 3 of file 1; file 2: no minhash file
     mem = fuzzy_dropped(sorted(glob.glob(docs)), "0.8")
     assert [sorted(v) for k, v in sorted(mem.items(), key=lambda kv: str(kv[0])) if k] == [[1, 3], [3]]
+    # the lists the stream reads (data.fuzzy_lists): the same bytes from both runners (above), the
+    # in-memory rows; none for the file without a minhash file
+    lists = sorted(n for n in a if n.startswith("fuzzy/"))
+    assert lists == [f"fuzzy/2023-06/{f:04d}/en_head.fuzzy.json" for f in (0, 1)]
+    assert [json.loads(a[n])["rows"] for n in lists] == [[1, 3], [3]]
+    assert {json.loads(a[n])["threshold"] for n in lists} == {"0.8"}
     m = json.loads(a["manifest.json"])
     assert m["dropped"] == {"dedup: fuzzy": 3} and m["bad_records"] == {"missing_companion": 1}
     assert m["bad_examples"][0].startswith(os.path.join(str(tmp_path), "minhash", "2023-06", "0002"))
