@@ -2,7 +2,10 @@
 data/readers/quality.py): the documents handed out are exactly those a reference computed from
 each document's markers keeps, each once, straight, resumed mid-epoch, on 2 hosts and resumed
 on another host count; a deep restore seeks the signals file; every kind of bad input is counted
-and named (lenient) or stops the run (strict); the selection is in the fingerprint and the stats.
+and named (lenient) or stops the run (strict); the selection is in the fingerprint and the stats;
+data.dedup=fuzzy drops the rows of the conversion's fuzzy lists (the sample's, as fuzzy_dropped gives
+them), refuses a missing data.fuzzy_lists or another threshold in one line, and a missing list is a
+missing companion.
 
     pytest -n0 -q tests/test_data_quality.py
 """
@@ -591,10 +594,12 @@ def test_stream_fuzzy_drops_the_conversions_rows_and_counts_them(sample_lists):
     out, files, mem = sample_lists
     cfg = qcfg("/x", paths=(SAMPLE_DOCS,), quality=None, dedup="exact,fuzzy", fuzzy_lists=out)
     data.config.check_fuzzy_lists(cfg)
-    sel = cfg.selection()
-    assert sel["dedup"] == "exact,fuzzy" and sel["dedup_threshold"] == "0.8"
+    from data.pipeline import stream_spec
+    from data.tokenizer import load_tokenizer
+    spec = stream_spec(cfg, 0, 1, files, load_tokenizer(TOKENIZER))   # what each shard's reader gets
+    assert (spec.dedup, spec.fuzzy_lists, spec.dedup_threshold) == ("exact,fuzzy", out, "0.8")
     got, counts, examples = read_files(files, companions.Selection(
-        sel["quality"], sel["dedup"], None, sel["fuzzy_lists"], sel["dedup_threshold"]))
+        spec.quality, spec.dedup, spec.companions or None, spec.fuzzy_lists, spec.dedup_threshold))
     want = {(k, r) for k, f in enumerate(files) for r in range(_rows(f)) if r not in mem[f]}
     assert got == want and not examples   # the sample has no exact duplicates
     assert counts == {"dropped: dedup: fuzzy": 3}
