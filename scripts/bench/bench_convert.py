@@ -14,8 +14,6 @@ alternating; each run writes a fresh --out, and every run's parts are checked by
 from __future__ import annotations
 
 import argparse
-import glob
-import importlib.util
 import json
 import os
 import shutil
@@ -54,18 +52,10 @@ def main() -> None:
                     help="the selection both runs convert with ('' for none)")
     args = ap.parse_args()
 
-    from data.readers import companions
-    files = sorted(glob.glob(os.path.join(args.corpus, "*", "en_head.json.gz")))
-    if not files:
-        sys.exit(f"no {args.corpus}/*/en_head.json.gz")
-    if not os.path.exists(companions.companion_path(files[-1], "minhash")):
-        t0 = time.perf_counter()
-        spec = importlib.util.spec_from_file_location("companions_writer",
-                                                      os.path.join(REPO, "scripts", "make_sample_companions.py"))
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        mod.write_companions(files)
-        print(f"companions written in {time.perf_counter() - t0:.1f} s", flush=True)
+    sys.path.insert(0, HERE)
+    from bench_quality import corpus_with_companions  # the same corpus preparation as the stream's bench
+
+    files = corpus_with_companions(args.corpus)
 
     pattern = os.path.join(args.corpus, "*", "en_head.json.gz")
     select = args.select.split()

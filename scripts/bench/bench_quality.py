@@ -38,6 +38,21 @@ def _module(path: str, name: str):
     return mod
 
 
+def corpus_with_companions(corpus: str) -> list[str]:
+    """The corpus's documents files (make_corpus.py's layout), with RPv2 companion files written
+    beside them by scripts/make_sample_companions.py where they are not there yet."""
+    from data.readers import companions
+
+    files = sorted(glob.glob(os.path.join(corpus, "*", "en_head.json.gz")))
+    if not files:
+        sys.exit(f"no {corpus}/*/en_head.json.gz")
+    if not os.path.exists(companions.companion_path(files[-1], "minhash")):
+        t0 = time.perf_counter()
+        _module(os.path.join(REPO, "scripts", "make_sample_companions.py"), "companions_writer").write_companions(files)
+        print(f"companions written in {time.perf_counter() - t0:.1f} s", flush=True)
+    return files
+
+
 def read_cost(files: list[str], select) -> tuple[float, int, float]:
     """-> (seconds per record read, records, select-stage seconds) over one epoch of every file."""
     from data.readers.sources import BadRecords, ShardReader
@@ -68,13 +83,7 @@ def main() -> None:
 
     import data
     from data.readers import companions, quality
-    files = sorted(glob.glob(os.path.join(args.corpus, "*", "en_head.json.gz")))
-    if not files:
-        sys.exit(f"no {args.corpus}/*/en_head.json.gz")
-    if not os.path.exists(companions.companion_path(files[-1], "minhash")):
-        t0 = time.perf_counter()
-        _module(os.path.join(REPO, "scripts", "make_sample_companions.py"), "companions_writer").write_companions(files)
-        print(f"companions written in {time.perf_counter() - t0:.1f} s", flush=True)
+    files = corpus_with_companions(args.corpus)
 
     rules = quality.Rules(quality.parse("gopher"))
     kept_texts, all_texts, sig_bytes, total = [], [], 0, 0
