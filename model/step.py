@@ -150,10 +150,14 @@ def abstract_train_state(model_cfg, tx, mesh: Mesh, rules, spikes: SpikeConfig |
     return abstract, shardings
 
 
-def init_train_state(model_cfg, tx, mesh: Mesh, rules, seed: int, spikes: SpikeConfig | None = None):
-    """Fresh TrainState, created already sharded (each device computes only its shards)."""
+def init_train_state(model_cfg, tx, mesh: Mesh, rules, seed: int, spikes: SpikeConfig | None = None,
+                     shardings=None):
+    """Fresh TrainState, created already sharded (each device computes only its shards).
+    `shardings`: the state's, where the caller has them (a Program does): tracing the init for
+    them again costs a start-up ~0.2 s."""
     cfg = as_cfg(model_cfg)
-    _, shardings = abstract_train_state(cfg, tx, mesh, rules, spikes)
+    if shardings is None:
+        _, shardings = abstract_train_state(cfg, tx, mesh, rules, spikes)
     init = jax.jit(_init_fn(cfg, tx, spikes), out_shardings=shardings)
     # The key is a host-side constant; the random draws happen inside the sharded init.
     return init(jax.random.key(seed)), shardings
@@ -376,7 +380,7 @@ def build_program(model_cfg, tx, mesh_cfg: Mapping, *, global_batch: int, z_loss
         train_step=make_train_step(cfg, tx, mesh, rules, state_shardings, z_loss=z_loss, microbatches=microbatches,
                                    loss_chunk=loss_chunk, spikes=spikes),
         eval_step=make_eval_step(cfg, mesh, rules, state_shardings, loss_chunk=loss_chunk),
-        init_state=lambda seed: init_train_state(cfg, tx, mesh, rules, seed, spikes)[0],
+        init_state=lambda seed: init_train_state(cfg, tx, mesh, rules, seed, spikes, shardings=state_shardings)[0],
         fresh_opt_state=jax.jit(functools.partial(fresh_opt_state, tx), out_shardings=state_shardings["opt_state"]))
 
 

@@ -44,6 +44,38 @@ def test_every_experiment_composes(experiment, tmp_path, monkeypatch):
     data_lib.DataConfig.from_mapping({**data_map, "tokenizer": resolved["tokenizer"]["path"]})
 
 
+def test_a_start_composes_the_config_once(tmp_path):
+    """model/runtime/cli.py skips the compose in Hydra's get_mode, which only reads hydra.mode: no
+    config sets it, so Hydra's own answer is None, as the shortcut's is without composing; an
+    override that names hydra.mode still gets Hydra's answer."""
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import create_config_search_path
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
+
+    from model.runtime import cli
+
+    for path in CONFIGS.rglob("*.yaml"):
+        node = OmegaConf.load(path)
+        mode = node.get("mode") if path.parent.name == "hydra" else OmegaConf.select(node, "hydra.mode")
+        assert mode is None, f"{path} sets hydra.mode: model/runtime/cli.py's shortcut would ignore it"
+    hydra_app = Hydra.create_main_hydra2("train", create_config_search_path(str(CONFIGS)))
+    composed = []
+    compose_config = hydra_app.compose_config
+    hydra_app.compose_config = lambda *a, **k: composed.append(k["overrides"]) or compose_config(*a, **k)
+    composes_twice = Hydra.get_mode
+    overrides = [f"paths.run_dir={tmp_path}"]
+    try:
+        assert hydra_app.get_mode("train", overrides) is None and composed == [overrides]   # Hydra's own
+        cli.compose_once()
+        assert hydra_app.get_mode("train", overrides) is None and composed == [overrides]   # nothing composed
+        assert hydra_app.get_mode("train", ["hydra.mode=MULTIRUN"]) == RunMode.MULTIRUN
+        assert composed[-1] == ["hydra.mode=MULTIRUN"]
+    finally:
+        Hydra.get_mode = composes_twice
+        GlobalHydra.instance().clear()
+
+
 # ---------------------------------------------------------------- the GPU host recipe
 @pytest.mark.parametrize("gpus, microbatches", [(8, 2), (4, 4), (2, 8), (1, 16)])
 def test_readme_gpu_overrides_build_for_their_device_count(gpus, microbatches, tmp_path):
