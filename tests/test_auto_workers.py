@@ -22,6 +22,7 @@ from model.runtime.checkpoint import find_resume, restore_meta_and_data
 from tests.data_helpers import convert
 from tests.run_helpers import (
     COMMON,
+    MICRO,
     TRAIN,
     assert_every_shard_continues_exactly,
     env_for,
@@ -141,7 +142,7 @@ def test_bad_values_fail_in_one_line(setting, needle):
 
 # ---------------------------------------------------------------- real runs
 N = 8           # steps of every run
-RUN = ["train.steps=8", "train.log_every=4", "checkpoint.every=4", "logger.wandb.mode=disabled",
+RUN = [*MICRO, "train.steps=8", "train.log_every=4", "checkpoint.every=4", "logger.wandb.mode=disabled",
        "train.eval_every=0", "optimizer.warmup_steps=2", "data.seq_len=64", "data.num_shards=4",
        "train.debug_batches=true", "data.auto_measure_steps=2"]
 

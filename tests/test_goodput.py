@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from run_helpers import read_metrics, without_device_count
+from run_helpers import MICRO, read_metrics, without_device_count
 
 from model.runtime import goodput
 from model.runtime.meters import IntervalMeter
@@ -198,7 +198,7 @@ def test_a_start_that_fails_after_the_log_opened_records_its_exit(tmp_path):
 
 
 # ====================================================================== real runs
-RUN = ["model=tiny", "data.seq_len=64", "data.global_batch_size=8", "data.num_shards=4", "data.num_workers=0",
+RUN = ["model=tiny", *MICRO, "data.seq_len=64", "data.global_batch_size=8", "data.num_shards=4", "data.num_workers=0",
        "data.prefetch=1", "train.steps=14", "train.log_every=1", "checkpoint.every=6", "train.eval_every=7",
        "train.eval_batches=8",
        "optimizer.warmup_steps=2", "logger.wandb.mode=disabled", "logger.progress_bar=false"]

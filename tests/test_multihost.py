@@ -13,16 +13,17 @@ import sys
 from pathlib import Path
 
 import pytest
-from run_helpers import make_cfg, read_metrics, without_device_count
+from run_helpers import MICRO, make_cfg, read_metrics, without_device_count
 
 import train as train_mod
 
 ROOT = Path(__file__).resolve().parents[1]
 # decay_steps is fixed so that a run stopped at step 3 and continued to 6 follows the same schedule
 # as a straight 6-step run.
-COMMON = ["mesh=fsdp", "data.seq_len=64", "data.global_batch_size=16", "data.num_shards=4", "data.num_workers=1",
-          "train.log_every=1", "train.eval_every=0", "checkpoint.every=3", "optimizer.warmup_steps=1",
-          "optimizer.decay_steps=20", "logger.wandb.mode=disabled", "logger.progress_bar=false"]
+COMMON = [*MICRO, "mesh=fsdp", "data.seq_len=64", "data.global_batch_size=16", "data.num_shards=4",
+          "data.num_workers=1", "train.log_every=1", "train.eval_every=0", "checkpoint.every=3",
+          "optimizer.warmup_steps=1", "optimizer.decay_steps=20", "logger.wandb.mode=disabled",
+          "logger.progress_bar=false"]
 
 
 def launch_two(run_dir, *overrides, env=None):

@@ -19,13 +19,14 @@ from pathlib import Path
 import pytest
 import yaml
 from pod_sim import SimPod
+from run_helpers import MICRO
 
 from model.runtime import distributed
 
 # A tiny model on the bundled sample, logged every step (a SIGTERM is agreed between hosts at log
 # steps) and no periodic checkpoint: the only checkpoint is the one `stop` causes.
 # The progress bar is left to tpu.py, which turns it off for detached runs (`logs` shows step lines).
-TINY = ["mesh=fsdp", "data.seq_len=64", "data.global_batch_size=16", "data.num_shards=4", "data.num_workers=1",
+TINY = [*MICRO, "mesh=fsdp", "data.seq_len=64", "data.global_batch_size=16", "data.num_shards=4", "data.num_workers=1",
         "train.log_every=1", "train.eval_every=0", "checkpoint.every=1000000", "logger.wandb.mode=offline",
         "optimizer.warmup_steps=1", "optimizer.decay_steps=1000"]
 # As typed on the local command line; Hydra's own quoting makes it one string value.

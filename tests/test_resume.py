@@ -22,6 +22,7 @@ from hydra import compose, initialize_config_dir
 
 from tests.run_helpers import (
     COMMON,
+    MICRO,
     TRAIN,
     K,
     N,
@@ -179,18 +180,19 @@ def test_fingerprint_mismatch_stops_with_the_differences(straight, tmp_path):
 
     src = f"checkpoint.resume_from={straight / 'checkpoints'}"
     with pytest.raises(train_mod.ConfigError) as e:
-        train_mod.train(make_cfg(tmp_path / "a", src, "data.seq_len=128", "data.seed=7"))
+        train_mod.train(make_cfg(tmp_path / "a", *MICRO, src, "data.seq_len=128", "data.seed=7"))
     msg = str(e.value)
     assert "data.seq_len: checkpoint=64 now=128" in msg and "data.seed: checkpoint=0 now=7" in msg, msg
     assert "allow_data_change=true" in msg
     assert not (tmp_path / "a" / "checkpoints" / str(N)).exists()
 
-    with pytest.raises(train_mod.ConfigError, match="model.n_layers: checkpoint=4 now=2"):
-        train_mod.train(make_cfg(tmp_path / "b", src, "model.n_layers=2", "checkpoint.allow_data_change=true"))
+    with pytest.raises(train_mod.ConfigError, match="model.n_layers: checkpoint=2 now=3"):
+        train_mod.train(make_cfg(tmp_path / "b", *MICRO, src, "model.n_layers=3", "checkpoint.allow_data_change=true"))
 
     # On purpose: a new data layout continues the model (and reads the new data from its start).
-    summary = train_mod.train(make_cfg(tmp_path / "c", src, "data.seq_len=128", "checkpoint.allow_data_change=true",
-                                       f"train.steps={N + 1}", "checkpoint.every=0", "data.num_workers=0"))
+    summary = train_mod.train(make_cfg(tmp_path / "c", *MICRO, src, "data.seq_len=128",
+                                       "checkpoint.allow_data_change=true", f"train.steps={N + 1}",
+                                       "checkpoint.every=0", "data.num_workers=0"))
     assert (summary["start_step"], summary["steps"]) == (N, N + 1)
 
 

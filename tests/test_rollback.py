@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from model.runtime.rollback import find_divergence, rollbacks_of
-from tests.run_helpers import ROOT, run_cli
+from tests.run_helpers import MICRO, ROOT, run_cli
 from tests.step_hooks import planted
 
-COMMON = ["train.log_every=2", "checkpoint.every=4", "data.num_workers=0", "optimizer.warmup_steps=2",
+COMMON = [*MICRO, "train.log_every=2", "checkpoint.every=4", "data.num_workers=0", "optimizer.warmup_steps=2",
           "train.debug_batches=true", "train.eval_every=0", "logger.progress_bar=false"]
 
 

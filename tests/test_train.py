@@ -8,7 +8,17 @@ import sys
 
 import pytest
 from omegaconf import OmegaConf
-from run_helpers import CONFIGS, ROOT, TINY_FAST, main_in_process, make_cfg, read_metrics, run_cli, without_device_count
+from run_helpers import (
+    CONFIGS,
+    MICRO,
+    ROOT,
+    TINY_FAST,
+    main_in_process,
+    make_cfg,
+    read_metrics,
+    run_cli,
+    without_device_count,
+)
 
 import train as train_mod
 
@@ -312,7 +322,7 @@ def test_compile_cache_keeps_the_programs_and_null_turns_it_off(tmp_path, monkey
     cache = tmp_path / "xla"
     for d in "abc":
         (tmp_path / d).mkdir()
-    args = ["train.steps=4", "train.log_every=2", "checkpoint.every=0", "data.num_workers=0",
+    args = [*MICRO, "data.seq_len=64", "train.steps=4", "train.log_every=2", "checkpoint.every=0", "data.num_workers=0",
             "optimizer.warmup_steps=1", "train.eval_every=0", f"paths.compile_cache={cache}"]
     first = run_cli(tmp_path / "a", *args)
     assert first.returncode == 0, first.stderr[-2000:]
