@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.data_helpers import decode_doc_id, expected_tokens, write_corpus
-from tests.run_helpers import logs, main_in_process, read_jsonl, run, run_until
+from tests.run_helpers import MICRO, logs, main_in_process, read_jsonl, run, run_until
 
 pytestmark = pytest.mark.slow
 
@@ -108,6 +108,6 @@ def test_refusals_name_the_setting_in_one_line(switched, tmp_path, capsys):
     ]):
         run_dir = tmp_path / f"r{i}"
         shutil.copytree(before, run_dir)
-        code, err = main_in_process(capsys, run_dir, *[d for d in data if not d.startswith("checkpoint.")],
+        code, err = main_in_process(capsys, run_dir, *MICRO, *[d for d in data if not d.startswith("checkpoint.")],
                                     f"checkpoint.dir={run_dir}/checkpoints", "data.num_workers=0", *extra)
         assert code != 0 and any(message in line for line in err), err

@@ -101,11 +101,13 @@ def test_a_planted_spike_is_skipped_on_the_device(program):
     assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(moved), jax.tree.leaves(after["params"]),
                                                        strict=True))
 
-    # Without train.spikes the same steps update on the spike: the same losses, no extra metric.
+    # Without train.spikes the same steps update on the spike: the same losses (to float32's last
+    # digits: the two programs fuse differently, and the tests' CPU emitters round them apart by
+    # ~2e-7; a skipped or altered update moves the loss by orders more), no extra metric.
     state = without.init_state(0)
     for i in range(6):
         state, m = without.train_step(state, pattern)
-        assert float(m["loss"]) == losses[i]
+        np.testing.assert_allclose(float(m["loss"]), losses[i], rtol=1e-5)
     assert "skipped" not in m and "spikes" not in state
     before = host(state["params"])
     state, _ = without.train_step(state, noise)
