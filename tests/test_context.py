@@ -27,6 +27,7 @@ from model import context as ctx
 from model import llama, step
 from model import sharding as shd
 from model.llama import LlamaConfig
+from tests.run_helpers import MICRO
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 T = 32  # at context 8 each chip holds 4 tokens of a row
@@ -418,7 +419,7 @@ def test_train_py_refuses_in_one_line(tmp_path, capsys, overrides, needle):
 
 # ----------------------------------------------------------------------------- whole runs
 
-RUN = ["model.d_model=64", "model.n_layers=2", "model.d_ff=128", "model.dtype=float32", "data.seq_len=64",
+RUN = [*MICRO, "model.dtype=float32", "data.seq_len=64",
        "data.global_batch_size=8", "data.num_workers=0", "train.log_every=1", "train.eval_every=0",
        "checkpoint.every=3", "optimizer.warmup_steps=1", "logger.wandb.mode=disabled", "mesh=context"]
 

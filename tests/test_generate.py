@@ -15,6 +15,7 @@ from hydra import compose, initialize_config_dir
 
 import train as train_mod
 from model.llama import Llama, LlamaConfig
+from tests.run_helpers import MICRO
 
 # Module fixtures train real runs: the whole file belongs to the slow tier.
 pytestmark = pytest.mark.slow
@@ -118,7 +119,7 @@ def test_sampling_temperature_top_p_and_vocab_padding():
 
 
 # ---------------------------------------------------------------- the CLI on a trained checkpoint
-TINY_RUN = ["model.d_model=64", "model.n_layers=2", "model.d_ff=128", "data.seq_len=64",
+TINY_RUN = [*MICRO, "data.seq_len=64",
             "data.global_batch_size=8", "data.num_workers=0", "train.steps=4", "train.log_every=2",
             "train.eval_every=0", "checkpoint.every=2", "optimizer.warmup_steps=1", "logger.wandb.mode=disabled"]
 

@@ -22,6 +22,7 @@ from model import hf
 from model.llama import Llama, LlamaConfig
 from model.runtime import checkpoint as ckpt_lib
 from model.step import model_from_params
+from tests.run_helpers import MICRO
 
 # Module fixtures train real runs: the whole file belongs to the slow tier.
 pytestmark = pytest.mark.slow
@@ -63,7 +64,7 @@ def random_checkpoint(directory, cfg: LlamaConfig, seed=0):
 
 
 # ---------------------------------------------------------------- a briefly trained run
-TINY_RUN = ["model.d_model=64", "model.n_layers=2", "model.d_ff=128", "model.tie_embeddings=false",
+TINY_RUN = [*MICRO, "model.tie_embeddings=false",
             "data.seq_len=64", "data.global_batch_size=8", "data.num_workers=0", "train.log_every=1",
             "train.eval_every=0", "checkpoint.every=0", "optimizer.warmup_steps=1", "logger.wandb.mode=disabled"]
 

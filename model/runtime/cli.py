@@ -2,7 +2,7 @@
 
 Hydra's `@hydra.main` composes the whole config tree in `Hydra.get_mode` only to read
 `hydra.mode`, then composes it again to run. No config here sets `hydra.mode`
-(tests/test_train.py checks every experiment), so that first compose can only answer None,
+(tests/test_train.py reads every YAML under configs/), so that first compose can only answer None,
 which Hydra then reads from the command line (`--multirun` or not). Skipping it saves ~0.5 s of
 every `python train.py`, a start-up that every pod host and every restart pays. An override that
 names `hydra.mode` still goes through Hydra's own get_mode.
