@@ -138,8 +138,8 @@ def run(cfg: DictConfig) -> dict:
         if is_main and (line := announce_last_hang(hang_reports, process_count)):
             print(line, flush=True)
             events.add("last_hang", line=line)     # the goodput log names who stopped first
-        watchdog = Watchdog(s.hang_timeout_s, run_dir=s.run_dir, reports_dir=hang_reports,
-                            process_index=process_index, on_hang=lambda last_step: events.exit("hang", step=last_step))
+        watchdog = Watchdog(s.hang_timeout_s, run_dir=s.run_dir, reports_dir=hang_reports, process_index=process_index,
+                            process_count=process_count, on_hang=lambda last_step: events.exit("hang", step=last_step))
         cleanup.callback(watchdog.close)
 
         # ------------------------------------------------------------------ input started
@@ -398,7 +398,7 @@ def build_program(cfg: DictConfig, model_cfg, tx, devices=None):
 # ====================================================================== CLI
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> None:
-    from model.runtime.distributed import preempted_exit_code, quiet_cpu_start
+    from model.runtime.distributed import exit_after_shutdown, preempted_exit_code, quiet_cpu_start
 
     quiet_cpu_start()           # before anything imports JAX
     from data import BadDataError
@@ -406,31 +406,35 @@ def main(cfg: DictConfig) -> None:
     from model.runtime.rollback import Diverged
     from model.runtime.watchdog import EXIT_HANG, PeerHung
 
+    # Every failure leaves through exit_after_shutdown: on several hosts, a host lost with its VM
+    # would otherwise hold this one at jax.distributed's shutdown for minutes.
     try:
         summary = train(cfg)
     except (ConfigError, InterpolationResolutionError) as e:
         # One line: e.g. an unset ${oc.env:JAX_COORDINATOR_ADDRESS} (configs/experiment/gpu_multihost_llama_1b.yaml)
         # comes from OmegaConf over three.
         print(f"config error: {' '.join(str(e).split())}", file=sys.stderr)
-        sys.exit(2)
+        exit_after_shutdown(2)
     except BadDataError as e:
         # Bad data (data.strict=true, or a virtual shard without any valid document) names its
         # file and line in its message; it arrives from an input worker process as itself, and
         # the traceback would bury that one line under Grain's and our frames.
         print(f"data error: {e}", file=sys.stderr)
-        sys.exit(1)
+        exit_after_shutdown(1)
     except DamagedCheckpoint as e:
         # checkpoint.on_damaged=stop, or no step left that restores: the line says which step and why.
         print(f"checkpoint error: {e}", file=sys.stderr)
-        sys.exit(1)
+        exit_after_shutdown(1)
     except (Diverged, FloatingPointError) as e:
         # train.on_divergence: the steps and what diverged, in one line (model/runtime/rollback.py).
         print(f"diverged: {' '.join(str(e).split())}", file=sys.stderr)
-        sys.exit(1)
+        exit_after_shutdown(1)
     except PeerHung as e:
         # Another host hung and left: every host exits with the hang's code, and restarts (model/runtime/watchdog.py).
         print(f"hang: {e}", file=sys.stderr)
-        sys.exit(EXIT_HANG)
+        exit_after_shutdown(EXIT_HANG)
+    except Exception as e:
+        exit_after_shutdown(1, error=e)     # one process: raised for Hydra to report, as before
     if summary.get("preempted") and (code := preempted_exit_code()):
         # Saved on a preemption: 0, or EXIT_PREEMPTED where a launcher's --restarts loop asked for it.
         sys.exit(code)

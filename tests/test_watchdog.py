@@ -103,6 +103,31 @@ def test_the_next_start_names_the_host_that_stopped_first(tmp_path):
     line = announce_last_hang(reports, 2)
     assert "process 0 (h0) stopped first (it was frozen: its own watchdog ran 40 s late)" in line
 
+    # A failure of its own (an error, not a hang) writes a `failed` report: before any watchdog
+    # fired, it went first; after one fired, the hang did; beside a silent host, the silent one.
+    def failed(p, at):
+        (reports / f"p{p}.json").write_text(json.dumps({"process": p, "host": f"h{p}", "last_step": 9,
+                                                        "fired_at": at, "failed": "ValueError: boom"}))
+
+    def hung(p, at):
+        (reports / f"p{p}.json").write_text(json.dumps({"process": p, "host": f"h{p}", "last_step": 9,
+                                                        "last_step_time": 1000.0, "fired_at": at}))
+    failed(0, 1005.0)
+    hung(1, 1010.0)
+    line = announce_last_hang(reports, 2)
+    assert line.startswith("The last start ended in a failure: process 0 (h0) failed first, after step 9: "
+                           "ValueError: boom;"), line
+    failed(0, 1020.0)
+    hung(1, 1010.0)
+    assert "process 1 (h1) stopped first" in announce_last_hang(reports, 2)
+    failed(0, 1005.0)
+    failed(1, 1001.0)
+    assert "process 1 (h1) failed first" in announce_last_hang(reports, 2)     # all failed: the first
+    failed(0, 1005.0)
+    line = announce_last_hang(reports, 2)
+    assert "process 1 wrote no hang report" in line and "process 0 (h0) last completed step 9 at ? UTC " \
+        "(failed: ValueError: boom)" in line, line
+
 
 def test_the_next_start_names_the_slice_that_stopped_first(tmp_path, monkeypatch):
     """A 2 x 2 multislice job (processes 2 and 3 are slice 1): a whole slice that wrote no report is

@@ -311,6 +311,54 @@ def preempted_exit_code() -> int:
     return EXIT_PREEMPTED if os.environ.get(EXIT_PREEMPTED_ENV, "") not in ("", "0") else 0
 
 
+# How long a failing process of a multi-host run waits for jax.distributed's shutdown (see exit_after_shutdown).
+SHUTDOWN_WAIT_S = 15.0
+
+
+def exit_after_shutdown(code: int, wait_s: float = SHUTDOWN_WAIT_S, error: BaseException | None = None):
+    """Exits with `code` after jax.distributed's shutdown, waiting `wait_s` for it at most.
+    `error`: an exception being handled, raised again in a single process (its traceback is
+    printed first on several).
+
+    The shutdown is a barrier of every process. After a failure one may never come: a host lost
+    with its VM (its peers' collectives broke, "Connection reset by peer") or one still stuck in a
+    collective. JAX's exit handler would then hold this process at that barrier until the
+    heartbeat timeout (minutes of an idle pod) and abort it with a fatal error; here it leaves
+    after `wait_s`, so the launcher's restart comes that much sooner. Processes that all fail
+    together reach the barrier within a second and shut down as usual."""
+    import threading
+
+    import jax
+
+    if not jax.distributed.is_initialized():
+        if error is not None:
+            raise error
+        sys.exit(code)
+    if error is not None:
+        import traceback
+
+        traceback.print_exception(error)
+    done = threading.Event()
+
+    def shut_down():
+        try:
+            jax.distributed.shutdown()
+        except Exception:  # noqa: BLE001 - a failed barrier is the case handled below
+            return
+        done.set()
+
+    threading.Thread(target=shut_down, name="distributed-shutdown", daemon=True).start()
+    if done.wait(wait_s):
+        sys.exit(code)
+    print(f"leaving without jax.distributed's shutdown: not every process reached it within {wait_s:g} s "
+          f"(a host lost, or still in a collective); exit code {code}", file=sys.stderr, flush=True)
+    import logging
+
+    logging.shutdown()          # the run's log file (Hydra's handler) is flushed and closed
+    sys.stdout.flush()
+    os._exit(code)
+
+
 class PreemptionFlag:
     """SIGTERM (a preempted VM, `scripts/tpu.py stop`) or JAX's preemption sync point on TPU:
     save at the current step, wait for the save, exit 0 (EXIT_PREEMPTED under a launcher's

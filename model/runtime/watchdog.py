@@ -82,13 +82,13 @@ class Watchdog:
     HISTORY = 50
 
     def __init__(self, timeout_s: float | None, *, run_dir: Path, reports_dir: Path, process_index: int,
-                 on_hang=None):
+                 on_hang=None, process_count: int = 1):
         if timeout_s is not None and not timeout_s > 0:
             raise ValueError(f"train.hang_timeout_s={timeout_s} must be positive (or null: automatic)")
         self.fixed_s = timeout_s
         # The reports live beside the checkpoints, which may be on a bucket (gs://): epath reads both.
         self.run_dir, self.reports_dir = Path(run_dir), epath.Path(reports_dir)
-        self.process_index = process_index
+        self.process_index, self.process_count = process_index, process_count
         self.slice = _this_slice()        # named in the report: a multislice job loses whole slices
         self.on_hang = on_hang            # on_hang(last_step): the run's exit event
         self._lock = threading.Lock()
@@ -178,19 +178,26 @@ class Watchdog:
 
     def exit_hook(self, exc_type, exc, tb) -> bool:
         """An ExitStack.push callback, pushed after the run's exit event so that it runs first:
-        a failure that a peer's hang explains leaves as PeerHung (exit code EXIT_HANG)."""
+        a failure that a peer's hang explains leaves as PeerHung (exit code EXIT_HANG). Any other
+        failure of a multi-host run leaves a report too, marked `failed`: a host lost with its VM
+        breaks its peers' collectives ("Connection reset by peer") before any watchdog fires, and
+        the next start names it as the one that wrote none (announce_last_hang)."""
         if isinstance(exc, Exception) and not isinstance(exc, PeerHung):
             self.check_peer_hang(exc)
+            if self.process_count > 1:
+                self._report(timeout=self.timeout_s(), stacks=None, peer=False,
+                             failed=" ".join(f"{type(exc).__name__}: {exc}".split())[:300])
         return False
 
-    def _report(self, *, timeout: float, stacks: Path | None, peer: bool, late_s: float = 0.0) -> None:
+    def _report(self, *, timeout: float, stacks: Path | None, peer: bool, late_s: float = 0.0,
+                failed: str | None = None) -> None:
         with contextlib.suppress(Exception):
             self.reports_dir.mkdir(parents=True, exist_ok=True)
             report = {"process": self.process_index, "slice": self.slice, "host": socket.gethostname(),
                       "pid": os.getpid(),
                       "last_step": self._step, "last_step_time": self._last_wall, "fired_at": time.time(),
                       "timeout_s": timeout, "late_s": late_s, "poll_s": poll_interval(timeout),
-                      "stacks": str(stacks) if stacks else None, "peer": peer}
+                      "stacks": str(stacks) if stacks else None, "peer": peer, "failed": failed}
             tmp = self.reports_dir / f".p{self.process_index}.json.tmp"
             tmp.write_text(json.dumps(report))
             tmp.replace(self.reports_dir / f"p{self.process_index}.json")
@@ -262,10 +269,12 @@ def announce_last_hang(reports_dir: Path, process_count: int) -> str | None:
     """At the start of a run (process 0): if the last life ended in a hang, one line naming the
     host that stopped first, and the reports moved to `hang_reports/seen-<time>/` so the next
     start does not name them again. The host that stopped first is one that wrote no report
-    (frozen, or lost with its VM), else one whose own watchdog fired far later than due (it was
-    frozen itself), else the one whose last step is the earliest. Over several slices the line
-    names the slice too, and a whole slice that wrote no report as that slice (all its hosts lost
-    together: a preempted or failed slice); the silent processes' slices are the running job's."""
+    (frozen, or lost with its VM), else one that failed (an error) before any watchdog fired
+    ("The last start ended in a failure", its error named), else one whose own watchdog fired far
+    later than due (it was frozen itself), else the one whose last step is the earliest. Over
+    several slices the line names the slice too, and a whole slice that wrote no report as that
+    slice (all its hosts lost together: a preempted or failed slice); the silent processes'
+    slices are the running job's."""
     reports_dir = epath.Path(reports_dir)
     files = sorted(reports_dir.glob("p*.json"))
     if not files:
@@ -294,10 +303,19 @@ def announce_last_hang(reports_dir: Path, process_count: int) -> str | None:
     def when(r):
         return time.strftime("%H:%M:%S", time.gmtime(r["last_step_time"])) if r.get("last_step_time") else "?"
 
+    def why(r):
+        return " (failed when a peer left)" if r.get("peer") else f" (failed: {r['failed']})" if r.get("failed") else ""
+
     others = "; ".join(f"process {r['process']} ({where(r)}) last completed step {r.get('last_step')} "
-                       f"at {when(r)} UTC{' (failed when a peer left)' if r.get('peer') else ''}"
-                       for r in sorted(reports, key=lambda r: r["process"]))
-    hung = [r for r in reports if not r.get("peer")] or reports     # peer: failed because another left
+                       f"at {when(r)} UTC{why(r)}" for r in sorted(reports, key=lambda r: r["process"]))
+    # peer: failed because another hung and left; failed: an error of its own (or a lost peer's)
+    failed = [r for r in reports if r.get("failed")]
+    hung_own = [r for r in reports if not r.get("peer") and not r.get("failed")]
+    hung = hung_own or reports
+
+    def fired(r):
+        return float(r.get("fired_at", 0.0))
+
     frozen = [r for r in hung if float(r.get("late_s", 0.0)) > 2 * float(r.get("poll_s", 5.0)) + 1.0]
     lost_slices = sorted({slices[p] for p in silent if p in slices} if multislice else set())
     whole = [s for s in lost_slices if all(p in silent for p, q in slices.items() if q == s)]
@@ -312,6 +330,12 @@ def announce_last_hang(reports_dir: Path, process_count: int) -> str | None:
     elif silent:
         first = (f"process {', '.join(map(str, silent))} wrote no hang report (frozen, or lost with its "
                  f"VM): it stopped first")
+    elif failed and all(fired(min(failed, key=fired)) < fired(h) for h in hung_own):
+        # Every process reported and one failed before any watchdog fired: it went first (the
+        # others' collectives broke when it left, or hung waiting for it, or they failed alike).
+        r = min(failed, key=fired)
+        return (f"The last start ended in a failure: process {r['process']} ({where(r)}) failed first, after step "
+                f"{r.get('last_step')}: {r['failed']}; {others}. Reports: {seen}")
     elif frozen:
         r = max(frozen, key=lambda r: float(r["late_s"]))
         first = (f"process {r['process']} ({where(r)}) stopped first (it was frozen: its own "
