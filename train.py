@@ -131,7 +131,7 @@ def run(cfg: DictConfig) -> dict:
         # On the way out, last: the exit event (clean, preempted, crash from here on) and the goodput summary.
         cleanup.push(events.on_exit(preempted))
         ckpt = Checkpointer(cfg.checkpoint)
-        cleanup.callback(ckpt.close)
+        cleanup.push(ckpt.exit_hook)     # closes; bounded after a failure on several hosts
         # Hung hosts (model/runtime/watchdog.py): armed from the first completed step, paused around
         # work that is not a step; its reports go where every host writes (the checkpoint dir).
         hang_reports = epath.Path(ckpt.directory) / REPORTS_DIR    # checkpoint.dir may be gs://

@@ -207,6 +207,24 @@ class Checkpointer:
         self.manager.wait_until_finished()
         self.manager.close()
 
+    def exit_hook(self, exc_type, exc, tb) -> bool:
+        """The run's ExitStack callback: close. After a failure on several hosts, an asynchronous
+        save in flight waits at a barrier of every host, which a lost host never reaches (JAX
+        would abort this one at its heartbeat timeout, minutes later): the wait is bounded like
+        jax.distributed's shutdown, and the unfinished step stays a temporary directory that no
+        restore reads."""
+        if exc is None or jax.process_count() == 1:
+            self.close()
+            return False
+        import threading
+
+        from model.runtime.distributed import SHUTDOWN_WAIT_S
+
+        closing = threading.Thread(target=self.close, name="checkpoint-close", daemon=True)
+        closing.start()
+        closing.join(SHUTDOWN_WAIT_S)
+        return False
+
 
 def find_resume(ccfg: Mapping) -> ResumePoint | None:
     """The latest complete step in checkpoint.dir, else checkpoint.resume_from, else None.

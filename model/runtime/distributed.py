@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 import signal
 import sys
+import threading
+import traceback
 
 # jax's coordinator port on Cloud TPU (jax/_src/clusters/cloud_tpu_cluster.py); JAX_COORDINATOR_PORT
 # overrides it there and here.
@@ -326,8 +329,6 @@ def exit_after_shutdown(code: int, wait_s: float = SHUTDOWN_WAIT_S, error: BaseE
     heartbeat timeout (minutes of an idle pod) and abort it with a fatal error; here it leaves
     after `wait_s`, so the launcher's restart comes that much sooner. Processes that all fail
     together reach the barrier within a second and shut down as usual."""
-    import threading
-
     import jax
 
     if not jax.distributed.is_initialized():
@@ -335,8 +336,6 @@ def exit_after_shutdown(code: int, wait_s: float = SHUTDOWN_WAIT_S, error: BaseE
             raise error
         sys.exit(code)
     if error is not None:
-        import traceback
-
         traceback.print_exception(error)
     done = threading.Event()
 
@@ -352,8 +351,6 @@ def exit_after_shutdown(code: int, wait_s: float = SHUTDOWN_WAIT_S, error: BaseE
         sys.exit(code)
     print(f"leaving without jax.distributed's shutdown: not every process reached it within {wait_s:g} s "
           f"(a host lost, or still in a collective); exit code {code}", file=sys.stderr, flush=True)
-    import logging
-
     logging.shutdown()          # the run's log file (Hydra's handler) is flushed and closed
     sys.stdout.flush()
     os._exit(code)

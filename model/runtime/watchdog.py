@@ -316,6 +316,8 @@ def announce_last_hang(reports_dir: Path, process_count: int) -> str | None:
     def fired(r):
         return float(r.get("fired_at", 0.0))
 
+    first_failed = min(failed, key=fired) if failed else None
+
     frozen = [r for r in hung if float(r.get("late_s", 0.0)) > 2 * float(r.get("poll_s", 5.0)) + 1.0]
     lost_slices = sorted({slices[p] for p in silent if p in slices} if multislice else set())
     whole = [s for s in lost_slices if all(p in silent for p, q in slices.items() if q == s)]
@@ -330,10 +332,10 @@ def announce_last_hang(reports_dir: Path, process_count: int) -> str | None:
     elif silent:
         first = (f"process {', '.join(map(str, silent))} wrote no hang report (frozen, or lost with its "
                  f"VM): it stopped first")
-    elif failed and all(fired(min(failed, key=fired)) < fired(h) for h in hung_own):
+    elif first_failed and all(fired(first_failed) < fired(h) for h in hung_own):
         # Every process reported and one failed before any watchdog fired: it went first (the
         # others' collectives broke when it left, or hung waiting for it, or they failed alike).
-        r = min(failed, key=fired)
+        r = first_failed
         return (f"The last start ended in a failure: process {r['process']} ({where(r)}) failed first, after step "
                 f"{r.get('last_step')}: {r['failed']}; {others}. Reports: {seen}")
     elif frozen:
