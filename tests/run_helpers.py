@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
+from tests import forked
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
 
@@ -36,7 +38,7 @@ def read_metrics(run_dir):
 
 def run_cli(tmp_path, *overrides):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    return subprocess.run([sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={tmp_path}/run",
+    return forked.run([sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={tmp_path}/run",
                            "logger.wandb.mode=disabled", *overrides],
                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
 
@@ -129,13 +131,13 @@ def start(run_dir, *overrides, processes=0, slices=1):
     base = [sys.executable, str(TRAIN), f"hydra.run.dir={run_dir}", *COMMON, *overrides]
     if not processes:
         log = open(run_dir / f"log_{time.time_ns()}.txt", "w")
-        return [subprocess.Popen(base, cwd=run_dir, env=env_for(0), stdout=log, stderr=subprocess.STDOUT,
-                                 start_new_session=True)]
+        return [forked.Popen(base, cwd=run_dir, env=env_for(0), stdout=log, stderr=subprocess.STDOUT,
+                             start_new_session=True)]
     port = free_port()
     procs = []
     for i in range(processes):
         log = open(run_dir / f"log_{time.time_ns()}_p{i}.txt", "w")
-        procs.append(subprocess.Popen(
+        procs.append(forked.Popen(
             base + [f"distributed.coordinator_address=localhost:{port}", f"distributed.num_processes={processes}",
                     f"distributed.process_id={i}", "distributed.local_device_count=2",
                     *([f"distributed.slice_index={i // (processes // slices)}"] if slices > 1 else [])],

@@ -19,6 +19,7 @@ import data as data_lib
 import train as train_mod
 from data import autoworkers as aw
 from model.runtime.checkpoint import find_resume, restore_meta_and_data
+from tests import forked
 from tests.data_helpers import convert
 from tests.run_helpers import (
     COMMON,
@@ -216,7 +217,7 @@ def test_hosts_agree_on_the_most_any_needs(straight, tmp_path):
     port, procs = free_port(), []
     for i, budget in enumerate(["0.001", "null"]):
         log = open(tmp_path / f"log_p{i}.txt", "w")
-        procs.append(subprocess.Popen(
+        procs.append(forked.Popen(
             [sys.executable, str(TRAIN), f"hydra.run.dir={tmp_path}", *COMMON, "data.num_workers=auto",
              "data.auto_measure_steps=2", f"data.ram_budget_gb={budget}",
              f"distributed.coordinator_address=localhost:{port}", "distributed.num_processes=2",

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 from run_helpers import COMMON, TRAIN, env_for, finish, logs, read_jsonl, start
 
+from tests import forked
+
 N = 10
 # What Orbax's leftover reads of a damaged step would print (model/runtime/checkpoint.py _SilenceDamagedReads).
 LEFTOVER_REPORTS = ("Event loop is closed", "was never retrieved", "Exception ignored in")
@@ -70,7 +72,7 @@ def test_each_damaged_step_is_moved_aside_and_the_run_resumes_exactly(processes,
 
     if not processes:
         # checkpoint.on_damaged=stop: one line, exit 1, nothing moved.
-        result = subprocess.run([sys.executable, str(TRAIN), f"hydra.run.dir={run_dir}", *COMMON, *args,
+        result = forked.run([sys.executable, str(TRAIN), f"hydra.run.dir={run_dir}", *COMMON, *args,
                                  "checkpoint.on_damaged=stop"], cwd=run_dir, env=env_for(0), capture_output=True,
                                 text=True, timeout=300)
         assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]

@@ -20,6 +20,7 @@ import pytest
 import data
 from data.host import find_shard_states
 from data.streams.mixture import SOURCE_ID_SHIFT, source_counters, source_of_doc_id
+from tests import forked
 from tests.data_helpers import (
     REPO,
     SOURCES,
@@ -279,7 +280,7 @@ def test_train_resumes_a_mixture_exactly_and_refuses_a_weight_change(tmp_path):
            f"checkpoint.resume_from={straight / 'checkpoints' / '2'}", "checkpoint.every=0",
            f"distributed.coordinator_address=localhost:{port}", "distributed.num_processes=2",
            "distributed.local_device_count=2"]
-    procs = [subprocess.Popen(cli + [f"distributed.process_id={i}"], cwd=two, env=env_for(2),
+    procs = [forked.Popen(cli + [f"distributed.process_id={i}"], cwd=two, env=env_for(2),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
     outs = [pr.communicate(timeout=400)[0] for pr in procs]
     assert [pr.returncode for pr in procs] == [0, 0], outs

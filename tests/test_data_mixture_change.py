@@ -20,6 +20,7 @@ import pytest
 import data
 from data.state import mixture_changes
 from data.streams.mixture import SOURCE_ID_SHIFT
+from tests import forked
 from tests.data_helpers import SOURCES, close, jround, mix_cfg, take, write_sources
 
 SRC = {name: (name, w, n_files, docs, key) for name, w, n_files, docs, key in SOURCES}
@@ -395,7 +396,7 @@ def test_train_reweights_on_another_host_count(tmp_path):
     cli = [sys.executable, os.path.join(REPO, "train.py"), f"hydra.run.dir={run}", "train.steps=2", *TRAIN_OVERRIDES,
            f"distributed.coordinator_address=localhost:{port}", "distributed.num_processes=2",
            "distributed.local_device_count=2"]
-    procs = [subprocess.Popen(cli + [f"distributed.process_id={i}"], cwd=run, env=env_for(2),
+    procs = [forked.Popen(cli + [f"distributed.process_id={i}"], cwd=run, env=env_for(2),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
     outs = [p.communicate(timeout=400)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs

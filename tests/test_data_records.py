@@ -18,6 +18,7 @@ import pytest
 import data
 from data.streams import records
 from data.streams.permutation import FeistelPermutation
+from tests import forked
 from tests.data_helpers import (
     REPO,
     SCRIPT,
@@ -322,7 +323,7 @@ def test_manifest_dtype_that_cannot_hold_the_tokenizer_is_refused(wide, tmp_path
 # ---------------------------------------------------------------- mismatches fail in one line
 def run_cli(tmp_path, *overrides):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    return subprocess.run([sys.executable, os.path.join(REPO, "train.py"),
+    return forked.run([sys.executable, os.path.join(REPO, "train.py"),
                            f"hydra.run.dir={tmp_path}/run", "logger.wandb.mode=disabled",
                            *overrides], capture_output=True, text=True, env=env, cwd=tmp_path,
                           timeout=300)

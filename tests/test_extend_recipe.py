@@ -10,13 +10,13 @@ scripts/bench/bench_extend.py's, in BENCHMARKS.md.
 import json
 import re
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 import train  # noqa: F401 - registers ${project_root:}
+from tests import forked
 from tests.run_helpers import make_cfg, without_device_count
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,7 +63,7 @@ def test_the_recipe_runs_as_documented(tmp_path):
     run_dir = tmp_path / "run"
 
     def launch(*args: str, rc: int = 0) -> str:
-        r = subprocess.run([sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={run_dir}", *args, *SHORT],
+        r = forked.run([sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={run_dir}", *args, *SHORT],
                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
         assert r.returncode == rc, r.stdout[-3000:] + r.stderr[-3000:]
         return r.stdout + r.stderr

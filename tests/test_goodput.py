@@ -23,6 +23,7 @@ from run_helpers import MICRO, read_metrics, without_device_count
 
 from model.runtime import goodput
 from model.runtime.meters import IntervalMeter
+from tests import forked
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -213,7 +214,7 @@ def cli(run_dir):
 def test_sigkill_restart_eval_and_slow_stage_add_up_and_report_renders(tmp_path):
     run_dir = tmp_path / "run"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT), goodput_env(): str(PLANTED_S)}
-    first = subprocess.Popen(cli(run_dir), env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+    first = forked.Popen(cli(run_dir), env=env, cwd=tmp_path, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 400
     while time.time() < deadline and first.poll() is None:
@@ -225,7 +226,7 @@ def test_sigkill_restart_eval_and_slow_stage_add_up_and_report_renders(tmp_path)
     first.send_signal(signal.SIGKILL)
     t_kill = time.time()
     first.wait()
-    second = subprocess.run(cli(run_dir), env=env, cwd=tmp_path, capture_output=True, text=True, timeout=500)
+    second = forked.run(cli(run_dir), env=env, cwd=tmp_path, capture_output=True, text=True, timeout=500)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert "Goodput" in second.stdout and "Lost to restarts and rollbacks" in second.stdout
 

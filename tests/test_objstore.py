@@ -19,6 +19,7 @@ import pytest
 
 import data
 from data.pipeline import state_counters
+from tests import forked
 from tests.data_helpers import (
     assert_batches_equal,
     cfg,
@@ -486,11 +487,10 @@ def test_gzip_seek_points_and_restore_from_a_url_match_the_local_file(tmp_path):
 
 # ---------------------------------------------------------------- checkpoint.dir on gs://
 def _train(run_dir, env, *overrides):
-    import subprocess
     import sys
 
     from tests.run_helpers import ROOT
-    r = subprocess.run([sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={run_dir}", *overrides],
+    r = forked.run([sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={run_dir}", *overrides],
                        capture_output=True, text=True, env=env, cwd=run_dir.parent, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     return r.stdout

@@ -13,6 +13,7 @@ import pytest
 
 import data
 from data.streams import records
+from tests import forked
 from tests.data_helpers import convert, write_corpus, write_docs
 
 pytest.importorskip("gcp_storage_emulator.server")
@@ -180,7 +181,6 @@ def test_a_converted_corpus_on_a_url_fails_in_one_line(gcs, tmp_path):
 
 @pytest.mark.slow
 def test_train_py_on_a_converted_url_stops_in_one_line_before_compile(gcs, tmp_path):
-    import subprocess
     import sys
 
     from tests.run_helpers import ROOT
@@ -188,7 +188,7 @@ def test_train_py_on_a_converted_url_stops_in_one_line_before_compile(gcs, tmp_p
     fs.put(str(local_out), f"{BUCKET}/conv_cli", recursive=True)
     url = f"gs://{BUCKET}/conv_cli"
     env = {**os.environ, **em.env(), "JAX_PLATFORMS": "cpu"}
-    r = subprocess.run([sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={tmp_path}/run",
+    r = forked.run([sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={tmp_path}/run",
                         "logger.wandb.mode=disabled", f"data.paths=[{url}]"],
                        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     assert r.returncode != 0

@@ -21,6 +21,7 @@ from run_helpers import (
 )
 
 import train as train_mod
+from tests import forked
 
 
 def group_options(group):
@@ -165,7 +166,7 @@ def test_multihost_gpu_form_joins_two_processes_through_the_environment(tmp_path
     env.update(JAX_PLATFORMS="cpu", JAX_COORDINATOR_ADDRESS=f"localhost:{port}")
     run_dir = tmp_path / "run"
     shrunk = [o for o in GPU_SHRUNK if not o.startswith("checkpoint.")]
-    procs = [subprocess.Popen(
+    procs = [forked.Popen(
         [sys.executable, str(ROOT / "train.py"), "experiment=gpu_multihost_llama_1b", *shrunk,
          f"hydra.run.dir={run_dir}", f"checkpoint.dir={tmp_path}/shared_ckpt", "checkpoint.every=4",
          "data.num_workers=0", "logger.progress_bar=false", "distributed.num_processes=2",
