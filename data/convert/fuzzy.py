@@ -14,17 +14,12 @@ def file_bands(path: str, threshold: str, root: str | None = None):
     """(row, id_int, bands) of each document of the documents file `path`, from its minhash file;
     FileNotFoundError (naming the minhash file) when it is missing; ValueError naming file and
     row for an id that names no row."""
-    import pyarrow.parquet as pq
     col = f"signature_sim{threshold}"
     mp = companions.companion_path(path, "minhash", root)
     try:
-        src = formats.open_raw(mp)
+        t = formats.read_parquet_columns(mp, ["id", "id_int", col])
     except FileNotFoundError:
         raise FileNotFoundError(mp) from None
-    try:
-        t = pq.read_table(src, columns=["id", "id_int", col])
-    finally:
-        src.close()
     out = []
     for k, (i, n, bs) in enumerate(zip(t.column("id").to_pylist(), t.column("id_int").to_pylist(),
                                        t.column(col).to_pylist(), strict=True)):

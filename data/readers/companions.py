@@ -85,12 +85,7 @@ def row_of(doc_id: str) -> int | None:
 
 def duplicate_rows(path: str) -> set[int]:
     """The rows a duplicates parquet lists (its `doc_id` column). FileNotFoundError when absent."""
-    import pyarrow.parquet as pq
-    src = formats.open_raw(path)
-    try:
-        ids = pq.read_table(src, columns=["doc_id"]).column(0).to_pylist()
-    finally:
-        src.close()
+    ids = formats.read_parquet_columns(path, ["doc_id"]).column(0).to_pylist()
     return {r for r in map(row_of, (i for i in ids if i)) if r is not None}
 
 
