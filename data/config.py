@@ -29,7 +29,7 @@ class SourceConfig:
     min_tokens: int | None = None   # a length bucket (data/streams/buckets.py): documents of at least /
     max_tokens: int | None = None   # at most this many tokens (None or 0: no bound)
     quality: str | list | None = None   # its own data.quality / data.dedup (None: data.quality's,
-    dedup: str | None = None            # data.dedup's; "" or []: none for this source)
+    dedup: str | list | None = None     # data.dedup's; "" or []: none for this source)
 
     @classmethod
     def from_mapping(cls, m, index: int) -> "SourceConfig":
@@ -112,7 +112,7 @@ class DataConfig:
     # fuzzy_lists is that conversion's --out (scripts/prepare_data.py --dedup fuzzy writes its
     # fuzzy/<...>.fuzzy.json lists there), dedup_threshold the --dedup-threshold it ran at.
     quality: str | list | None = None
-    dedup: str | None = None
+    dedup: str | list | None = None     # "exact,fuzzy" or [exact, fuzzy]
     companions: str | None = None
     fuzzy_lists: str | None = None
     dedup_threshold: str | float | None = "0.8"
@@ -143,6 +143,8 @@ class DataConfig:
             rules = quality.parse(q)
         except ValueError as e:
             raise ValueError(str(e).replace("data.", where, 1)) from None
+        if d is not None and not isinstance(d, str):   # a list (data.dedup=[exact,fuzzy] on the command line)
+            d = ",".join(str(x) for x in d)
         asked = [x for x in ("" if d in (None, "", "none") else str(d).replace(" ", "")).split(",") if x]
         if set(asked) - set(companions.DEDUPS):
             raise ValueError(f"{where}dedup={d!r}: must be exact, fuzzy or exact,fuzzy (or null)")

@@ -663,3 +663,27 @@ def test_a_process_that_read_the_parquet_companions_exits_zero():
     codes = [subprocess.run([sys.executable, "-c", snippet], cwd=root, capture_output=True, text=True,
                             timeout=120) for _ in range(3)]
     assert [r.returncode for r in codes] == [0, 0, 0], [r.stderr[-500:] for r in codes]
+
+
+@pytest.mark.slow
+def test_train_py_drops_the_fuzzy_duplicates_as_the_docs_write_the_command(sample_lists, tmp_path):
+    """`python train.py ... 'data.dedup=[exact,fuzzy]' data.fuzzy_lists=DIR` (docs/data.md,
+    docs/tokenize-at-scale.md; unquoted `exact,fuzzy` is a Hydra sweep, tests/test_docs.py) end to
+    end: the sample file whose row 42 is a near-duplicate drops it within 6 steps, counted."""
+    import sys
+
+    from tests import forked
+    from tests.run_helpers import MICRO, ROOT, env_for, read_metrics
+
+    out = sample_lists[0]
+    r = forked.run([sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={tmp_path}", *MICRO, "train.steps=6",
+                    "train.log_every=3", "data.num_workers=0", "logger.wandb.mode=disabled",
+                    "logger.progress_bar=false", "data.eval.holdout_files=0", "train.eval_every=0",
+                    "data.paths=[${project_root:}/data/sample/0007/en_head.json.gz]",
+                    "data.dedup=[exact,fuzzy]", f"data.fuzzy_lists={out}"],
+                   cwd=tmp_path, env=env_for(0), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "Dropped 1 document(s) in this start (data.quality / data.dedup): dedup: fuzzy 1" in r.stdout
+    rows = read_metrics(tmp_path)
+    assert [row["data/dropped/dedup: fuzzy"] for row in rows if "loss" in row][-1] == 1   # a running count
+    assert 42 in sample_lists[2][next(f for f in sample_lists[2] if f and "0007" in f)]

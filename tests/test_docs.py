@@ -376,8 +376,9 @@ def compose(overrides: tuple[str, ...]):
             return e
 
 
-def override_errors(overrides: list[str]) -> list[tuple[str, str]]:
-    """(word to find in the doc, message) for each override naming an unknown key or group option."""
+def override_errors(overrides: list[str], multirun: bool = False) -> list[tuple[str, str]]:
+    """(word to find in the doc, message) for each override naming an unknown key or group option,
+    or (outside --multirun) a sweep: Hydra stops on `key=a,b` with "Ambiguous value"."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     if not overrides:
@@ -396,6 +397,10 @@ def override_errors(overrides: list[str]) -> list[tuple[str, str]]:
                 errors.append((key, f"override {text!r} does not parse: {str(e).splitlines()[0]}"))
                 continue
             text = f"{key}=x"
+        if o.is_sweep_override() and not multirun:
+            errors.append((key, f"override {text!r} is a sweep, which Hydra refuses outside --multirun "
+                                "(\"Ambiguous value\"): write a list, key=[a,b], or quote the value"))
+            continue
         group = (CONFIGS / o.key_or_group.replace(".", "/")).is_dir()
         if group or o.is_add() or o.is_force_add() or o.is_delete():
             structural.append((text, o, group))
@@ -461,7 +466,8 @@ def command_errors(cmd: Command, doc: str) -> list[str]:
             # argparse would take a unique prefix (--restart for --restarts): a doc writes it in full.
             hint = f" (argparse reads it as {longer[0]}: write that)" if len(longer) == 1 else ""
             out.append(f"{doc}:{cmd.line_of(f)}: {shown} flag {f} unknown{hint}")
-    out += [f"{doc}:{cmd.line_of(word)}: {shown} {msg}" for word, msg in override_errors(overrides)]
+    multirun = bool({"--multirun", "-m"} & set(flags))
+    out += [f"{doc}:{cmd.line_of(word)}: {shown} {msg}" for word, msg in override_errors(overrides, multirun)]
     return out
 
 
@@ -704,6 +710,14 @@ def test_readme_experiments_table():
 def test_unknown_train_key_is_reported_with_its_line():
     doc = "# T\n\n```bash\npython train.py model=1b train.steps=10\npython train.py model.nope=1\n```\n"
     assert check_doc(doc, "T.md") == ["T.md:5: train.py key model.nope unknown"]
+
+
+def test_a_sweep_outside_multirun_is_reported():
+    # data.dedup=exact,fuzzy stopped train.py with Hydra's "Ambiguous value" (docs/data.md had it)
+    doc = ("# T\n\n```bash\npython train.py data.dedup=exact,fuzzy\npython train.py 'data.dedup=[exact,fuzzy]'\n"
+           "python train.py --multirun optimizer.lr=1e-3,3e-4\n```\n")
+    assert [e.split(" is a sweep")[0] for e in check_doc(doc, "T.md")] == [
+        "T.md:4: train.py override 'data.dedup=exact,fuzzy'"]
 
 
 def test_continuations_comments_inline_and_nested_commands():
