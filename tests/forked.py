@@ -147,7 +147,7 @@ class _Server:
                 (self.pids if "pid" in m else self.exits)[m["id"]] = m.get("pid", m.get("rc"))
                 self.cond.notify_all()
 
-    def fork(self, argv: list[str], cwd: str, env: dict, fds: list[int]) -> int:
+    def fork(self, argv: list[str], cwd: str, env: dict, fds: list[int]) -> tuple[int, int]:
         """-> (request id, pid)"""
         rid = next(self.ids)
         payload = json.dumps({"id": rid, "argv": argv, "cwd": cwd, "env": env}).encode()
