@@ -326,21 +326,12 @@ def run(args, *, capture_output=False, timeout=None, check=False, stdout=None, s
     if capture_output:
         stdout = stderr = subprocess.PIPE
     p = Popen(args, stdout=stdout, stderr=stderr, **kwargs)
-    if not isinstance(p, ForkedProcess):
-        with p:
-            try:
-                out, err = p.communicate(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.communicate()
-                raise
-    else:
-        try:
-            out, err = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-            raise
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+        raise
     result = subprocess.CompletedProcess(args, p.returncode, out, err)
     if check:
         result.check_returncode()
