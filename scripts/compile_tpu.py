@@ -186,14 +186,42 @@ def require_libtpu() -> None:
 # ----------------------------------------------------------------------------- compile
 
 
-def _compile_one(fn, args, capacity: int, n_slices: int = 1, mesh: dict | None = None) -> dict:
+def _compile_one(fn, args, capacity: int, n_slices: int = 1, mesh: dict | None = None, cache=None,
+                 facts: dict | None = None, label: str = "") -> dict:
     """Compile `fn` at `args`; XLA's per-chip memory figures, or the compiler's out-of-memory report.
     With the `mesh` ({axis: size}) the program runs over, the bytes its collectives move per chip
     and step over each mesh axis (model/ici.py); over several slices also what each chip sends over
-    the DCN per step (model/dcn.py)."""
+    the DCN per step (model/dcn.py). With a `cache` (model/compile_cache.py), figures kept for the
+    same lowered program, compiler and `facts` (where it runs) are taken instead of compiling it
+    again ("cached": True; "compile_s" is the compile's that made them)."""
     t0 = time.perf_counter()
+    lowered = fn.lower(*args)
+    key = None
+    if cache is not None:
+        from model.compile_cache import fingerprint
+
+        key = fingerprint(lowered, {**(facts or {}), "capacity": capacity, "slices": n_slices, "mesh": mesh,
+                                    "figures_code": _figures_code()})
+        kept = cache.get(key)
+        if kept is not None:
+            return {**kept, "cached": True}
+    figures = _compiled_figures(lowered, t0, capacity, n_slices, mesh)
+    if cache is not None:
+        cache.put(key, figures, label)
+    return figures
+
+
+def _figures_code() -> str:
+    """The digest of the code that reads a compiled program's figures (model/compile_cache.py)."""
+    from model import dcn, ici
+    from model.compile_cache import code_digest
+
+    return code_digest(_compiled_figures, ici, dcn)
+
+
+def _compiled_figures(lowered, t0: float, capacity: int, n_slices: int, mesh: dict | None) -> dict:
     try:
-        compiled = fn.lower(*args).compile()
+        compiled = lowered.compile()
     except Exception as e:  # the TPU compiler reports a program that exceeds HBM as RESOURCE_EXHAUSTED
         if "RESOURCE_EXHAUSTED" not in str(e) and "Ran out of memory" not in str(e):
             raise
@@ -255,13 +283,15 @@ def slices_from_cfg(cfg) -> int:
 
 
 def compile_plan(cfg, tpu: Slice, quick: bool = False, dcn_gbps: float = DEFAULT_DCN_GBPS,
-                 eval_step: dict | None = None) -> dict:
+                 eval_step: dict | None = None, cache=None) -> dict:
     """Compile the run `cfg` describes for `tpu` (times `tpu.slices`): {"train_step": figures,
     "eval_step": figures, ...}. quick: the least compiler effort on execution time (see the module
     doc); the memory fitting effort stays XLA's default. dcn_gbps: the DCN bandwidth per host the
     transfers between slices are priced at. eval_step: that step's figures from a compile of the
     same mesh and loss chunk, taken instead of compiling it again (--search: remat and microbatches
-    do not reach the eval step, a forward pass over the whole batch)."""
+    do not reach the eval step, a forward pass over the whole batch). cache: a
+    model/compile_cache.py CompileCache; a step whose program, compiler and devices are the same as
+    a kept one's takes its figures instead of compiling (its "cached" is True)."""
     import jax
 
     from model import sharding
@@ -302,11 +332,16 @@ def compile_plan(cfg, tpu: Slice, quick: bool = False, dcn_gbps: float = DEFAULT
     effort = jax.config.jax_exec_time_optimization_effort
     if quick:
         jax.config.update("jax_exec_time_optimization_effort", QUICK_EXEC_TIME_EFFORT)
+    # where the program runs, for the cache's fingerprint: the slice and its devices in mesh order
+    facts = {"topology": tpu.libtpu_name, "chip_config": tpu.generation.chip_config,
+             "devices": [[d.id, getattr(d, "slice_index", 0)] for d in program.mesh.devices.flat]}
+    label = f"{slice_name(tpu, n_slices)}, {cfg.name}, {'quick' if quick else 'full'} compile"
     try:
         plan["train_step"] = _compile_one(program.train_step, (program.abstract_state, batch), capacity, n_slices,
-                                          plan["mesh"])
+                                          plan["mesh"], cache, facts, f"train_step: {label}")
         plan["eval_step"] = eval_step if eval_step is not None else _compile_one(
-            program.eval_step, (program.abstract_state["params"], batch), capacity, n_slices, plan["mesh"])
+            program.eval_step, (program.abstract_state["params"], batch), capacity, n_slices, plan["mesh"],
+            cache, facts, f"eval_step: {label}")
     finally:
         jax.config.update("jax_exec_time_optimization_effort", effort)
     for step in ("train_step", "eval_step"):
@@ -373,14 +408,17 @@ def report(plan: dict) -> str:
     for step in ("train_step", "eval_step"):
         r = plan[step]
         if not r["fits"] and "total_gib" not in r:
-            lines.append(f"  {step}: does not fit ({r['compiler_says']}); compiler ran {r['compile_s']:.1f} s")
+            lines.append(f"  {step}: does not fit ({r['compiler_says']}); compiler ran {r['compile_s']:.1f} s"
+                         + (" (kept)" if r.get("cached") else ""))
             continue
         verdict = (f"fits, margin {r['margin_gib']:.2f} GiB ({1 - r['hbm_fraction']:.0%})" if r["fits"]
                    else f"does not fit, over by {-r['margin_gib']:.2f} GiB")
         lines.append(f"  {step}: per chip {r['total_gib']:.2f} of {cap:g} GiB ({r['hbm_fraction']:.0%}): arguments "
                      f"{r['arguments_gib']:.2f}, temporaries {r['temporaries_gib']:.2f}, outputs "
                      f"{r['outputs_gib']:.2f} (aliased {r['aliased_gib']:.2f}), code {r['code_gib']:.2f} GiB; "
-                     f"{verdict}; compiled in {r['compile_s']:.1f} s")
+                     f"{verdict}; compiled in {r['compile_s']:.1f} s"
+                     + (" (kept: the same program, devices and compiler; --no-cache compiles it)"
+                        if r.get("cached") else ""))
         if "ici" in r:
             moved = [f"{axes} {_size(sent)}" for axes, sent in r["ici"]["bytes_by_axes"].items() if sent]
             lines.append(f"    ici per chip per step: {', '.join(moved) or 'none'}")
@@ -403,7 +441,7 @@ def report(plan: dict) -> str:
 
 
 def search_plans(overrides: list[str], cfg, tpu: Slice, budget: int, by: str = "mid",
-                 quick: bool = False) -> dict:
+                 quick: bool = False, cache=None) -> dict:
     """--search (model/plan_search.py): every plan of the slice that divides, the estimate's pruning
     and order, `budget` quick compiles ranked by predicted step, then a full compile of the winner
     (quick too with `quick`: the ranking's own compile is taken). Prints as it goes; returns the
@@ -456,7 +494,7 @@ def search_plans(overrides: list[str], cfg, tpu: Slice, budget: int, by: str = "
         t0 = time.perf_counter()
         try:
             got = compile_plan(compose([*overrides, *plan.overrides()]), tpu, quick=True,
-                               eval_step=evals.get((tuple(plan.mesh.values()), plan.loss_chunk)))
+                               eval_step=evals.get((tuple(plan.mesh.values()), plan.loss_chunk)), cache=cache)
         except ValueError as e:     # a check the divisibility rules do not cover: listed, not ranked
             result = ps.result_of(plan, None, error=" ".join(str(e).split()))
         else:
@@ -479,7 +517,8 @@ def search_plans(overrides: list[str], cfg, tpu: Slice, budget: int, by: str = "
         print(f"search: no compiled plan fits under {ps.QUICK_LIMIT:.1%} of the usable HBM (quick); "
               f"raise --search-budget or change the batch", flush=True)
         return {**out, "winner": None}
-    final = compiled[winner.plan] if quick else compile_plan(compose([*overrides, *winner.plan.overrides()]), tpu)
+    final = compiled[winner.plan] if quick else compile_plan(compose([*overrides, *winner.plan.overrides()]), tpu,
+                                                             cache=cache)
     print(plan_report(final["plan"]) + "\n" + report(final), flush=True)
     line = " ".join(winner.plan.overrides())
     verdict = ("the shipped plan wins" if winner.plan == own else
@@ -722,6 +761,12 @@ def main(argv=None) -> int:
                         help="--search: rank by the middle of the predicted step's range (mid, the default: half "
                              "the collectives' time hidden), its lower bound (step: all hidden) or its upper "
                              "bound (upper: none hidden)")
+    parser.add_argument("--cache-dir", type=Path, default=None,
+                        help="where compiled plans' figures are kept by their program's fingerprint, so an unchanged "
+                             "program is not compiled again (default $JAXPT_TPU_COMPILE_CACHE, else "
+                             "~/.cache/jaxpt/tpu_compiles; model/compile_cache.py)")
+    parser.add_argument("--no-cache", action="store_true",
+                        help="compile every step even when its figures are kept, and keep nothing")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py (experiment=...)")
     args = parser.parse_intermixed_args(argv)   # overrides before and after the options
     if not args.search and (args.search_budget is not None or args.search_by is not None):
@@ -755,12 +800,15 @@ def main(argv=None) -> int:
     if tpu is not None:
         require_libtpu()
         libtpu_env(tpu)
+    from model.compile_cache import CompileCache, default_dir
+
+    cache = None if args.no_cache else CompileCache(args.cache_dir or default_dir())
     try:
         if args.search:
             plan = search_plans(args.overrides, cfg, tpu, args.search_budget or DEFAULT_SEARCH_BUDGET,
-                                args.search_by or "mid", quick=args.quick)
+                                args.search_by or "mid", quick=args.quick, cache=cache)
         elif not args.no_compile:
-            plan = compile_plan(cfg, tpu, quick=args.quick, dcn_gbps=args.dcn_gbps)
+            plan = compile_plan(cfg, tpu, quick=args.quick, dcn_gbps=args.dcn_gbps, cache=cache)
             print(plan_report(plan["plan"]), flush=True)
             print(report(plan), flush=True)
         else:

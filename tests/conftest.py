@@ -26,6 +26,9 @@ os.environ.setdefault("WANDB_SILENT", "true")
 # compile each once. Fresh per session, so no test depends on an earlier session's programs.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="jaxpt-test-xla-"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# scripts/compile_tpu.py keeps compiled plans' figures (model/compile_cache.py): fresh per session
+# too, so its CLI tests compile, and nothing reaches the home directory's cache.
+os.environ.setdefault("JAXPT_TPU_COMPILE_CACHE", tempfile.mkdtemp(prefix="jaxpt-test-tpu-compiles-"))
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:

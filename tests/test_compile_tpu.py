@@ -4,6 +4,14 @@ The experiments compile with --quick (no compiler effort on speed: ~20 CPU-s eac
 a quarter of the suite's CPU otherwise); its figures came out up to 3.7% below the full compile's
 (BENCHMARKS.md "Quick TPU compiles"), so they are held to 90% less that gap.
 
+Each experiment's compiled figures are kept in tests/tpu_compiles/<experiment>.json under the
+fingerprint of what was compiled (model/compile_cache.py: the lowered program without source
+locations, the slice's devices, jax/jaxlib/libtpu and their flags, the code that reads the
+figures). The test lowers the experiment's steps every time; where the fingerprint is the kept one,
+the compiler would produce the same executable, and its kept figures are checked; otherwise (a
+change that reaches the program, another libtpu) it compiles and rewrites the file: commit it.
+The CLI tests below compile for real every time (a fresh cache per session, tests/conftest.py).
+
     pip install -e ".[tpu]"   # CI installs it; without libtpu the compile tests skip
     pytest tests/test_compile_tpu.py -q -s   # -s prints each plan's per-chip figures
 """
@@ -174,16 +182,163 @@ def test_a_gpu_plan_checks_its_tokenizer_and_states_its_hardware():
         in result.stderr, result.stderr
 
 
+# ---------------------------------------------------------------- kept compiles (model/compile_cache.py)
+class RecordedCompiles:
+    """model/compile_cache.py's get/put over one experiment's file in tests/tpu_compiles: an entry
+    per step (its label), replaced when its program's fingerprint changes, so the file holds only
+    what the experiment compiles today."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def _entries(self) -> dict:
+        return json.loads(self.path.read_text()) if self.path.exists() else {}
+
+    def get(self, key: str) -> dict | None:
+        return next((e["figures"] for e in self._entries().values() if e["fingerprint"] == key), None)
+
+    def put(self, key: str, figures: dict, label: str = "") -> None:
+        entries = {**self._entries(), label: {"fingerprint": key, "figures": figures}}
+        self.path.parent.mkdir(exist_ok=True)
+        self.path.write_text(json.dumps(entries, indent=1, sort_keys=True) + "\n")
+
+
+RECORDED = ROOT / "tests" / "tpu_compiles"
+
+
+def _lowered(shape=(8, 4), scale=2.0):
+    import jax
+    import jax.numpy as jnp
+
+    def step(x):
+        return jnp.tanh(x) * scale
+
+    return jax.jit(step).lower(jax.ShapeDtypeStruct(shape, jnp.float32))
+
+
+def _lowered_elsewhere(shape=(8, 4)):
+    # the same program from another function on other lines: source locations are not the program
+    import jax
+    import jax.numpy as jnp
+
+    def step(x):  # the function's name is the module's: train.py's steps keep theirs
+        return jnp.tanh(x) * 2.0
+
+    return jax.jit(step).lower(jax.ShapeDtypeStruct(shape, jnp.float32))
+
+
+def test_a_program_fingerprint_is_its_program_devices_and_compiler(monkeypatch):
+    from model.compile_cache import fingerprint
+
+    facts = {"topology": "v4:2x2x4", "devices": [[0, 0], [1, 0]]}
+    key = fingerprint(_lowered(), facts)
+    assert fingerprint(_lowered(), facts) == key == fingerprint(_lowered_elsewhere(), facts)
+    changed = {
+        "shape": fingerprint(_lowered((8, 8)), facts),
+        "op": fingerprint(_lowered(scale=3.0), facts),
+        "devices": fingerprint(_lowered(), {**facts, "devices": [[1, 0], [0, 0]]}),
+    }
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_tpu_some_flag=true")
+    changed["libtpu flags"] = fingerprint(_lowered(), facts)
+    monkeypatch.delenv("LIBTPU_INIT_ARGS")
+    import jax
+
+    effort = jax.config.jax_exec_time_optimization_effort
+    jax.config.update("jax_exec_time_optimization_effort", -1.0)    # --quick
+    try:
+        changed["effort"] = fingerprint(_lowered(), facts)
+    finally:
+        jax.config.update("jax_exec_time_optimization_effort", effort)
+    assert len({key, *changed.values()}) == len(changed) + 1, changed
+
+
+def test_kept_figures_are_json_by_fingerprint_and_a_foreign_entry_is_not_taken(tmp_path, monkeypatch):
+    from model import compile_cache
+
+    cache = compile_cache.CompileCache(tmp_path / "kept")
+    assert cache.get("a" * 64) is None
+    figures = {"fits": True, "total_gib": 1.25, "ici": {"bytes_by_axes": {"fsdp": 3.0}}}
+    cache.put("a" * 64, figures, "train_step: v4-32")
+    assert cache.get("a" * 64) == figures
+    entry = json.loads((tmp_path / "kept" / f"{'a' * 64}.json").read_text())
+    assert entry["label"] == "train_step: v4-32" and entry["figures"] == figures
+    # an entry copied under another name, or cut short, is compiled again, not taken
+    (tmp_path / "kept" / f"{'b' * 64}.json").write_text(json.dumps(entry))
+    (tmp_path / "kept" / f"{'c' * 64}.json").write_text(json.dumps(entry)[:40])
+    assert cache.get("b" * 64) is None and cache.get("c" * 64) is None
+    # the newest MAX_ENTRIES are kept
+    for path in (tmp_path / "kept").glob("*.json"):
+        path.unlink()
+    monkeypatch.setattr(compile_cache, "MAX_ENTRIES", 2)
+    for i, key in enumerate(("d" * 64, "e" * 64)):
+        cache.put(key, {"n": i})
+        os.utime(tmp_path / "kept" / f"{key}.json", (1e9 + i, 1e9 + i))   # d, then e, before now
+    cache.put("f" * 64, {"n": 2})
+    assert sorted(p.stem[0] for p in (tmp_path / "kept").glob("*.json")) == ["e", "f"]
+    monkeypatch.setenv("JAXPT_TPU_COMPILE_CACHE", str(tmp_path / "elsewhere"))
+    assert compile_cache.default_dir() == tmp_path / "elsewhere"
+
+
+@pytest.mark.slow
+@needs_libtpu
+def test_a_pallas_kernels_source_paths_are_not_its_fingerprint():
+    """Splash attention lowers to a TPU custom call holding the kernel's MLIR bytecode, with source
+    locations: this checkout's path (model/context.py's mask) and the venv's. Another checkout (CI's)
+    must find the kept figures: the kernel is fingerprinted printed without them. Lowering only."""
+    import base64
+    import re
+
+    from model.compile_cache import _KERNEL_BODY, program_text
+
+    saved = dict(os.environ)    # libtpu_env and libtpu write os.environ: restored (see below)
+    try:
+        tpu = ct.parse_slice("v5e-4")
+        ct.libtpu_env(tpu)
+        cfg = ct.compose(["model.attention=splash", "mesh=context", "mesh.context=2"])
+        _, program, _ = ct.check_run(cfg, ct.slice_devices(tpu))
+        batch = program.abstract_batch(int(cfg.data.global_batch_size), int(cfg.data.seq_len))
+        lowered = [program.eval_step.lower(program.abstract_state["params"], batch) for _ in range(2)]
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    raw = lowered[0].as_text(debug_info=False)
+    bodies = [base64.b64decode(m.group(2)) for m in _KERNEL_BODY.finditer(raw)]
+    assert bodies and any(str(ROOT / "model").encode() in b for b in bodies)    # the checkout's path is in the kernel
+    text = program_text(lowered[0])
+    assert len(re.findall(r"kernel-sha256:[0-9a-f]{64}", text)) == len(bodies)
+    assert str(ROOT) not in text and text == program_text(lowered[1])
+
+
+def test_recorded_compiles_replace_a_steps_entry_and_find_by_fingerprint(tmp_path):
+    record = RecordedCompiles(tmp_path / "x.json")
+    record.put("1" * 64, {"total_gib": 1.0}, "train_step: v4-32")
+    record.put("2" * 64, {"total_gib": 0.5}, "eval_step: v4-32")
+    record.put("3" * 64, {"total_gib": 1.1}, "train_step: v4-32")    # the program changed
+    assert record.get("1" * 64) is None and record.get("3" * 64) == {"total_gib": 1.1}
+    assert sorted(json.loads((tmp_path / "x.json").read_text())) == ["eval_step: v4-32", "train_step: v4-32"]
+
+
 # ---------------------------------------------------------------- compiles (libtpu)
 @pytest.mark.slow
 @needs_libtpu
 def test_cli_prints_and_writes_the_compiled_figures(tmp_path):
     # The default run (tiny model, batch 16 x 256) on a v5e-4: seconds to compile.
     out = tmp_path / "plan.json"
-    result = run_script("--topology", "v5e-4", "--json", str(out))
+    cache = ["--cache-dir", str(tmp_path / "kept")]
+    result = run_script("--topology", "v5e-4", "--json", str(out), *cache)
     assert result.returncode == 0, result.stdout + result.stderr
     plan = json.loads(out.read_text())
     assert plan["quick"] is False and "QUICK" not in result.stdout
+    assert "kept" not in result.stdout and not any("cached" in plan[step] for step in ("train_step", "eval_step"))
+    assert len(list((tmp_path / "kept").glob("*.json"))) == 2     # one entry per step, named by its fingerprint
+    # Again: the same programs, devices and compiler; the kept figures, nothing compiled, the same report
+    again = run_script("--topology", "v5e-4", "--json", str(tmp_path / "again.json"), *cache)
+    kept = json.loads((tmp_path / "again.json").read_text())
+    for step in ("train_step", "eval_step"):
+        assert kept[step].pop("cached") is True and kept[step] == plan[step]
+        assert f"compiled in {plan[step]['compile_s']:.1f} s (kept: the same program" in again.stdout
+    assert again.stdout.replace(" (kept: the same program, devices and compiler; --no-cache compiles it)", "") \
+        == result.stdout
     assert plan["chips"] == 4 and plan["device_kind"].startswith("TPU v5") and plan["mesh"]["data"] == 4
     for step in ("train_step", "eval_step"):
         r = plan[step]
@@ -242,7 +397,7 @@ def _compile_and_check(experiment):
     import jax
 
     effort = jax.config.jax_exec_time_optimization_effort
-    plan = ct.compile_plan(cfg, tpu, quick=True)
+    plan = ct.compile_plan(cfg, tpu, quick=True, cache=RecordedCompiles(RECORDED / f"{experiment}.json"))
     text = ct.plan_report(plan["plan"]) + "\n" + ct.report(plan)
     print("\n" + text)
     check_plan_facts(experiment, plan["plan"], text)     # what --no-compile checks, on the compiled plan
