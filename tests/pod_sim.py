@@ -38,11 +38,16 @@ def _free_port() -> int:
 
 class SimPod:
     def __init__(self, root: Path, workers: int = 2, devices_per_worker: int = 2, name: str = "pod-sim",
-                 slices: int = 1):
+                 slices: int = 1, step_pace_s: float | None = None, env: dict | None = None):
         """slices > 1: a multislice job's slices, TPU VMs <name>-0 .. <name>-{slices-1} (the names a
         queued resource with --node-prefix <name> gives them), `workers` each; like a TPU VM that
-        a queued resource did not give the Megascale settings, they carry none (tpu.py run does)."""
+        a queued resource did not give the Megascale settings, they carry none (tpu.py run does).
+        step_pace_s: the workers' train.py waits this long before each step after the first
+        (tests/step_hooks.py pace): a run that trains until the test stops it leaves the cores to the
+        rest of the suite. env: what every worker's environment adds (the suite's CPU compile flags
+        and compilation cache, tests/test_pod_sim.py)."""
         self.root, self.name, self.workers, self.slices = root, name, workers, slices
+        self.step_pace_s, self.env = step_pace_s, dict(env or {})
         port = _free_port()
         nodes = {}
         for i in range(slices):
@@ -55,6 +60,11 @@ class SimPod:
 
     def _workers(self, node: str, slice_id: int, workers: int, devices_per_worker: int, port: int) -> list[dict]:
         python_bin = os.path.dirname(sys.executable)
+        paced = {}
+        if self.step_pace_s:
+            from step_hooks import planted
+
+            paced = planted(pace=str(self.step_pace_s))
         worker_env = []
         for w in range(workers):
             home = self.home(w, slice_id)
@@ -69,6 +79,7 @@ class SimPod:
                 "TPU_ACCELERATOR_TYPE": f"v4-{8 * workers}",
                 "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(devices_per_worker),
                 "JAX_COORDINATOR_PORT": str(port),
+                **paced, **self.env,
             })
         return worker_env
 

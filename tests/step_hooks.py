@@ -5,7 +5,10 @@ subprocess or an in-process run:
 - diverge_at="3,7": after the step that draws the 3rd (7th) batch of this start, the parameters
   become NaN, as a NaN gradient leaves them (tests/test_rollback.py);
 - late_first_step="40@1": process 1 starts its first step 40 s after the others, as a host that
-  compiles slowly (tests/test_multihost.py; model/runtime/distributed.py compiled_together).
+  compiles slowly (tests/test_multihost.py; model/runtime/distributed.py compiled_together);
+- pace="0.2": each step starts 0.2 s after the previous one returned, as a slower chip would: a run
+  that trains until the test stops it (the simulated pod's) idles between steps instead of taking
+  the machine's cores from the other tests (tests/pod_sim.py).
 """
 from __future__ import annotations
 
@@ -16,10 +19,13 @@ from model.runtime.seam import TEST_HOOKS_ENV
 
 DIVERGE_ENV = "JAXPT_TEST_DIVERGE_AT"
 LATE_FIRST_STEP_ENV = "JAXPT_TEST_LATE_FIRST_STEP"
+PACE_ENV = "JAXPT_TEST_STEP_PACE"
 
 
-def planted(*, diverge_at: str | None = None, late_first_step: str | None = None) -> dict:
+def planted(*, diverge_at: str | None = None, late_first_step: str | None = None, pace: str | None = None) -> dict:
     env = {TEST_HOOKS_ENV: "1"}
+    if pace is not None:
+        env[PACE_ENV] = pace
     if diverge_at is not None:
         env[DIVERGE_ENV] = diverge_at
     if late_first_step is not None:
@@ -46,7 +52,8 @@ def nan_params(state: dict, metrics: dict) -> tuple[dict, dict]:
 
 def wrap(train_step, process_index: int):
     plant, late_s = diverge_at(), late_first_step_s(process_index)
-    if not plant and not late_s:
+    pace_s = float(os.environ.get(PACE_ENV) or 0)
+    if not plant and not late_s and not pace_s:
         return train_step
     drawn = 0       # batches drawn in this start, rolled-back ones included
 
@@ -55,6 +62,8 @@ def wrap(train_step, process_index: int):
         drawn += 1
         if drawn == 1 and late_s:
             time.sleep(late_s)      # this host reaches its first step (and compiles it) late
+        elif drawn > 1 and pace_s:
+            time.sleep(pace_s)
         state, metrics = train_step(state, batch)
         return nan_params(state, metrics) if drawn in plant else (state, metrics)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 from pod_sim import SimPod
-from run_helpers import MICRO
+from run_helpers import MICRO, without_device_count
 
 from model.runtime import distributed
 
@@ -32,6 +32,14 @@ TINY = [*MICRO, "mesh=fsdp", "data.seq_len=64", "data.global_batch_size=16", "da
 # As typed on the local command line; Hydra's own quoting makes it one string value.
 ODD_NAME = """name='it\\'s "odd"; $(touch PWNED) a  b'"""
 ODD_NAME_VALUE = """it's "odd"; $(touch PWNED) a  b"""
+# The workers' train.py waits this long before each step (tests/step_hooks.py pace): the runs train
+# until the test stops them, and a tiny step takes milliseconds, so unpaced they kept both cores busy
+# for the minute a journey lasts.
+STEP_PACE_S = 0.2
+# The suite's XLA compile level and one compilation cache for every simulated worker (tests/conftest.py):
+# without them each worker's train.py compiled the same programs at the default level in its own home.
+WORKER_ENV = {k: v for k, v in without_device_count().items()
+              if k in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")}
 EXIT_0 = "train.py exited with code 0"
 EXIT_76 = "train.py exited with code 76"
 
@@ -62,7 +70,7 @@ def worker_log(pod, w):
 
 @pytest.fixture
 def pod(tmp_path):
-    pod = SimPod(tmp_path / "pod", workers=2, devices_per_worker=2)
+    pod = SimPod(tmp_path / "pod", workers=2, devices_per_worker=2, step_pace_s=STEP_PACE_S, env=WORKER_ENV)
     yield pod
     # A failed test must not leave detached train.py processes behind on a shared machine.
     pod.tpu("stop", "--grace-period", "10")
@@ -235,7 +243,7 @@ def test_two_slices_train_as_one_job_on_a_simulated_multislice_pod(tmp_path):
     fake chips each, no Megascale settings of their own): setup and run reach every worker of every
     slice, run gives each its slice's Megascale settings, and the two train.py form one 2-process
     job over a 2-slice mesh (the rows name the slowest host's slice) that saves one checkpoint."""
-    pod = SimPod(tmp_path / "pod", workers=1, devices_per_worker=2, slices=2)
+    pod = SimPod(tmp_path / "pod", workers=1, devices_per_worker=2, slices=2, step_pace_s=STEP_PACE_S, env=WORKER_ENV)
     bucket = tmp_path / "bucket" / "ckpt"
     try:
         out = ok(pod.tpu("setup", "--no-install"))
