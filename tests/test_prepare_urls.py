@@ -1,7 +1,8 @@
 """scripts/prepare_data.py with URLs: input listed and read through fsspec (gs:// on a local GCS
 emulator, Parquet on memory://), --out on gs:// / memory:// (parts written locally, uploaded, the
 manifest last; a restart lists --out once and redoes only unfinished parts), each checked against
-the same conversion on local disk. And training from a converted corpus named by URL: one line.
+the same conversion on local disk; the same on Apache Beam (DirectRunner, two worker processes),
+gs:// in and out. And training from a converted corpus named by URL: one line.
 
     pytest tests/test_prepare_urls.py -q
 """
@@ -135,6 +136,24 @@ def test_out_on_gs_is_the_local_out_and_a_restart_redoes_only_unfinished_parts(g
     fs.invalidate_cache()
     fs.get(f"{BUCKET}/tok", str(tmp_path / "again"), recursive=True)
     assert tree(tmp_path / "again") == tree(local_out)
+
+
+@pytest.mark.slow      # Beam's DirectRunner start and the corpus converted once more: ~15-30 s on 2 cores
+def test_beam_direct_runner_reads_and_writes_gs_as_the_local_converter(gcs, tmp_path):
+    """The conversion on Apache Beam (--runner DirectRunner, its workers in their own processes) with
+    --paths and --out on gs://, the emulator standing for a bucket: the parts and metadata are the
+    local conversion's, the sources the URLs; nothing is left under a temporary name on the bucket."""
+    pytest.importorskip("apache_beam", reason="the [beam] extra: pip install -e '.[beam]'")
+    _, fs, _, url, local_out = gcs
+    gcsfs.GCSFileSystem.clear_instance_cache()
+    dest = f"gs://{BUCKET}/beam_tok"
+    assert convert(f"{url}/*/en_head.json.gz", dest, "--runner", "DirectRunner", "--tmp", str(tmp_path / "stage"),
+                   "--direct_running_mode=multi_processing", "--direct_num_workers=2") == 0     # Beam's own options
+    fs.invalidate_cache()
+    assert not [p for p in fs.find(f"{BUCKET}/beam_tok") if ".tmp" in p]
+    fs.get(f"{BUCKET}/beam_tok", str(tmp_path / "got"), recursive=True)
+    assert_same_conversion(local_out, tmp_path / "got",
+                           sources_b=[f"{url}/{i:04d}/en_head.json.gz" for i in range(N_FILES)])
 
 
 def test_parquet_on_memory_converts_and_writes_to_memory(tmp_path):
