@@ -620,12 +620,15 @@ def test_replica_groups_in_every_printed_form(groups, mesh, expected):
 def test_context_bytes_cross_ici_only_with_a_context_axis():
     """The tiny model (4 layers, batch 16 x 256, 2 of 4 KV heads of 32) on a v4-8: fsdp 2 x context
     2 all-gathers each layer's keys and values over `context` and its weights over fsdp x context;
-    the same shapes at mesh.context=1 (fsdp 4) send nothing over an axis named context. ~30 s."""
+    the same shapes at mesh.context=1 (fsdp 4) send nothing over an axis named context. ~30 s when
+    compiled, ~5 s when tests/tpu_compiles keeps both plans' figures."""
     saved = dict(os.environ)    # libtpu_env and libtpu write os.environ: restored (see above)
     try:
         tpu = ct.parse_slice("v4-8")
         ct.libtpu_env(tpu)
-        plans = {c: ct.compile_plan(ct.compose(["mesh=context", f"mesh.context={c}"]), tpu, quick=True)
+        # kept like the experiments' (a change to model/ici.py is a new fingerprint: compiled again)
+        plans = {c: ct.compile_plan(ct.compose(["mesh=context", f"mesh.context={c}"]), tpu, quick=True,
+                                    cache=RecordedCompiles(RECORDED / f"tiny_v4_8_context_{c}.json"))
                  for c in (2, 1)}
     finally:
         os.environ.clear()
