@@ -29,7 +29,10 @@ would execute, from `jax.ShapeDtypeStruct`s: nothing is allocated and no data is
 Prints per chip what XLA reports (arguments, temporaries, outputs and the part of them aliased
 to donated arguments, generated code, total) against the chip's usable HBM, "fits" with the
 margin or "does not fit" with the compiler's own statement of what overflows, and the compile
-time; `--json` writes the same figures.
+time; `--json` writes the same figures. Each step's figures are kept under the fingerprint of what
+was compiled (model/compile_cache.py: the program without source locations, the devices, the
+compiler and its flags; `--cache-dir`, default ~/.cache/jaxpt/tpu_compiles): the same step asked
+again is not compiled again, and says so ("kept"). `--no-cache` compiles regardless.
 
 Under the train step, its predicted time (`train_step.predicted`, model/predict.py): the step's
 FLOPs at the chips' peak (model/flops.py's count, remat and a chunked loss included: XLA's cost
