@@ -14,8 +14,8 @@ The fingerprint is a SHA-256 over everything the figures depend on:
   the fit is judged against, the mesh the collectives are read over);
 - the compiler: jax, jaxlib and libtpu versions, LIBTPU_INIT_ARGS and XLA_FLAGS, and jax's
   optimisation-effort settings (--quick's);
-- the code that reads figures out of a compiled program (the caller passes its source files and
-  functions): a fix there is a new fingerprint.
+- the code that reads figures out of a compiled program (the caller passes its functions and
+  modules): a fix there is a new fingerprint.
 
 Entries are JSON files (figures only, never pickles) named by the fingerprint and written
 atomically, so concurrent compiles of one cache do not see half an entry. The directory keeps its
@@ -63,13 +63,12 @@ def compiler_facts() -> dict:
     }
 
 
-def code_digest(*parts) -> str:
-    """A digest of the code that turns a compiled program into figures: files (paths) and
-    functions or modules (their source)."""
+def code_digest(*code) -> str:
+    """A digest of the code that turns a compiled program into figures: the source of each function
+    or module."""
     h = hashlib.sha256()
-    for part in parts:
-        text = Path(part).read_text() if isinstance(part, (str, Path)) else inspect.getsource(part)
-        h.update(text.encode())
+    for part in code:
+        h.update(inspect.getsource(part).encode())
     return h.hexdigest()
 
 

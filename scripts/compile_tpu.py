@@ -199,18 +199,17 @@ def _compile_one(fn, args, capacity: int, n_slices: int = 1, mesh: dict | None =
     again ("cached": True; "compile_s" is the compile's that made them)."""
     t0 = time.perf_counter()
     lowered = fn.lower(*args)
-    key = None
-    if cache is not None:
-        from model.compile_cache import fingerprint
+    if cache is None:
+        return _compiled_figures(lowered, t0, capacity, n_slices, mesh)
+    from model.compile_cache import fingerprint
 
-        key = fingerprint(lowered, {**(facts or {}), "capacity": capacity, "slices": n_slices, "mesh": mesh,
-                                    "figures_code": _figures_code()})
-        kept = cache.get(key)
-        if kept is not None:
-            return {**kept, "cached": True}
+    key = fingerprint(lowered, {**(facts or {}), "capacity": capacity, "slices": n_slices, "mesh": mesh,
+                                "figures_code": _figures_code()})
+    kept = cache.get(key)
+    if kept is not None:
+        return {**kept, "cached": True}
     figures = _compiled_figures(lowered, t0, capacity, n_slices, mesh)
-    if cache is not None:
-        cache.put(key, figures, label)
+    cache.put(key, figures, label)
     return figures
 
 
