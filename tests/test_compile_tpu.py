@@ -10,7 +10,8 @@ locations, the slice's devices, jax/jaxlib/libtpu and their flags, the code that
 figures). The test lowers the experiment's steps every time; where the fingerprint is the kept one,
 the compiler would produce the same executable, and its kept figures are checked; otherwise (a
 change that reaches the program, another libtpu) it compiles and rewrites the file: commit it.
-The CLI tests below compile for real every time (a fresh cache per session, tests/conftest.py).
+The two-slice plan is kept the same way (<experiment>_<N>_slices.json). The CLI tests below
+compile for real every time (a fresh cache per session, tests/conftest.py).
 
     pip install -e ".[tpu]"   # CI installs it; without libtpu the compile tests skip
     pytest tests/test_compile_tpu.py -q -s   # -s prints each plan's per-chip figures
@@ -24,7 +25,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -461,24 +461,29 @@ def test_dcn_transfers_are_read_from_the_compiled_program():
 
 @pytest.mark.slow
 @needs_libtpu
-# The multislice page's own command (docs/multislice.md). The 7B and the v5e-16 1B at two slices
-# were compiled here too: with data parallel across slices each slice holds the single-slice plan's
-# state and half its rows, so their fit is the single-slice compile's above, and the DCN bytes are
-# read and priced by the same code whatever the model.
+# The multislice page's plan (docs/multislice.md), compiled as the CLI compiles it. The 7B and the
+# v5e-16 1B at two slices were compiled here too: with data parallel across slices each slice holds
+# the single-slice plan's state and half its rows, so their fit is the single-slice compile's
+# above, and the DCN bytes are read and priced by the same code whatever the model.
 @pytest.mark.parametrize("experiment,slices", [("v4_32_llama_1b", 2)])
-def test_experiment_compiles_for_two_slices_with_its_dcn_traffic(tmp_path, experiment, slices):
-    out = tmp_path / "plan.json"
-    result = run_script(f"experiment={experiment}", "--quick", f"tpu.slices={slices}", "--dcn-gbps", "50",
-                        "--json", str(out))
-    assert result.returncode == 0, result.stdout + result.stderr
-    plan = json.loads(out.read_text())
-    tpu = ct.parse_slice(plan["topology"])
+def test_experiment_compiles_for_two_slices_with_its_dcn_traffic(experiment, slices):
+    # In this process over the kept figures, as the single-slice compiles above: a change that reaches
+    # the program, the devices or model/dcn.py is a new fingerprint, compiled (--quick) and recorded.
+    saved = dict(os.environ)    # libtpu_env writes os.environ (see the single-slice test)
+    try:
+        cfg = ct.compose([f"experiment={experiment}", f"tpu.slices={slices}"])
+        tpu = ct.parse_slice(cfg.tpu.topology)
+        ct.libtpu_env(tpu)
+        plan = ct.compile_plan(cfg, tpu, quick=True, dcn_gbps=50,
+                               cache=RecordedCompiles(RECORDED / f"{experiment}_{slices}_slices.json"))
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    report = ct.report(plan)
     assert plan["slices"] == plan["mesh_slices"] == slices and plan["chips"] == slices * tpu.chips
     # data parallel across the slices (mesh.dcn_data=-1), FSDP over each slice's chips
     assert plan["mesh"] == {"data": slices, "fsdp": tpu.chips, "context": 1, "tensor": 1}
     assert plan["mesh_dcn"] == {"data": slices, "fsdp": 1, "context": 1, "tensor": 1}
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        cfg = compose("train", overrides=[f"experiment={experiment}"])
     from model.llama import LlamaConfig
 
     params = LlamaConfig.from_mapping(cfg.model).num_params()
@@ -492,7 +497,7 @@ def test_experiment_compiles_for_two_slices_with_its_dcn_traffic(tmp_path, exper
     d = train["dcn"]
     assert d["sent_bytes_per_host"] == d["sent_bytes"] * 4
     assert d["seconds_at_dcn_gbps"] == pytest.approx(d["sent_bytes_per_host"] * 8 / 50e9)
-    assert f"over the DCN ({slices} slices)" in result.stdout and "at 50 Gbit/s" in result.stdout
+    assert f"over the DCN ({slices} slices)" in report and "at 50 Gbit/s" in report
     assert plan["compute_s_at_peak"] > 0
 
 
