@@ -82,6 +82,32 @@ def pytest_addoption(parser):
     parser.addoption("--file-durations", type=int, default=15, metavar="N",
                      help="print the N test files that took longest (setup + call + teardown summed; "
                           "0: none). docs/development.md holds each new file to a budget")
+    parser.addoption("--cpu-log", metavar="PATH", default=None,
+                     help="append a JSON line per test: the machine's CPU seconds (every process, from "
+                          "/proc/stat) and wall seconds it took, fixtures included. Run with -n 1 on a quiet "
+                          "machine, or each test's figure holds its neighbours' work")
+
+
+def _machine_cpu_s() -> float:
+    with open("/proc/stat") as f:
+        user, nice, system, _idle, _iowait, irq, softirq = map(int, f.readline().split()[1:8])
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    path = item.config.getoption("--cpu-log")
+    if not path:
+        yield
+        return
+    import json
+    import time
+
+    cpu, wall = _machine_cpu_s(), time.time()
+    yield
+    with open(path, "a") as f:
+        f.write(json.dumps({"test": item.nodeid, "cpu_s": round(_machine_cpu_s() - cpu, 2),
+                            "wall_s": round(time.time() - wall, 2)}) + "\n")
 
 
 def pytest_terminal_summary(terminalreporter, config):
