@@ -128,6 +128,15 @@ def make_mesh(mesh_cfg: Mapping[str, Any], devices: Sequence[jax.Device] | None 
     n_slices = len(counts)
     ici, dcn = hybrid_shape(mesh_cfg, len(devices), n_slices)
     axis_types = (AxisType.Auto,) * len(MESH_AXES)
+    layout = mesh_cfg.get("layout", "torus")
+    if layout not in LAYOUTS:
+        raise ValueError(f"mesh.layout={layout!r}: expected one of {LAYOUTS}")
+    if layout == "blocks":
+        if n_slices > 1:
+            raise ValueError("mesh.layout=blocks lays out one slice; a multislice job takes mesh.layout=torus")
+        grid = block_grid(ici, devices)
+        if grid is not None:
+            return Mesh(grid, MESH_AXES, axis_types=axis_types)
     if n_slices == 1:
         return jax.make_mesh(ici, MESH_AXES, axis_types=axis_types, devices=devices)
     from jax.experimental import mesh_utils
@@ -138,6 +147,57 @@ def make_mesh(mesh_cfg: Mapping[str, Any], devices: Sequence[jax.Device] | None 
     grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, told, allow_split_physical_axes=True)
     grid = np.vectorize(lambda d: d.device, otypes=[object])(grid)
     return Mesh(grid, MESH_AXES, axis_types=axis_types)
+
+
+LAYOUTS = ("torus", "blocks")
+
+
+def block_grid(shape: Sequence[int], devices: Sequence[jax.Device]) -> np.ndarray | None:
+    """The devices as a mesh of `shape` (over MESH_AXES) whose every axis's groups are compact
+    blocks of the slice's torus: from the innermost axis out, each takes a block as square as the
+    torus allows (a group of 4 on a 4x4 is a 2x2 square, not a line of 4). A square's 4 chips close
+    a ring over their own links (2 per chip, model/predict.py links_by_axes) where a line of 4
+    without wraparound drives 1. None where the devices carry no torus coordinates (CPU).
+    ValueError naming mesh.layout where an axis cannot be made of whole blocks."""
+    coords = [getattr(d, "coords", None) for d in devices]
+    if any(c is None for c in coords):
+        return None
+    cores = [int(getattr(d, "core_on_chip", 0)) for d in devices]
+    dims = [max(c[i] for c in coords) + 1 for i in range(len(coords[0]))]
+    per_chip = max(cores) + 1
+    if math.prod(dims) * per_chip != len(devices):
+        return None      # not a whole torus (a subset of a slice's devices): nothing to lay out
+    used = [1] * len(dims)              # the block side already taken along each torus dimension
+    factors = []                        # per mesh axis (innermost first): its block side per dimension
+    for axis, n in reversed(list(zip(MESH_AXES, shape, strict=True))):
+        side = [1] * len(dims)
+        rest = int(n)
+        if axis == "tensor" and per_chip > 1 and rest % per_chip == 0:
+            rest //= per_chip           # a chip's cores first: the tensor axis's fastest links
+        while rest > 1:
+            grow = [i for i in range(len(dims)) if (dims[i] // used[i]) % (side[i] * 2) == 0]
+            if rest % 2 or not grow:
+                raise ValueError(f"mesh.layout=blocks: mesh.{axis}={n} does not tile the {'x'.join(map(str, dims))} "
+                                 f"torus in blocks beside the inner axes; mesh.layout=torus lays it out")
+            i = min(grow, key=lambda j: (side[j], j))
+            side[i] *= 2
+            rest //= 2
+        factors.append((axis, side, used.copy()))
+        used = [u * s for u, s in zip(used, side, strict=True)]
+    by_coord = {(tuple(c), k): d for d, c, k in zip(devices, coords, cores, strict=True)}
+    grid = np.empty(tuple(shape), dtype=object)
+    for index in np.ndindex(*shape):
+        pos = [0] * len(dims)
+        core = 0
+        for axis, side, below in factors:
+            i = index[MESH_AXES.index(axis)]
+            if axis == "tensor" and per_chip > 1 and shape[MESH_AXES.index("tensor")] % per_chip == 0:
+                i, core = divmod(i, per_chip)
+            for d in reversed(range(len(dims))):     # the axis's index in its block, one dimension at a time
+                i, digit = divmod(i, side[d])
+                pos[d] += digit * below[d]
+        grid[index] = by_coord[(tuple(pos), core)]
+    return grid
 
 
 def mesh_slices(mesh: Mesh) -> int:

@@ -469,12 +469,13 @@ def search_plans(overrides: list[str], cfg, tpu: Slice, budget: int, by: str = "
     useful = flops_per_token(model, seq, causal=True) * batch * seq
     links: dict[tuple, dict | None] = {}   # per mesh shape: the links each set of axes drives on the torus
     estimated, unplaced = [], set()
+    layout = cfg.mesh.get("layout", "torus")     # every plan is compiled in the config's layout: estimated in it too
     for plan in ps.candidates(model, seq, batch, tpu.chips, own):
         shape = tuple(plan.mesh.values())
         if shape not in links:
             try:
-                links[shape] = mesh_links(sharding.make_mesh(plan.mesh, devices), tpu)
-            except NotImplementedError:   # jax.make_mesh: each axis must be whole torus axes (train.py's mesh)
+                links[shape] = mesh_links(sharding.make_mesh({**plan.mesh, "layout": layout}, devices), tpu)
+            except (NotImplementedError, ValueError):   # jax.make_mesh: whole torus axes; blocks: whole blocks
                 links[shape] = None
         if links[shape] is None:
             unplaced.add(shape)

@@ -42,6 +42,46 @@ def test_mesh_fill_and_errors():
         shd.make_mesh(mesh_cfg(data=-1, fsdp=-1))
 
 
+class _Chip:
+    """A TPU device as make_mesh's block layout reads it: an id, torus coordinates, a core."""
+
+    def __init__(self, i: int, coords: tuple[int, ...], core: int = 0):
+        self.id, self.coords, self.core_on_chip = i, coords, core
+
+    def __repr__(self):
+        return f"chip{self.coords}"
+
+
+def test_block_layout_makes_each_axis_a_compact_block_of_the_torus():
+    from model.predict import links_by_axes
+
+    chips = [_Chip(i, (x, y, 0)) for i, (y, x) in enumerate(np.ndindex(4, 4))]    # a 4x4 slice, as libtpu orders it
+    grid = shd.block_grid((4, 4, 1, 1), chips)
+    assert sorted(d.id for d in grid.flat) == list(range(16))
+    coords = np.array([d.coords for d in grid.flat]).reshape(4, 4, 1, 1, 3)
+    for i in range(4):      # every fsdp group a 2x2 square, every data group one chip of each square
+        fsdp = {tuple(c[:2]) for c in coords[i, :, 0, 0]}
+        x0, y0 = min(fsdp)
+        assert fsdp == {(x0, y0), (x0 + 1, y0), (x0, y0 + 1), (x0 + 1, y0 + 1)}, fsdp
+        assert sorted({(x // 2, y // 2) for x, y, _ in coords[:, i, 0, 0]}) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    links = links_by_axes(shd.MESH_AXES, coords, (4, 4, 1), (False, False, False))
+    assert links["fsdp"] == links["data"] == 2          # the torus order's line of 4: 1 link (test_predict.py)
+    line = np.array([c.coords for c in chips]).reshape(4, 4, 1, 1, 3)    # data along y, fsdp along x
+    assert links_by_axes(shd.MESH_AXES, line, (4, 4, 1), (False, False, False))["fsdp"] == 1
+    # fsdp 8 on the 4x4: a 2x4 block, data 2 its two halves
+    fsdp8 = np.array([d.coords for d in shd.block_grid((2, 8, 1, 1), chips).flat]).reshape(2, 8, 3)
+    assert all(len({c[0] for c in g}) * len({c[1] for c in g}) == 8 for g in fsdp8)
+    # what cannot tile: a 3-way axis; devices without torus coordinates (CPU) keep the torus order
+    with pytest.raises(ValueError, match="mesh.layout=blocks: mesh.data=3"):
+        shd.block_grid((3, 1, 1, 1), [_Chip(i, (i, 0, 0)) for i in range(3)])
+    assert shd.block_grid((8, 1, 1, 1), jax.devices()) is None
+    two_by_four = {"data": 2, "fsdp": 4, "context": 1, "tensor": 1}
+    mesh = shd.make_mesh({**two_by_four, "layout": "blocks"})
+    assert list(mesh.devices.flat) == list(shd.make_mesh(two_by_four).devices.flat)
+    with pytest.raises(ValueError, match="mesh.layout='rows'"):
+        shd.make_mesh({"data": -1, "fsdp": 1, "context": 1, "tensor": 1, "layout": "rows"})
+
+
 def test_rules_parse_and_map():
     rules = shd.rules_from_cfg(mesh_cfg("fsdp_tp"))
     assert shd.mesh_axes_for("act_batch", rules) == ("data", "fsdp")
