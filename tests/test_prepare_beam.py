@@ -25,7 +25,9 @@ import pytest
 from data.readers import companions
 from tests.data_helpers import REPO, SCRIPT, TOKENIZER, convert
 
-pytest.importorskip("apache_beam", reason="the [beam] extra: pip install -e '.[beam]'")
+# Looked up, not imported: every test worker collects this file, and apache_beam takes ~1.4 CPU-s to import.
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("apache_beam") is None,
+                                reason="the [beam] extra: pip install -e '.[beam]'")
 
 SAMPLE = os.path.join(REPO, "data", "sample", "*", "en_head.json.gz")
 SELECT = ("--quality", "gopher", "--dedup", "exact,fuzzy")
