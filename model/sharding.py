@@ -162,41 +162,37 @@ def block_grid(shape: Sequence[int], devices: Sequence[jax.Device]) -> np.ndarra
     coords = [getattr(d, "coords", None) for d in devices]
     if any(c is None for c in coords):
         return None
-    cores = [int(getattr(d, "core_on_chip", 0)) for d in devices]
+    # A chip's cores are the innermost dimension (the fastest links): the tensor axis takes them first.
+    coords = [(int(getattr(d, "core_on_chip", 0)), *c) for d, c in zip(devices, coords, strict=True)]
     dims = [max(c[i] for c in coords) + 1 for i in range(len(coords[0]))]
-    per_chip = max(cores) + 1
-    if math.prod(dims) * per_chip != len(devices):
+    if math.prod(dims) != len(devices):
         return None      # not a whole torus (a subset of a slice's devices): nothing to lay out
-    used = [1] * len(dims)              # the block side already taken along each torus dimension
+    used = [1] * len(dims)              # the block side already taken along each dimension
     factors = []                        # per mesh axis (innermost first): its block side per dimension
     for axis, n in reversed(list(zip(MESH_AXES, shape, strict=True))):
         side = [1] * len(dims)
         rest = int(n)
-        if axis == "tensor" and per_chip > 1 and rest % per_chip == 0:
-            rest //= per_chip           # a chip's cores first: the tensor axis's fastest links
         while rest > 1:
             grow = [i for i in range(len(dims)) if (dims[i] // used[i]) % (side[i] * 2) == 0]
             if rest % 2 or not grow:
-                raise ValueError(f"mesh.layout=blocks: mesh.{axis}={n} does not tile the {'x'.join(map(str, dims))} "
-                                 f"torus in blocks beside the inner axes; mesh.layout=torus lays it out")
+                torus = "x".join(map(str, dims[1:]))
+                raise ValueError(f"mesh.layout=blocks: mesh.{axis}={n} does not tile the {torus} torus in blocks "
+                                 "beside the inner axes; mesh.layout=torus lays it out")
             i = min(grow, key=lambda j: (side[j], j))
             side[i] *= 2
             rest //= 2
-        factors.append((axis, side, used.copy()))
+        factors.append((MESH_AXES.index(axis), side, used.copy()))
         used = [u * s for u, s in zip(used, side, strict=True)]
-    by_coord = {(tuple(c), k): d for d, c, k in zip(devices, coords, cores, strict=True)}
+    by_coord = {c: d for d, c in zip(devices, coords, strict=True)}
     grid = np.empty(tuple(shape), dtype=object)
     for index in np.ndindex(*shape):
         pos = [0] * len(dims)
-        core = 0
         for axis, side, below in factors:
-            i = index[MESH_AXES.index(axis)]
-            if axis == "tensor" and per_chip > 1 and shape[MESH_AXES.index("tensor")] % per_chip == 0:
-                i, core = divmod(i, per_chip)
+            i = index[axis]
             for d in reversed(range(len(dims))):     # the axis's index in its block, one dimension at a time
                 i, digit = divmod(i, side[d])
                 pos[d] += digit * below[d]
-        grid[index] = by_coord[(tuple(pos), core)]
+        grid[index] = by_coord[tuple(pos)]
     return grid
 
 

@@ -16,6 +16,7 @@ compile for real every time (a fresh cache per session, tests/conftest.py).
     pip install -e ".[tpu]"   # CI installs it; without libtpu the compile tests skip
     pytest tests/test_compile_tpu.py -q -s   # -s prints each plan's per-chip figures
 """
+import contextlib
 import importlib.util
 import json
 import math
@@ -182,6 +183,19 @@ def test_a_gpu_plan_checks_its_tokenizer_and_states_its_hardware():
         in result.stderr, result.stderr
 
 
+@contextlib.contextmanager
+def environ_restored():
+    """libtpu_env (and libtpu itself) write os.environ: restored after a compile in this process, or
+    every later train.py subprocess of the test worker would see TPU_WORKER_HOSTNAMES, take itself
+    for a TPU VM and try jax.distributed."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 # ---------------------------------------------------------------- kept compiles (model/compile_cache.py)
 class RecordedCompiles:
     """model/compile_cache.py's get/put over one experiment's file in tests/tpu_compiles: an entry
@@ -290,17 +304,13 @@ def test_a_pallas_kernels_source_paths_are_not_its_fingerprint():
 
     from model.compile_cache import _KERNEL_BODY, program_text
 
-    saved = dict(os.environ)    # libtpu_env and libtpu write os.environ: restored (see below)
-    try:
+    with environ_restored():
         tpu = ct.parse_slice("v5e-4")
         ct.libtpu_env(tpu)
         cfg = ct.compose(["model.attention=splash", "mesh=context", "mesh.context=2"])
         _, program, _ = ct.check_run(cfg, ct.slice_devices(tpu))
         batch = program.abstract_batch(int(cfg.data.global_batch_size), int(cfg.data.seq_len))
         lowered = [program.eval_step.lower(program.abstract_state["params"], batch) for _ in range(2)]
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
     raw = lowered[0].as_text(debug_info=False)
     bodies = [base64.b64decode(m.group(2)) for m in _KERNEL_BODY.finditer(raw)]
     assert bodies and any(str(ROOT / "model").encode() in b for b in bodies)    # the checkout's path is in the kernel
@@ -379,15 +389,8 @@ def test_a_plan_that_exceeds_hbm_does_not_fit(tmp_path):
 @needs_libtpu
 @pytest.mark.parametrize("experiment", planned_experiments())
 def test_experiment_compiles_for_its_slice_and_fits(experiment):
-    # libtpu_env (and libtpu itself) write os.environ: restored after the test, or every later
-    # train.py subprocess would see TPU_WORKER_HOSTNAMES, take itself for a TPU VM and try
-    # jax.distributed
-    saved = dict(os.environ)
-    try:
+    with environ_restored():
         _compile_and_check(experiment)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 def _compile_and_check(experiment):
@@ -469,16 +472,12 @@ def test_dcn_transfers_are_read_from_the_compiled_program():
 def test_experiment_compiles_for_two_slices_with_its_dcn_traffic(experiment, slices):
     # In this process over the kept figures, as the single-slice compiles above: a change that reaches
     # the program, the devices or model/dcn.py is a new fingerprint, compiled (--quick) and recorded.
-    saved = dict(os.environ)    # libtpu_env writes os.environ (see the single-slice test)
-    try:
+    with environ_restored():
         cfg = ct.compose([f"experiment={experiment}", f"tpu.slices={slices}"])
         tpu = ct.parse_slice(cfg.tpu.topology)
         ct.libtpu_env(tpu)
         plan = ct.compile_plan(cfg, tpu, quick=True, dcn_gbps=50,
                                cache=RecordedCompiles(RECORDED / f"{experiment}_{slices}_slices.json"))
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
     report = ct.report(plan)
     assert plan["slices"] == plan["mesh_slices"] == slices and plan["chips"] == slices * tpu.chips
     # data parallel across the slices (mesh.dcn_data=-1), FSDP over each slice's chips
@@ -627,17 +626,13 @@ def test_context_bytes_cross_ici_only_with_a_context_axis():
     2 all-gathers each layer's keys and values over `context` and its weights over fsdp x context;
     the same shapes at mesh.context=1 (fsdp 4) send nothing over an axis named context. ~30 s when
     compiled, ~5 s when tests/tpu_compiles keeps both plans' figures."""
-    saved = dict(os.environ)    # libtpu_env and libtpu write os.environ: restored (see above)
-    try:
+    with environ_restored():
         tpu = ct.parse_slice("v4-8")
         ct.libtpu_env(tpu)
         # kept like the experiments' (a change to model/ici.py is a new fingerprint: compiled again)
         plans = {c: ct.compile_plan(ct.compose(["mesh=context", f"mesh.context={c}"]), tpu, quick=True,
                                     cache=RecordedCompiles(RECORDED / f"tiny_v4_8_context_{c}.json"))
                  for c in (2, 1)}
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
     assert plans[2]["mesh"] == {"data": 1, "fsdp": 2, "context": 2, "tensor": 1}
     assert plans[1]["mesh"] == {"data": 1, "fsdp": 4, "context": 1, "tensor": 1}
     # the forward's K/V all-gathers alone: K and V of 8 rows x 256 x 2 heads x 32 in fp32 per layer,
