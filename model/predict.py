@@ -13,15 +13,22 @@ Three terms, each the least time its resource needs for the step, per chip:
 - hbm_s: the bytes XLA's cost analysis says the program accesses, at the chip's HBM bandwidth.
   A floor: it counts a loop body (the scanned layers, the microbatches) once.
 - dcn_s (several slices): what each host sends over the data-center network, at --dcn-gbps.
+- host_s: what crosses a chip's PCIe link to its host each step, where the plan keeps buffers in
+  host memory (offloaded activations, a host-resident optimizer state): the compiler's host
+  temporaries written in the forward and read back in the backward, and host-resident arguments
+  read in and written back, so twice their bytes, at the generation's PCIe bandwidth. One
+  direction at a time (the writes and the reads fall in different halves of the step). Zero for
+  plans that offload nothing (every shipped experiment).
 
 Overlap: step_s assumes every collective runs under compute (libtpu's async collective fusion
 and overlap flags, model/tpu_flags.py, gather the next layer's weights while this one computes):
-step_s = max(compute_s, ici_s, hbm_s, dcn_s) — the lower bound. step_s_upper assumes none does:
-max(compute_s, hbm_s) + ici_s + dcn_s. `bound` names the largest term. mfu divides the useful
+step_s = max(compute_s, ici_s, hbm_s, dcn_s, host_s) — the lower bound (host transfers are
+asynchronous copies too). step_s_upper assumes none does: max(compute_s, hbm_s) + ici_s + dcn_s +
+host_s. `bound` names the largest term. mfu divides the useful
 FLOPs (no recompute) by step_s at every chip's peak; mfu_lower by step_s_upper.
 
-What it does not know: how close the MXUs get to peak (MaxText's published runs sit at 40-70%
-MFU, so a measured step is slower than step_s by about 1/that), the latency of small collectives,
+What it does not know: how close the MXUs get to peak (MaxText's published runs without offload
+sit at 55-70% MFU, so a measured step is slower than step_s by about 1/that), the latency of small collectives,
 the links a collective shares with another running at the same time, host input and Python time.
 """
 from __future__ import annotations
@@ -44,6 +51,7 @@ class Chip:
     link_bps: float         # ICI bytes/s per link, one way
     links: int              # ICI ports per chip: 6 on a 3-D torus, 4 on a 2-D one
     wrap: str               # when a torus dimension wraps around (see wraps())
+    pcie_bps: float         # bytes/s between one chip and its host, one way
 
 
 # Every constant the prediction uses, and where it comes from (read 2026-11):
@@ -59,11 +67,14 @@ class Chip:
 # - wrap: the scaling book and Cloud TPU's topology pages: v4 and v5p slices wrap around only when
 #   built of whole 4x4x4 cubes (64 chips and up; a v4-32 is 2x2x4, no wraparound); v5e and v6e
 #   only along a dimension of 16 chips (a full pod's side; a v5e-16 or v6e-16 is 4x4, none).
+# - pcie_bps: the JAX scaling book ("How to Think About TPUs"): PCIe between a chip and its host
+#   "typically around 1.5e10 bytes / second per chip" (v4, v5e, v5p here), and v6e (Trillium) 32 GB/s,
+#   "about 2x higher than v5": 3.2e10, PCIe 4.0 x16's one way.
 CHIPS: dict[str, Chip] = {
-    "v4": Chip(PEAK_FLOPS["TPU v4"], 1.2e12, 4.5e10, 6, "cubes"),
-    "v5p": Chip(PEAK_FLOPS["TPU v5p"], 2.765e12, 9e10, 6, "cubes"),
-    "v5e": Chip(PEAK_FLOPS["TPU v5e"], 8.19e11, 4.5e10, 4, "16"),
-    "v6e": Chip(PEAK_FLOPS["TPU v6e"], 1.64e12, 9e10, 4, "16"),
+    "v4": Chip(PEAK_FLOPS["TPU v4"], 1.2e12, 4.5e10, 6, "cubes", 1.5e10),
+    "v5p": Chip(PEAK_FLOPS["TPU v5p"], 2.765e12, 9e10, 6, "cubes", 1.5e10),
+    "v5e": Chip(PEAK_FLOPS["TPU v5e"], 8.19e11, 4.5e10, 4, "16", 1.5e10),
+    "v6e": Chip(PEAK_FLOPS["TPU v6e"], 1.64e12, 9e10, 4, "16", 3.2e10),
 }
 CHIPS["v5litepod"] = CHIPS["v5e"]
 
@@ -99,22 +110,25 @@ def links_by_axes(mesh_axes: Sequence[str], coords: np.ndarray, torus: Sequence[
 
 def predict(*, useful_flops: float, executed_flops: float, chips: int, chip: Chip,
             ici_bytes_by_axes: Mapping[str, float], links: Mapping[str, int],
-            hbm_bytes: float | None = None, dcn_s: float = 0.0) -> dict:
+            hbm_bytes: float | None = None, dcn_s: float = 0.0, host_bytes: float = 0.0) -> dict:
     """The step's predicted time and its terms (module doc). FLOPs are the whole step's (every
-    chip's); bytes are per chip per step. A set of axes missing from `links` (model/ici.py's
-    "unparsed") is priced at one link."""
+    chip's); bytes are per chip per step (`host_bytes`: what crosses the chip's PCIe link, both
+    directions summed). A set of axes missing from `links` (model/ici.py's "unparsed") is priced
+    at one link."""
     compute_s = executed_flops / (chips * chip.peak_flops)
     ici_by_axes = {axes: nbytes / (max(links.get(axes, 1), 1) * chip.link_bps)
                    for axes, nbytes in ici_bytes_by_axes.items()}
     ici_s = sum(ici_by_axes.values())
     hbm_s = hbm_bytes / chip.hbm_bps if hbm_bytes else 0.0
-    terms = {"compute": compute_s, "ici": ici_s, "hbm": hbm_s, "dcn": dcn_s}
+    host_s = host_bytes / chip.pcie_bps
+    terms = {"compute": compute_s, "ici": ici_s, "hbm": hbm_s, "dcn": dcn_s, "host": host_s}
     step_s = max(terms.values())
-    upper = max(compute_s, hbm_s) + ici_s + dcn_s
+    upper = max(compute_s, hbm_s) + ici_s + dcn_s + host_s
     peak_all = chips * chip.peak_flops
     return {
         "step_s": step_s, "step_s_upper": upper, "compute_s": compute_s, "ici_s": ici_s,
         "ici_s_by_axes": ici_by_axes, "hbm_s": hbm_s, "dcn_s": dcn_s,
+        "host_s": host_s,
         "mfu": useful_flops / (step_s * peak_all) if step_s else None,
         "mfu_lower": useful_flops / (upper * peak_all) if upper else None,
         "bound": max(terms, key=terms.get),

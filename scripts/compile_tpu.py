@@ -37,8 +37,8 @@ again is not compiled again, and says so ("kept"). `--no-cache` compiles regardl
 Under the train step, its predicted time (`train_step.predicted`, model/predict.py): the step's
 FLOPs at the chips' peak (model/flops.py's count, remat and a chunked loss included: XLA's cost
 analysis counts a scanned layer once and misses the Pallas kernels), the ICI bytes below over the
-links each mesh axis spans on the slice's torus, and XLA's bytes accessed at the HBM bandwidth (a
-floor); the step between every collective hidden under compute and none, the MFU, and which term
+links each mesh axis spans on the slice's torus, XLA's bytes accessed at the HBM bandwidth (a
+floor), and any buffers kept in host memory over PCIe, out and back; the step between every collective hidden under compute and none, the MFU, and which term
 bounds it. The compile runs with libtpu's collective/compute overlap flags (model/tpu_flags.py), as
 `scripts/tpu.py run` starts the pod's run; LIBTPU_INIT_ARGS set in the environment comes first.
 
@@ -259,6 +259,10 @@ def _compiled_figures(lowered, t0: float, capacity: int, n_slices: int, mesh: di
         "outputs_gib": m.output_size_in_bytes / GIB, "aliased_gib": m.alias_size_in_bytes / GIB,
         "code_gib": m.generated_code_size_in_bytes / GIB, "total_gib": total / GIB,
         "hbm_fraction": total / capacity, "margin_gib": (capacity - total) / GIB,
+        # buffers the plan keeps in the host's memory (offloaded activations, a host-resident state):
+        # model/predict.py prices their trips over PCIe
+        "host_temporaries_gib": m.host_temp_size_in_bytes / GIB,
+        "host_arguments_gib": m.host_argument_size_in_bytes / GIB,
     }
 
 
@@ -368,7 +372,15 @@ def predicted_step(mesh, tpu: Slice, useful_flops: float, executed_flops: float,
     dcn_s = compiled.get("dcn", {}).get("seconds_at_dcn_gbps", 0.0)
     return predict(useful_flops=useful_flops, executed_flops=executed_flops, chips=mesh.devices.size, chip=chip,
                    ici_bytes_by_axes=compiled["ici"]["bytes_by_axes"], links=links,
-                   hbm_bytes=compiled.get("hbm_bytes_accessed"), dcn_s=dcn_s)
+                   hbm_bytes=compiled.get("hbm_bytes_accessed"), dcn_s=dcn_s,
+                   host_bytes=host_bytes_per_step(compiled))
+
+
+def host_bytes_per_step(compiled: dict) -> float:
+    """What crosses a chip's PCIe link per step (model/predict.py host_s): host temporaries (offloaded
+    activations) written in the forward and read back in the backward, host-resident arguments read
+    in and written back: twice their bytes."""
+    return 2 * GIB * (compiled.get("host_temporaries_gib", 0.0) + compiled.get("host_arguments_gib", 0.0))
 
 
 def _size(nbytes: float) -> str:
@@ -388,6 +400,7 @@ def predicted_line(p: dict) -> str:
     """The prediction as the console shows it, under the train step."""
     axes = ", ".join(f"{a} {_secs(t)} over {p['links_by_axes'][a]} link(s)" for a, t in p["ici_s_by_axes"].items())
     dcn = f", dcn {_secs(p['dcn_s'])}" if p["dcn_s"] else ""
+    dcn += f", host (PCIe) {_secs(p['host_s'])}" if p.get("host_s") else ""
     return (f"    predicted: step {_secs(p['step_s'])} (every collective under compute) to {_secs(p['step_s_upper'])} "
             f"(none); MFU {p['mfu']:.0%} to {p['mfu_lower']:.0%}; {p['bound']}-bound; compute {_secs(p['compute_s'])} "
             f"at peak, ici {_secs(p['ici_s'])} ({axes or 'none'}; {p['ici_over_compute']:.0%} of compute), "
@@ -421,6 +434,10 @@ def report(plan: dict) -> str:
                      f"{verdict}; compiled in {r['compile_s']:.1f} s"
                      + (" (kept: the same program, devices and compiler; --no-cache compiles it)"
                         if r.get("cached") else ""))
+        host = r.get("host_temporaries_gib", 0.0) + r.get("host_arguments_gib", 0.0)
+        if host:
+            lines.append(f"    in the host's memory: temporaries {r.get('host_temporaries_gib', 0.0):.2f}, arguments "
+                         f"{r.get('host_arguments_gib', 0.0):.2f} GiB per chip (over PCIe twice a step)")
         if "ici" in r:
             moved = [f"{axes} {_size(sent)}" for axes, sent in r["ici"]["bytes_by_axes"].items() if sent]
             lines.append(f"    ici per chip per step: {', '.join(moved) or 'none'}")
