@@ -38,9 +38,10 @@ Under the train step, its predicted time (`train_step.predicted`, model/predict.
 FLOPs at the chips' peak (model/flops.py's count, remat and a chunked loss included: XLA's cost
 analysis counts a scanned layer once and misses the Pallas kernels), the ICI bytes below over the
 links each mesh axis spans on the slice's torus, XLA's bytes accessed at the HBM bandwidth (a
-floor), and any buffers kept in host memory over PCIe, out and back; the step between every collective hidden under compute and none, the MFU, and which term
-bounds it. The compile runs with libtpu's collective/compute overlap flags (model/tpu_flags.py), as
-`scripts/tpu.py run` starts the pod's run; LIBTPU_INIT_ARGS set in the environment comes first.
+floor), and any buffers kept in host memory over PCIe, out and back; the step between every
+collective hidden under compute and none, the MFU, and which term bounds it. The compile runs with
+libtpu's collective/compute overlap flags (model/tpu_flags.py), as `scripts/tpu.py run` starts the
+pod's run; LIBTPU_INIT_ARGS set in the environment comes first.
 
 For each step it also prints the bytes per chip that the step's collectives move over the slice's
 links (ICI), by the mesh axes their groups span ("context", "fsdp", "fsdp+context": model/ici.py
