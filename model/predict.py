@@ -1,6 +1,6 @@
 """A train step's time predicted from its compiled program, before a TPU is rented.
 
-Three terms, each the least time its resource needs for the step, per chip:
+The terms, each the least time its resource needs for the step, per chip:
 - compute_s: the step's executed FLOPs (model/flops.py: the useful FLOPs, causal attention,
   times the recompute factor of remat and a chunked loss) at the chip's peak bf16 FLOP/s. Not
   XLA's cost analysis: it counts a loop body once (the tiny model at 1, 2 and 4 scanned layers:
@@ -24,12 +24,13 @@ Overlap: step_s assumes every collective runs under compute (libtpu's async coll
 and overlap flags, model/tpu_flags.py, gather the next layer's weights while this one computes):
 step_s = max(compute_s, ici_s, hbm_s, dcn_s, host_s) — the lower bound (host transfers are
 asynchronous copies too). step_s_upper assumes none does: max(compute_s, hbm_s) + ici_s + dcn_s +
-host_s. `bound` names the largest term. mfu divides the useful
-FLOPs (no recompute) by step_s at every chip's peak; mfu_lower by step_s_upper.
+host_s. `bound` names the largest term. mfu divides the useful FLOPs (no recompute) by step_s at
+every chip's peak; mfu_lower by step_s_upper.
 
 What it does not know: how close the MXUs get to peak (MaxText's published runs without offload
-sit at 55-70% MFU, so a measured step is slower than step_s by about 1/that), the latency of small collectives,
-the links a collective shares with another running at the same time, host input and Python time.
+sit at 55-70% MFU, so a measured step is slower than step_s by about 1/that), the latency of small
+collectives, the links a collective shares with another running at the same time, host input and
+Python time.
 """
 from __future__ import annotations
 
@@ -106,6 +107,13 @@ def links_by_axes(mesh_axes: Sequence[str], coords: np.ndarray, torus: Sequence[
                 links += 2 if wrap[d] and n == size else 1
         out["+".join(chosen)] = links
     return out
+
+
+def host_bytes(temporaries: float, arguments: float) -> float:
+    """What crosses a chip's PCIe link per step for the buffers a plan keeps in host memory (bytes
+    per chip): temporaries (offloaded activations) written in the forward and read back in the
+    backward, host-resident arguments read in and written back: twice their bytes."""
+    return 2 * (temporaries + arguments)
 
 
 def predict(*, useful_flops: float, executed_flops: float, chips: int, chip: Chip,

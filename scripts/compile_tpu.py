@@ -378,10 +378,10 @@ def predicted_step(mesh, tpu: Slice, useful_flops: float, executed_flops: float,
 
 
 def host_bytes_per_step(compiled: dict) -> float:
-    """What crosses a chip's PCIe link per step (model/predict.py host_s): host temporaries (offloaded
-    activations) written in the forward and read back in the backward, host-resident arguments read
-    in and written back: twice their bytes."""
-    return 2 * GIB * (compiled.get("host_temporaries_gib", 0.0) + compiled.get("host_arguments_gib", 0.0))
+    """model/predict.py host_bytes of a compiled step's figures (none in figures kept before them)."""
+    from model.predict import host_bytes
+
+    return host_bytes(compiled.get("host_temporaries_gib", 0.0) * GIB, compiled.get("host_arguments_gib", 0.0) * GIB)
 
 
 def _size(nbytes: float) -> str:
@@ -400,12 +400,12 @@ def _secs(s: float) -> str:
 def predicted_line(p: dict) -> str:
     """The prediction as the console shows it, under the train step."""
     axes = ", ".join(f"{a} {_secs(t)} over {p['links_by_axes'][a]} link(s)" for a, t in p["ici_s_by_axes"].items())
-    dcn = f", dcn {_secs(p['dcn_s'])}" if p["dcn_s"] else ""
-    dcn += f", host (PCIe) {_secs(p['host_s'])}" if p.get("host_s") else ""
+    extra = (f", dcn {_secs(p['dcn_s'])}" if p["dcn_s"] else "") + (
+        f", host (PCIe) {_secs(p['host_s'])}" if p.get("host_s") else "")
     return (f"    predicted: step {_secs(p['step_s'])} (every collective under compute) to {_secs(p['step_s_upper'])} "
             f"(none); MFU {p['mfu']:.0%} to {p['mfu_lower']:.0%}; {p['bound']}-bound; compute {_secs(p['compute_s'])} "
             f"at peak, ici {_secs(p['ici_s'])} ({axes or 'none'}; {p['ici_over_compute']:.0%} of compute), "
-            f"hbm >= {_secs(p['hbm_s'])}{dcn}")
+            f"hbm >= {_secs(p['hbm_s'])}{extra}")
 
 
 def report(plan: dict) -> str:
@@ -435,8 +435,7 @@ def report(plan: dict) -> str:
                      f"{verdict}; compiled in {r['compile_s']:.1f} s"
                      + (" (kept: the same program, devices and compiler; --no-cache compiles it)"
                         if r.get("cached") else ""))
-        host = r.get("host_temporaries_gib", 0.0) + r.get("host_arguments_gib", 0.0)
-        if host:
+        if host_bytes_per_step(r):
             lines.append(f"    in the host's memory: temporaries {r.get('host_temporaries_gib', 0.0):.2f}, arguments "
                          f"{r.get('host_arguments_gib', 0.0):.2f} GiB per chip (over PCIe twice a step)")
         if "ici" in r:

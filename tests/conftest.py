@@ -10,12 +10,6 @@ import tempfile
 
 import pytest
 
-# XLA's CPU backend compiles at LLVM level 1 in tests: the suite's programs are tiny and compiled
-# far more often than they run, and level 1 compiles them in about half the time of the default
-# (level 2) while running a 30-step training loop no slower (docs/development.md, "Where the
-# time goes"). Without XLA's new CPU fusion emitters a tiny train step compiles in ~40% less CPU
-# (the same losses; test_context.py's in-process programs 139 -> 93 s). Subprocesses inherit both:
-# tests.run_helpers.without_device_count keeps them where a test gives processes their own device count.
 # Python's bytecode cache on, here and in every process the suite starts (train.py runs, their
 # input workers, scripts), even where the environment sets PYTHONDONTWRITEBYTECODE (this machine
 # image does, and uv installs without .pyc files): otherwise each of the suite's ~400 processes
@@ -23,6 +17,13 @@ import pytest
 # each test worker's collection 3 more (docs/development.md, "Where the time goes").
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 sys.dont_write_bytecode = False
+
+# XLA's CPU backend compiles at LLVM level 1 in tests: the suite's programs are tiny and compiled
+# far more often than they run, and level 1 compiles them in about half the time of the default
+# (level 2) while running a 30-step training loop no slower (docs/development.md, "Where the
+# time goes"). Without XLA's new CPU fusion emitters a tiny train step compiles in ~40% less CPU
+# (the same losses; test_context.py's in-process programs 139 -> 93 s). Subprocesses inherit both:
+# tests.run_helpers.without_device_count keeps them where a test gives processes their own device count.
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=1 --xla_cpu_use_fusion_emitters=false"
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {TEST_XLA_FLAGS}")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -40,19 +40,18 @@ def calibration(m: dict = MAXTEXT_V6E_16_8B) -> dict:
 
     from model.flops import flops_per_token
     from model.llama import LlamaConfig
-    from model.predict import CHIPS, predict
+    from model.predict import CHIPS, host_bytes, predict
 
-    fields = OmegaConf.to_container(OmegaConf.load(os.path.join(REPO, "configs", "model", "llama3_1_8b.yaml")))
-    model = LlamaConfig(**{k: v for k, v in fields.items() if k in LlamaConfig.__dataclass_fields__})
+    model = LlamaConfig.from_mapping(OmegaConf.load(os.path.join(REPO, "configs", "model", "llama3_1_8b.yaml")))
     tokens = m["chips"] * m["rows_per_chip"] * m["seq_len"]
     useful = flops_per_token(model, m["seq_len"], causal=True) * tokens
     chip = CHIPS[m["slice"]]
-    host_bytes = 2 * m["host_temporaries_gib"] * GIB
+    host = host_bytes(m["host_temporaries_gib"] * GIB, 0.0)
     ici = {a: g * GIB for a, g in m["ici_gib_by_axes"].items()}
     terms = dict(useful_flops=useful, executed_flops=useful * m["recompute"], chips=m["chips"], chip=chip,
                  ici_bytes_by_axes=ici, links=m["links"])
-    return {"with_host": predict(**terms, host_bytes=host_bytes), "without_host": predict(**terms),
-            "tokens": tokens, "useful": useful, "host_bytes": host_bytes, "chip": chip}
+    return {"with_host": predict(**terms, host_bytes=host), "without_host": predict(**terms),
+            "tokens": tokens, "useful": useful, "host_bytes": host, "chip": chip}
 
 
 def main() -> None:
