@@ -84,3 +84,13 @@ def test_anything_else_is_a_plain_subprocess(probe, tmp_path, monkeypatch):
     monkeypatch.setenv(forked.ENV_SWITCH, "0")
     p = forked.Popen([sys.executable, str(probe), "exit3"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     assert isinstance(p, subprocess.Popen) and p.wait(timeout=120) == 3
+
+
+def test_the_suites_processes_write_pythons_bytecode_cache(tmp_path):
+    """tests/conftest.py turns the bytecode cache on for every process the suite starts, even where
+    the environment sets PYTHONDONTWRITEBYTECODE (this machine image and CI's do): a module a child
+    imports leaves its .pyc, so the next process reads it instead of compiling the source again."""
+    (tmp_path / "probe_module.py").write_text("VALUE = 1\n")
+    subprocess.run([sys.executable, "-c", "import probe_module"], cwd=tmp_path, env=os.environ, check=True)
+    assert list((tmp_path / "__pycache__").glob("probe_module.*.pyc")), "the child compiled without caching"
+    assert not sys.dont_write_bytecode
