@@ -104,10 +104,10 @@ def test_predicted_terms_bound_and_mfu_on_hand_made_numbers():
 
 def test_maxtexts_published_v6e_run_falls_within_a_quarter_once_its_host_trips_are_priced():
     """#57's calibration: MaxText's compiled figures for its v6e-16 Llama-3.1-8B recipe (recorded in
-    scripts/bench/calibrate_predict.py) priced by this model; the no-overlap end of the range within
+    scripts/bench/bench_predict.py) priced by this model; the no-overlap end of the range within
     25% of the published 3.393 s, which it is not without the offloaded activations' PCIe trips."""
-    path = ROOT / "scripts" / "bench" / "calibrate_predict.py"
-    spec = importlib.util.spec_from_file_location("calibrate_predict", path)
+    path = ROOT / "scripts" / "bench" / "bench_predict.py"
+    spec = importlib.util.spec_from_file_location("bench_predict", path)
     cal = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cal)
     c = cal.calibration()

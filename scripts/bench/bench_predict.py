@@ -2,7 +2,7 @@
 """model/predict.py against a step time someone else measured (#57 item 2): MaxText's published
 Trillium run of Llama-3.1-8B on a v6e-16, predicted from MaxText's own compiled program.
 
-    python scripts/bench/calibrate_predict.py
+    python scripts/bench/bench_predict.py
 
 MaxText's program is not compiled here (33 min on 2 cores, in its own environment): its figures
 below were read from its compile of 2026-11-28 (BENCHMARKS.md "Calibration: MaxText's published
