@@ -21,9 +21,14 @@ CONFIGS = ROOT / "configs"
 # The smallest Llama the whole-run journeys need (resume, hosts, slices, hangs, rollback): model=tiny
 # at half its width and layers, ~3.5x less CPU a step; the journeys are about the run, not the network.
 MICRO = ["model.d_model=64", "model.n_layers=2", "model.d_ff=128"]
+# A learning-rate schedule that does not depend on train.steps. The schedule's numbers are constants
+# of the compiled step, and decay_steps defaults to train.steps: runs of 4, 6 and 12 steps of the
+# same model were three programs, each compiled (~3 CPU-s) once per session. With this, runs of
+# any length on one shape and mesh share one (docs/development.md, "Where the suite's time goes").
+ONE_SCHEDULE = ["optimizer.warmup_steps=2", "optimizer.decay_steps=50"]
 # A short run that still logs, checkpoints and resumes.
-TINY_FAST = [*MICRO, "train.steps=12", "train.log_every=4", "checkpoint.every=6", "logger.wandb.mode=disabled",
-             "data.num_workers=0", "optimizer.warmup_steps=2"]
+TINY_FAST = [*MICRO, *ONE_SCHEDULE, "train.steps=12", "train.log_every=4", "checkpoint.every=6",
+             "logger.wandb.mode=disabled", "data.num_workers=0"]
 
 
 def make_cfg(run_dir, *overrides):
@@ -66,7 +71,7 @@ N = 10          # steps of every run
 K = 5           # the checkpoint the kills and the process-count changes resume from
 COMMON = [*MICRO, "logger.wandb.mode=disabled", "logger.progress_bar=false", "train.log_every=1",
           f"train.steps={N}", "data.seq_len=64", "data.global_batch_size=16", "data.num_shards=4", "train.eval_every=0",
-          "optimizer.warmup_steps=2", "optimizer.decay_steps=50", "++train.debug_batches=true"]
+          *ONE_SCHEDULE, "++train.debug_batches=true"]
 
 
 def read_jsonl(path):

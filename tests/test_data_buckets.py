@@ -225,13 +225,13 @@ def test_a_converted_corpus_keeps_its_bucket_and_restores_exactly(tmp_path):
 @pytest.mark.slow
 def test_train_resumes_a_bucketed_mixture_exactly_and_show_step_lists_its_documents(tmp_path):
     import train as train_mod
-    from tests.run_helpers import make_cfg, read_jsonl, read_metrics, rows_by_step
+    from tests.run_helpers import MICRO, ONE_SCHEDULE, make_cfg, read_jsonl, read_metrics, rows_by_step
 
     sources = ("data.sources=[{name:short,paths:['" + os.path.join(REPO, "data/sample/000[0-6]/en_head.json.gz")
                + "'],weight:2,max_tokens:512},{name:long,paths:['"
                + os.path.join(REPO, "data/sample/000[0-6]/en_head.json.gz") + "'],weight:1,min_tokens:1024}]")
-    common = ["model=tiny", "data=sample_mix", sources, "data.seq_len=64", "data.num_workers=0",
-              "train.log_every=1", "checkpoint.every=2", "train.eval_every=0", "optimizer.warmup_steps=1",
+    common = [*MICRO, *ONE_SCHEDULE, "data=sample_mix", sources, "data.seq_len=64", "data.num_workers=0",
+              "train.log_every=1", "checkpoint.every=2", "train.eval_every=0",
               "logger.wandb.mode=disabled", "++train.debug_batches=true"]
     straight, cut = tmp_path / "straight", tmp_path / "cut"
     train_mod.train(make_cfg(straight, *common, "train.steps=4"))

@@ -246,12 +246,12 @@ def test_train_resumes_a_mixture_exactly_and_refuses_a_weight_change(tmp_path):
     from hydra import compose, initialize_config_dir
 
     import train as train_mod
-    from tests.run_helpers import env_for, free_port
+    from tests.run_helpers import MICRO, ONE_SCHEDULE, env_for, free_port
 
-    def make_overrides(*overrides):
-        return ["data=sample_mix", "logger.progress_bar=false", "logger.wandb.mode=disabled", "train.steps=4",
-                "train.log_every=1", "checkpoint.every=2", "train.eval_every=0", "optimizer.warmup_steps=1",
-                "data.seq_len=32", "data.num_workers=0", "++train.debug_batches=true", *overrides]
+    def make_overrides(*overrides):     # runs of 2, 4 and 6 steps: one compiled step (run_helpers.ONE_SCHEDULE)
+        return ["data=sample_mix", *MICRO, *ONE_SCHEDULE, "logger.progress_bar=false", "logger.wandb.mode=disabled",
+                "train.steps=4", "train.log_every=1", "checkpoint.every=2", "train.eval_every=0", "data.seq_len=32",
+                "data.num_workers=0", "++train.debug_batches=true", *overrides]
 
     def make(run_dir, *overrides):
         with initialize_config_dir(config_dir=str(Path(REPO) / "configs"), version_base="1.3"):

@@ -22,6 +22,7 @@ from data.state import mixture_changes
 from data.streams.mixture import SOURCE_ID_SHIFT
 from tests import forked
 from tests.data_helpers import SOURCES, close, jround, mix_cfg, take, write_sources
+from tests.run_helpers import MICRO, ONE_SCHEDULE
 
 SRC = {name: (name, w, n_files, docs, key) for name, w, n_files, docs, key in SOURCES}
 TAG_MASK = (1 << SOURCE_ID_SHIFT) - 1
@@ -261,8 +262,9 @@ def test_flag_value_is_checked_in_one_line(tmp_path):
 # data=sample_mix: web (7 English shards, 80%) and code (this project's Python, 20%, text key
 # "text"); rows traced through train.debug_batches (per row: shard, first and last doc id, a
 # hash of its tokens and doc ids).
-TRAIN_OVERRIDES = ["data=sample_mix", "logger.progress_bar=false", "logger.wandb.mode=disabled", "train.log_every=1",
-                   "checkpoint.every=2", "train.eval_every=0", "optimizer.warmup_steps=1", "data.seq_len=32",
+# The smallest Llama and one schedule for runs of any length (tests/run_helpers.py): one compiled step.
+TRAIN_OVERRIDES = ["data=sample_mix", *MICRO, *ONE_SCHEDULE, "logger.progress_bar=false", "logger.wandb.mode=disabled",
+                   "train.log_every=1", "checkpoint.every=2", "train.eval_every=0", "data.seq_len=32",
                    "data.num_workers=0", "++train.debug_batches=true"]
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from model.runtime import goodput
 from model.runtime.watchdog import EXIT_HANG, MIN_TIMEOUT_S, announce_last_hang, hang_timeout, heartbeat_over
-from tests.run_helpers import ROOT, read_metrics, run_cli, without_device_count
+from tests.run_helpers import MICRO, ONE_SCHEDULE, ROOT, read_metrics, run_cli, without_device_count
 
 # A watchdog in a process of its own (it ends the process it fires in).
 SCRIPT = textwrap.dedent("""
@@ -159,8 +159,10 @@ def _planted_hang_env(spec):
     return {SLOW_STAGE_ENV: spec}
 
 
-HANG_RUN = ["train.steps=12", "train.log_every=1", "checkpoint.every=3", "train.eval_every=0", "data.num_workers=0",
-            "data.prefetch=1", "optimizer.warmup_steps=2", "optimizer.decay_steps=100", "logger.progress_bar=false",
+# The smallest Llama and the suite's one schedule (run_helpers): the hang and the restart are about
+# the run, not the network, and the run's step is one the suite has compiled already.
+HANG_RUN = [*MICRO, *ONE_SCHEDULE, "data.seq_len=64", "train.steps=12", "train.log_every=1", "checkpoint.every=3",
+            "train.eval_every=0", "data.num_workers=0", "data.prefetch=1", "logger.progress_bar=false",
             # 8 s: well under the planted 600 s hang, and over what a loaded 2-core machine takes for
             # a step and the run's first (async) save, which fired a 3 s watchdog beside other tests.
             "train.hang_timeout_s=8"]
