@@ -24,6 +24,7 @@ from tests.data_helpers import convert
 from tests.run_helpers import (
     COMMON,
     MICRO,
+    ONE_SCHEDULE,
     TRAIN,
     assert_every_shard_continues_exactly,
     env_for,
@@ -143,8 +144,8 @@ def test_bad_values_fail_in_one_line(setting, needle):
 
 # ---------------------------------------------------------------- real runs
 N = 8           # steps of every run
-RUN = [*MICRO, "train.steps=8", "train.log_every=4", "checkpoint.every=4", "logger.wandb.mode=disabled",
-       "train.eval_every=0", "optimizer.warmup_steps=2", "data.seq_len=64", "data.num_shards=4",
+RUN = [*MICRO, *ONE_SCHEDULE, "train.steps=8", "train.log_every=4", "checkpoint.every=4", "logger.wandb.mode=disabled",
+       "train.eval_every=0", "data.seq_len=64", "data.num_shards=4",
        "train.debug_batches=true", "data.auto_measure_steps=2"]
 
 

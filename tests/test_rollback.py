@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 
 from model.runtime.rollback import find_divergence, rollbacks_of
-from tests.run_helpers import MICRO, ROOT, run_cli
+from tests.run_helpers import MICRO, ONE_SCHEDULE, ROOT, run_cli
 from tests.step_hooks import planted
 
-COMMON = [*MICRO, "train.log_every=2", "checkpoint.every=4", "data.num_workers=0", "optimizer.warmup_steps=2",
+# The suite's shape and schedule (run_helpers.COMMON's): the 12- and 18-step runs share its compiled step.
+COMMON = [*MICRO, *ONE_SCHEDULE, "data.seq_len=64", "train.log_every=2", "checkpoint.every=4", "data.num_workers=0",
           "train.debug_batches=true", "train.eval_every=0", "logger.progress_bar=false"]
 
 
