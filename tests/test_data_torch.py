@@ -140,6 +140,27 @@ def test_bad_states_are_refused_in_one_line(corpus):
         r0.load_state_dict({"step": 3})
 
 
+def test_the_same_overrides_compose_once_and_each_batches_gets_its_own_config():
+    """data.torch.compose keeps Hydra's composition per overrides (~0.6 CPU-s each): a second call
+    composes nothing, and returns a copy of its own, struct as Hydra's, its interpolations live."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import ConfigAttributeError
+
+    from data.torch import _COMPOSED, compose
+
+    ov = ("data.seq_len=48",)
+    a = compose(ov)
+    n = len(_COMPOSED)
+    b = compose(ov)
+    assert len(_COMPOSED) == n and a == b and a is not b
+    b.data.seq_len = 16
+    assert a.data.seq_len == compose(ov).data.seq_len == 48
+    assert OmegaConf.is_struct(b)
+    with pytest.raises(ConfigAttributeError):
+        b.data.not_a_key = 1
+    assert b.data.paths[0] == os.path.join(REPO, "data", "sample", "*", "en_head.json.gz")   # ${project_root:}
+
+
 def test_config_mistakes_fail_in_one_line(corpus):
     root, _ = corpus
     with pytest.raises(ValueError, match="Could not override 'data.nope'"):
