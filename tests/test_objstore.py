@@ -504,9 +504,8 @@ def test_checkpoint_dir_on_gs_saves_and_resumes(gcs, tmp_path):
     from tests.run_helpers import TINY_FAST, read_metrics
     em, _, _ = gcs
     env = {**os.environ, **em.env(), "JAX_PLATFORMS": "cpu"}
-    # decay_steps fixed: the schedule of a 6-step and a 12-step run is the same one
-    common = [*TINY_FAST, "train.log_every=1", "train.eval_every=0", "optimizer.decay_steps=50",
-              "logger.progress_bar=false"]
+    # TINY_FAST's decay_steps is fixed (run_helpers.ONE_SCHEDULE): a 6-step and a 12-step run follow one schedule
+    common = [*TINY_FAST, "train.log_every=1", "train.eval_every=0", "logger.progress_bar=false"]
     ckpt = f"gs://{BUCKET}/ckpt"
     run_dir = tmp_path / "gs"
     first = _train(run_dir, env, *common, "train.steps=6", f"checkpoint.dir={ckpt}")
