@@ -52,6 +52,8 @@ def recompute_factor(cfg: LlamaConfig, seq_len: int, loss_chunk: int = 0) -> flo
     - "dots"/"dots_all" keep the weight matmuls and re-run attention (a splash kernel is no dot,
       so "dots_all" keeps attention only with the XLA einsums); "dots_attention" also keeps the
       cuDNN kernel's outputs (no re-run there);
+    - "offload" keeps the layer input and the q, k, v and output projections (on the host) and
+      re-runs attention and the MLP's three matmuls;
     - loss_chunk > 0 re-runs the output projection.
     Elementwise work (norms, RoPE, softmax) is left out, as in flops_per_token.
     """
@@ -60,7 +62,8 @@ def recompute_factor(cfg: LlamaConfig, seq_len: int, loss_chunk: int = 0) -> flo
     extra = {"none": 0, "full": 2 * layer_weights + attention_fwd, "dots": attention_fwd,
              # the cuDNN kernel's outputs are kept; the XLA reference's attention is re-run (= dots)
              "dots_attention": 0 if cfg.attention == "cudnn" else attention_fwd,
-             "dots_all": attention_fwd if cfg.attention == "splash" else 0}[cfg.remat]
+             "dots_all": attention_fwd if cfg.attention == "splash" else 0,
+             "offload": attention_fwd + 2 * 3 * cfg.n_layers * cfg.d_model * cfg.d_ff}[cfg.remat]
     if loss_chunk:
         extra += 2 * cfg.d_model * cfg.vocab_size
     return 1.0 + extra / flops_per_token(cfg, seq_len)

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax._src.cudnn import fused_attention_stablehlo as _cudnn_fa  # private: the packed layout (below)
+from jax.ad_checkpoint import checkpoint_name
 
 from model import context as ctx
 from model import sharding as shd
@@ -58,6 +59,9 @@ def _fused_attention_saveable(prim, *_, **__) -> bool:
     return prim.name in FUSED_ATTENTION_FWD
 
 
+# The activations remat "offload" keeps on the host, named in Block (jax.ad_checkpoint.checkpoint_name).
+OFFLOADED_ACTIVATIONS = ("layer_input", "q_proj", "k_proj", "v_proj", "out_proj")
+
 # What a rematerialised layer keeps for the backward pass instead of recomputing it.
 REMAT_POLICIES = {
     "none": None,  # no remat at all: fastest, most memory
@@ -71,6 +75,16 @@ REMAT_POLICIES = {
     "dots_attention": jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _fused_attention_saveable),
     "dots_all": jax.checkpoint_policies.dots_saveable,  # also keep attention matmuls
+    # Keep each layer's input and its attention's q, k, v and output projections in host memory
+    # (written to the host in the forward pass, read back in the backward) and recompute the rest:
+    # norms, RoPE, attention and the MLP. Device memory then holds no layer's activations between
+    # the passes, so longer rows or more rows fit in one pass without re-gathering FSDP weights per
+    # microbatch; the price is their bytes over PCIe (model/predict.py's host term). The tensors are
+    # MaxText's offloading recipe's (decoder_layer_input, query/key/value_proj, out_proj), so the
+    # two programs compare at equal plans. On CPU the host is the device: nothing moves.
+    "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=list(OFFLOADED_ACTIVATIONS),
+        offload_src="device", offload_dst="pinned_host"),
 }
 
 
@@ -799,6 +813,8 @@ class Block(nnx.Module):
             q_btnh = q_btnh + self._w(self.bq_nh)
             k_btkh = k_btkh + self._w(self.bk_kh)
             v_btkh = v_btkh + self._w(self.bv_kh)
+        q_btnh = checkpoint_name(q_btnh, "q_proj")
+        k_btkh, v_btkh = checkpoint_name(k_btkh, "k_proj"), checkpoint_name(v_btkh, "v_proj")
         q_btnh = shd.constrain(q_btnh, ("act_batch", "act_len", "act_heads", None))
         k_btkh = shd.constrain(k_btkh, ("act_batch", "act_len", "act_kv_heads", None))
         v_btkh = shd.constrain(v_btkh, ("act_batch", "act_len", "act_kv_heads", None))
@@ -811,7 +827,7 @@ class Block(nnx.Module):
     def _out_and_mlp(self, x_btd, o_btnh):
         """Attention output projection into the residual, then the SwiGLU branch."""
         o_btnh = shd.constrain(o_btnh, ("act_batch", "act_len", "act_heads", None))
-        x_btd = x_btd + self.einsum("btnh,nhd->btd", o_btnh, self._w(self.wo_nhd))
+        x_btd = x_btd + checkpoint_name(self.einsum("btnh,nhd->btd", o_btnh, self._w(self.wo_nhd)), "out_proj")
         x_btd = shd.constrain(x_btd, ("act_batch", "act_len", "act_embed"))
 
         y_btd = self.mlp_norm(x_btd)
@@ -822,6 +838,7 @@ class Block(nnx.Module):
         return shd.constrain(x_btd, ("act_batch", "act_len", "act_embed"))
 
     def __call__(self, x_btd, positions_bt, segment_ids_bt, branch_ids_bt=None):
+        x_btd = checkpoint_name(x_btd, "layer_input")
         q_btnh, k_btkh, v_btkh = self._qkv(x_btd, positions_bt)
         # Every query sees every key of its document: keys and values (and the keys' segment ids
         # and positions) span the whole row, all-gathered over whatever splits `act_len`

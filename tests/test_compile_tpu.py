@@ -374,6 +374,25 @@ def test_cli_prints_and_writes_the_compiled_figures(tmp_path):
 
 @pytest.mark.slow
 @needs_libtpu
+def test_remat_offload_keeps_each_layers_named_activations_on_the_host_and_prices_their_trips(tmp_path):
+    # The default tiny model (fp32 activations: d 128, 4 query and 2 kv heads of 32) on a v5e-4: 4 rows
+    # of 256 per chip. model.remat=offload keeps each layer's input and its q, k, v and output
+    # projections in host memory: 4 layers x 4 rows x 256 x (128 + 128 + 64 + 64 + 128) x 4 bytes.
+    out = tmp_path / "plan.json"
+    result = run_script("--topology", "v5e-4", "--quick", "--json", str(out), "model.remat=offload")
+    assert result.returncode == 0, result.stdout + result.stderr
+    train = json.loads(out.read_text())["train_step"]
+    assert train["host_temporaries_gib"] * 2**30 == pytest.approx(4 * 4 * 256 * 512 * 4, rel=0.01)
+    assert "in the host's memory: temporaries" in result.stdout
+    # priced: written in the forward and read back in the backward, over the chip's PCIe link
+    from model.predict import CHIPS, host_bytes
+
+    assert train["predicted"]["host_s"] == pytest.approx(
+        host_bytes(train["host_temporaries_gib"] * 2**30, train["host_arguments_gib"] * 2**30) / CHIPS["v5e"].pcie_bps)
+
+
+@pytest.mark.slow
+@needs_libtpu
 def test_a_plan_that_exceeds_hbm_does_not_fit(tmp_path):
     # 65,536 rows of 256 on 4 chips: the fp32 logits alone are 64 GiB per chip. --quick says so too.
     out = tmp_path / "plan.json"

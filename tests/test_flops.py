@@ -39,6 +39,10 @@ def test_recompute_factor():
     for attention, factor in (("cudnn", 1.0), ("xla", 1 + attention_fwd / fpt), ("splash", 1 + attention_fwd / fpt)):
         cfg = dataclasses.replace(LLAMA2_7B, attention=attention, remat="dots_attention")
         assert flops.recompute_factor(cfg, 1024) == pytest.approx(factor)
+    # offload keeps the layer's input and q, k, v, o projections: attention and the MLP run again
+    mlp_fwd = 2 * 32 * 3 * 4096 * 11008
+    assert flops.recompute_factor(dataclasses.replace(LLAMA2_7B, remat="offload"), 1024) == pytest.approx(
+        1 + (attention_fwd + mlp_fwd) / fpt)
 
 
 def test_tied_head_still_counts_output_projection():

@@ -229,7 +229,7 @@ def test_packed_row_equals_documents_one_by_one():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", [dict(remat="full"), dict(remat="dots"), dict(remat="dots_attention"),
-                                     dict(scan_layers=False, remat="full")])
+                                     dict(remat="offload"), dict(scan_layers=False, remat="full")])
 def test_scan_and_remat_do_not_change_loss_or_grads(variant):
     docs, inputs, targets, seg, pos = _packed_example(SMALL.vocab_size)
     batch = dict(inputs=inputs, targets=targets, segment_ids=seg, positions=pos, loss_mask=np.ones_like(seg))
