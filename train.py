@@ -345,6 +345,8 @@ def check_config(cfg: DictConfig) -> Settings:
     if loss_chunk < 0 or (loss_chunk and data_cfg.seq_len % loss_chunk):
         raise ConfigError(f"train.loss_chunk={loss_chunk} must divide data.seq_len={data_cfg.seq_len} "
                           "(0: the whole sequence at once)")
+    if cfg.train.loss_head not in ("once", "per_chunk"):        # model/loss.py HEAD_GATHERS
+        raise ConfigError(f"train.loss_head={cfg.train.loss_head!r}: expected once or per_chunk")
     if position_buckets > data_cfg.seq_len:
         raise ConfigError(f"data.eval.position_buckets={position_buckets} exceeds data.seq_len={data_cfg.seq_len}: "
                           "at most one bucket per position")
@@ -391,7 +393,8 @@ def build_program(cfg: DictConfig, model_cfg, tx, devices=None):
 
     return step_lib.build_program(model_cfg, tx, cfg.mesh, global_batch=int(cfg.data.global_batch_size),
                                   z_loss=float(cfg.train.z_loss), microbatches=int(cfg.train.microbatches),
-                                  loss_chunk=int(cfg.train.loss_chunk), devices=devices, seq_len=int(cfg.data.seq_len),
+                                  loss_chunk=int(cfg.train.loss_chunk), loss_head=str(cfg.train.loss_head),
+                                  devices=devices, seq_len=int(cfg.data.seq_len),
                                   spikes=step_lib.SpikeConfig.from_mapping(cfg.train.get("spikes")))
 
 

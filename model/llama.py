@@ -924,10 +924,10 @@ class Llama(nnx.Module):
     def logits(self, x_btd):
         """[b, t, d] hidden states -> [b, t, v] logits in fp32."""
         cfg = self.cfg
-        logits_btv = project_to_vocab(x_btd, self._head_dv().astype(jnp.dtype(cfg.dtype)))
+        logits_btv = project_to_vocab(x_btd, self.output_head().astype(jnp.dtype(cfg.dtype)))
         return shd.constrain(logits_btv, ("act_batch", "act_len", "act_vocab"))
 
-    def _head_dv(self):
+    def output_head(self):
         """The output projection [d, v]: the embedding's transpose when tied."""
         return self.embed_vd[...].T if self.cfg.tie_embeddings else self.lm_head_dv[...]
 
@@ -977,6 +977,6 @@ class Llama(nnx.Module):
                 vs.append(v_bskh)
             k_lbskh, v_lbskh = jnp.stack(ks), jnp.stack(vs)
         x_btd = self.final_norm(x_btd)
-        logits_btv = project_to_vocab(x_btd, self._head_dv().astype(dt))
+        logits_btv = project_to_vocab(x_btd, self.output_head().astype(dt))
         cache = {"k_lbskh": k_lbskh, "v_lbskh": v_lbskh, "length": start + tokens_bt.shape[1]}
         return logits_btv, cache

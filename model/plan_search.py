@@ -10,7 +10,7 @@ scripts/compile_tpu.py --search drives it; this module holds what needs no compi
    own, or the row halved down to 512 positions (at most 4 halvings).
 2. estimate(): per chip, the memory (the train state, the gathered weights, the activations remat
    keeps, one layer's working set and the logits) and the ICI bytes per mesh axis (FSDP's weight
-   gathers and gradient reduce-scatters per pass, the head's per loss chunk, tensor's activation
+   gathers and gradient reduce-scatters per pass, the head's once a pass, tensor's activation
    all-reduces, context's K/V gathers, data's gradient all-reduce), priced by the same model as a
    compiled program. Arithmetic only: within 16% of the compiled memory of four 1B plans
    (docs/tpu-pod.md "Choose a plan with --search" has the figures), so it prunes only plans it puts
@@ -132,7 +132,7 @@ def axes_key(mesh: Mapping[str, int], axes: Iterable[str]) -> str:
     return "+".join(a for a in mesh if a in chosen and mesh[a] > 1)
 
 
-def estimate(plan: Plan, model, seq_len: int, global_batch: int) -> Estimate:
+def estimate(plan: Plan, model, seq_len: int, global_batch: int, head_once: bool = True) -> Estimate:
     """The plan's per-chip memory and ICI bytes from the model's shapes (module doc, 2). Each term
     says what it counts; the constants are the program's dtypes (fp32 state, bf16 activations)."""
     d, f, v, layers = model.d_model, model.d_ff, model.vocab_size, model.n_layers
@@ -163,7 +163,9 @@ def estimate(plan: Plan, model, seq_len: int, global_batch: int) -> Estimate:
     # the forward and again in the backward and reduce-scatter their gradients, in fp32 when they
     # span every chip (the compiled 1B over fsdp 16: 3 x 4 B x params x 15/16 per pass, within 5%)
     # and in bf16 beside data ways (XLA's choice, libtpu 0.0.42.1: data 2 x fsdp 8 on the v5e-16
-    # moved 5.5 GiB per pass, 3 x 2 B x params x 7/8); a chunked loss gathers the head per chunk
+    # moved 5.5 GiB per pass, 3 x 2 B x params x 7/8); a chunked loss gathers the head once per
+    # pass on each chip (model/loss.py), but per chunk where the vocab splits over tensor ways or
+    # a chunk does not split over the context ways (the partitioner's way)
     ici: dict[str, float] = {}
 
     def add(axes, nbytes):
@@ -172,7 +174,8 @@ def estimate(plan: Plan, model, seq_len: int, global_batch: int) -> Estimate:
             ici[key] = ici.get(key, 0.0) + nbytes * plan.microbatches
 
     g = plan.fsdp * plan.context
-    chunks = seq_len // plan.loss_chunk if plan.loss_chunk else 1
+    per_chunk = plan.loss_chunk and (not head_once or t > 1 or plan.loss_chunk % c)   # train.loss_head
+    chunks = seq_len // plan.loss_chunk if per_chunk else 1
     width = 2 if plan.data > 1 else 4
     add(("fsdp", "context"), (3 * width * params / t + 3 * width * head / t * (chunks - 1)) * (g - 1) / g)
     # tensor: each layer all-reduces its attention and MLP outputs ([tokens, d], bf16) forward and

@@ -28,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from model import context as ctx
 from model import sharding as shd
 from model.llama import Llama, LlamaConfig
+from model.loss import chunked_token_losses, token_losses  # noqa: F401 - token_losses: step's API
 
 TrainState = dict  # {"params": pytree, "opt_state": optax state, "step": int32[]}
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
@@ -172,45 +173,26 @@ def batch_sharding(mesh: Mesh, rules) -> NamedSharding:
 # ----------------------------------------------------------------------------- loss
 
 
-def token_losses(logits_btv, targets_bt):
-    """Cross-entropy per token in fp32, and log-sum-exp (for z-loss)."""
-    logits_btv = logits_btv.astype(jnp.float32)
-    lse_bt = jax.nn.logsumexp(logits_btv, axis=-1)
-    target_logit_bt = jnp.take_along_axis(logits_btv, targets_bt[..., None], axis=-1)[..., 0]
-    return lse_bt - target_logit_bt, lse_bt
-
-
-def model_token_losses(model: Llama, batch, loss_chunk: int = 0):
+def model_token_losses(model: Llama, batch, loss_chunk: int = 0, loss_head: str = "once"):
     """(CE, lse) per token [b, t] of `model` on `batch`.
 
-    loss_chunk > 0 projects onto the vocab `loss_chunk` positions at a time and recomputes each
-    chunk's logits in the backward pass, so the fp32 logits and their gradient ([b, t, v]
-    each: 4 GiB per chip for Llama-2's vocab at 32 x 1024 tokens) never exist whole. Same
-    values; the head matmul runs twice (about 2 N_head FLOPs per token more).
+    loss_chunk > 0 projects onto the vocab `loss_chunk` positions at a time (model/loss.py: the
+    fp32 logits never exist whole; under FSDP the head is gathered once, not once per chunk).
     """
     x_btd = model.hidden(batch["inputs"], batch["positions"], batch["segment_ids"])
-    targets_bt = batch["targets"]
     if not loss_chunk:
-        return token_losses(model.logits(x_btd), targets_bt)
-    b, t, d = x_btd.shape
-    if t % loss_chunk:
-        raise ValueError(f"train.loss_chunk={loss_chunk} does not divide the sequence length {t}")
-    n = t // loss_chunk
-    x_nbcd = jnp.swapaxes(x_btd.reshape(b, n, loss_chunk, d), 0, 1)
-    y_nbc = jnp.swapaxes(targets_bt.reshape(b, n, loss_chunk), 0, 1)
-    chunk_losses = jax.checkpoint(lambda x_bcd, y_bc: token_losses(model.logits(x_bcd), y_bc))
-    _, (ce_nbc, lse_nbc) = jax.lax.scan(lambda carry, xy: (carry, chunk_losses(*xy)), None, (x_nbcd, y_nbc))
-    return jnp.swapaxes(ce_nbc, 0, 1).reshape(b, t), jnp.swapaxes(lse_nbc, 0, 1).reshape(b, t)
+        return token_losses(model.logits(x_btd), batch["targets"])
+    return chunked_token_losses(x_btd, batch["targets"], model.output_head(), loss_chunk, model.cfg.dtype, loss_head)
 
 
-def loss_fn(params, graphdef, batch, z_loss: float, denom=None, loss_chunk: int = 0):
+def loss_fn(params, graphdef, batch, z_loss: float, denom=None, loss_chunk: int = 0, loss_head: str = "once"):
     """Mean CE over loss_mask tokens (+ z_loss * mean lse^2, PaLM's softmax stabiliser).
 
     `denom`: the token count to average over; with gradient accumulation it is the whole
     batch's, so the microbatches' losses add up to the batch mean exactly.
     """
     model = nnx.merge(graphdef, params)
-    ce_bt, lse_bt = model_token_losses(model, batch, loss_chunk)
+    ce_bt, lse_bt = model_token_losses(model, batch, loss_chunk, loss_head)
     mask_bt = batch["loss_mask"].astype(jnp.float32)
     n_tokens = mask_bt.sum()
     denom = jnp.maximum(n_tokens if denom is None else denom, 1.0)
@@ -220,12 +202,13 @@ def loss_fn(params, graphdef, batch, z_loss: float, denom=None, loss_chunk: int 
 
 
 def make_train_step(model_cfg, tx, mesh: Mesh, rules, state_shardings, z_loss: float = 0.0,
-                    microbatches: int = 1, loss_chunk: int = 0, spikes: SpikeConfig | None = None) -> Callable:
+                    microbatches: int = 1, loss_chunk: int = 0, spikes: SpikeConfig | None = None,
+                    loss_head: str = "once") -> Callable:
     """jitted (state, batch) -> (new_state, metrics); `state` is donated.
 
     microbatches > 1 accumulates gradients over that many slices of the batch (lax.scan), for
     global batches whose activations do not fit at once; the result equals one big step.
-    loss_chunk: see model_token_losses. spikes: skip the update of a spike (SpikeConfig); the
+    loss_chunk, loss_head: see model_token_losses (model/loss.py). spikes: skip the update of a spike (SpikeConfig); the
     state must then hold "spikes" (init_train_state(..., spikes)); metrics gain "skipped" (0/1),
     "skipped_total" and "skipped_in_a_row". Without it the step is exactly what it was.
     """
@@ -236,7 +219,7 @@ def make_train_step(model_cfg, tx, mesh: Mesh, rules, state_shardings, z_loss: f
     context = ctx.shards(mesh, rules)
     batch_groups = math.prod(mesh.shape[a] for a in shd.mesh_axes_for("act_batch", rules))
     grad_fn = jax.value_and_grad(
-        lambda p, batch, denom: loss_fn(p, graphdef, batch, z_loss, denom, loss_chunk), has_aux=True)
+        lambda p, batch, denom: loss_fn(p, graphdef, batch, z_loss, denom, loss_chunk, loss_head), has_aux=True)
 
     def grads_and_metrics(params, batch):
         with shd.activation_sharding(mesh, rules):
@@ -347,7 +330,8 @@ class Program:
 
 def build_program(model_cfg, tx, mesh_cfg: Mapping, *, global_batch: int, z_loss: float, microbatches: int,
                   loss_chunk: int = 0, spikes: SpikeConfig | None = None,
-                  devices: Sequence[jax.Device] | None = None, seq_len: int | None = None) -> Program:
+                  devices: Sequence[jax.Device] | None = None, seq_len: int | None = None,
+                  loss_head: str = "once") -> Program:
     """The run's Program over `devices` (default: every process's devices).
 
     Raises ValueError naming the setting when the batch does not split over the mesh's batch
@@ -378,7 +362,7 @@ def build_program(model_cfg, tx, mesh_cfg: Mapping, *, global_batch: int, z_loss
         mesh=mesh, rules=rules, abstract_state=abstract_state, state_shardings=state_shardings,
         batch_sharding=batch_sharding(mesh, rules),
         train_step=make_train_step(cfg, tx, mesh, rules, state_shardings, z_loss=z_loss, microbatches=microbatches,
-                                   loss_chunk=loss_chunk, spikes=spikes),
+                                   loss_chunk=loss_chunk, spikes=spikes, loss_head=loss_head),
         eval_step=make_eval_step(cfg, mesh, rules, state_shardings, loss_chunk=loss_chunk),
         init_state=lambda seed: init_train_state(cfg, tx, mesh, rules, seed, spikes, shardings=state_shardings)[0],
         fresh_opt_state=jax.jit(functools.partial(fresh_opt_state, tx), out_shardings=state_shardings["opt_state"]))

@@ -497,7 +497,7 @@ def search_plans(overrides: list[str], cfg, tpu: Slice, budget: int, by: str = "
         if links[shape] is None:
             unplaced.add(shape)
             continue
-        est = ps.estimate(plan, model, seq, batch)
+        est = ps.estimate(plan, model, seq, batch, head_once=str(cfg.train.loss_head) == "once")
         executed = useful * recompute_factor(dc.replace(model, remat=plan.remat), seq, plan.loss_chunk)
         estimated.append((plan, est.memory_bytes, ps.estimated_step(
             est, useful_flops=useful, executed_flops=executed, chips=tpu.chips, chip=chip, links=links[shape])))

@@ -228,7 +228,7 @@ def test_reordered_row_gives_the_same_attention(window):
 # ----------------------------------------------------------------------------- the step
 
 
-def _run(cfg, sizes=None, mesh_name="context", steps=2, microbatches=1, t=T):
+def _run(cfg, sizes=None, mesh_name="context", steps=2, microbatches=1, t=T, loss_chunk=0):
     """Metrics of each step and params after `steps` SGD steps (one device when sizes is None)."""
     if sizes is None:
         m = mesh_cfg("default", data=1, fsdp=1, context=1, tensor=1)
@@ -239,7 +239,8 @@ def _run(cfg, sizes=None, mesh_name="context", steps=2, microbatches=1, t=T):
     rules = shd.rules_from_cfg(m)
     tx = optax.sgd(0.5)  # large lr: a wrong gradient shows in the params after a step
     state, shardings = step.init_train_state(cfg, tx, mesh, rules, seed=0)
-    train_step = step.make_train_step(cfg, tx, mesh, rules, shardings, z_loss=1e-3, microbatches=microbatches)
+    train_step = step.make_train_step(cfg, tx, mesh, rules, shardings, z_loss=1e-3, microbatches=microbatches,
+                                      loss_chunk=loss_chunk)
     bsh = step.batch_sharding(mesh, rules)
     batch = {k: jax.device_put(jnp.asarray(v, jnp.int32), bsh) for k, v in packed_batch(t=t).items()}
     metrics = []
@@ -261,15 +262,16 @@ def reference(window):
 @pytest.mark.slow
 @pytest.mark.parametrize("sizes,window", [
     (dict(data=2, fsdp=4, context=1), None),
-    (dict(data=2, fsdp=2, context=2), None),
+    (dict(data=2, fsdp=2, context=2, chunk=8), None),  # the loss in chunks of 8: 4 positions a chip
     (dict(data=1, fsdp=2, context=4), 3),       # window 3 < a chip's 8 tokens
     (dict(data=1, fsdp=1, context=8), 20),      # window 20 > a chip's 4 tokens
     (dict(data=2, fsdp=1, context=2, tensor=2, mb=2), 20),  # window 20 > a chip's 16 tokens
-], ids=["context1", "context2", "context4_window3", "context8_window20", "context2_tensor2_window20_microbatch2"])
+], ids=["context1", "context2_chunk8", "context4_window3", "context8_window20",
+        "context2_tensor2_window20_microbatch2"])
 def test_train_step_at_every_context_size_matches_single_device(sizes, window):
     ref_metrics, ref_params = reference(window)
     sizes = dict(sizes)
-    metrics, params = _run(config(window), sizes, microbatches=sizes.pop("mb", 1))
+    metrics, params = _run(config(window), sizes, microbatches=sizes.pop("mb", 1), loss_chunk=sizes.pop("chunk", 0))
     for m, r in zip(metrics, ref_metrics, strict=True):
         assert float(m["n_tokens"]) == float(r["n_tokens"]) == (packed_batch()["segment_ids"] > 0).sum()
         for k in ("loss", "z_loss", "grad_norm", "param_norm"):

@@ -123,7 +123,7 @@ def _batch(b=8, t=32):
             "segment_ids": seg, "positions": pos, "loss_mask": (seg > 0)}
 
 
-def _run(mesh_sizes, steps=2, microbatches=1, slices=1):
+def _run(mesh_sizes, steps=2, microbatches=1, slices=1, loss_chunk=0):
     """Loss, grad norm and params after `steps` SGD steps on a mesh (1 device when sizes is None);
     slices > 1: the 8 devices split into that many slices of consecutive ids."""
     if mesh_sizes is None:
@@ -134,7 +134,7 @@ def _run(mesh_sizes, steps=2, microbatches=1, slices=1):
     tx = optax.sgd(0.5)  # large lr: a wrong gradient shows in the params after a step
     state, shardings = step.init_train_state(CFG, tx, mesh, rules, seed=0)
     train_step = step.make_train_step(CFG, tx, mesh, rules, shardings, z_loss=1e-3,
-                                      microbatches=microbatches)
+                                      microbatches=microbatches, loss_chunk=loss_chunk)
     bsh = step.batch_sharding(mesh, rules)
     batch = {k: jax.device_put(jnp.asarray(v, jnp.int32), bsh) for k, v in _batch().items()}
     losses = []
@@ -150,13 +150,16 @@ def single_device():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sizes", [dict(data=8, fsdp=1, tensor=1), dict(data=1, fsdp=8, tensor=1),
-                                   dict(data=1, fsdp=4, tensor=2), dict(data=2, fsdp=2, tensor=2, mb=2)],
-                         ids=["data8", "fsdp8", "fsdp4_tp2", "data2_fsdp2_tp2_microbatch2"])
+# chunk: train.loss_chunk against the single device's whole loss. Over data 2 x fsdp 4 each chip
+# gathers the head once and reduce-scatters its gradient (model/loss.py); with a tensor axis the
+# vocab is split and the partitioner's way runs.
+@pytest.mark.parametrize("sizes", [dict(data=8, fsdp=1, tensor=1), dict(data=2, fsdp=4, tensor=1, chunk=8),
+                                   dict(data=1, fsdp=4, tensor=2), dict(data=2, fsdp=2, tensor=2, mb=2, chunk=16)],
+                         ids=["data8", "data2_fsdp4_chunk8", "fsdp4_tp2", "data2_fsdp2_tp2_microbatch2_chunk16"])
 def test_train_step_matches_single_device(single_device, sizes):
     ref_metrics, ref_params = single_device
     sizes = dict(sizes)
-    metrics, params = _run(sizes, microbatches=sizes.pop("mb", 1))
+    metrics, params = _run(sizes, microbatches=sizes.pop("mb", 1), loss_chunk=sizes.pop("chunk", 0))
     for m, r in zip(metrics, ref_metrics, strict=False):
         assert float(r["n_tokens"]) == 8 * 26
         for k in ("loss", "z_loss", "grad_norm", "param_norm"):

@@ -258,6 +258,7 @@ BAD_CONFIGS = [
     # train.py's check_plan (scripts/compile_tpu.py runs the same before a slice is rented)
     (["model.vocab_size=1000"], "model.vocab_size=1000 is smaller than the tokenizer's 4096 pieces"),
     (["train.loss_chunk=100"], "train.loss_chunk=100 must divide data.seq_len=256"),
+    (["train.loss_head=twice"], "train.loss_head='twice': expected once or per_chunk"),
 ]
 
 
