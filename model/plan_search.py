@@ -152,7 +152,8 @@ def estimate(plan: Plan, model, seq_len: int, global_batch: int, head_once: bool
     # layer, 2.0x this count: fp32 copies), dots the weight matmuls' outputs and the layer input,
     # full the input
     every = 6 * d + (2 * q + 2 * kv) / t + 4 * f / t
-    kept = {"none": 2 * every, "full": d}.get(plan.remat, 3 * d + d + (q + 2 * kv + 2 * f) / t)
+    # offload keeps its five tensors in host memory: none between the passes on the chip
+    kept = {"none": 2 * every, "full": d, "offload": 0}.get(plan.remat, 3 * d + d + (q + 2 * kv + 2 * f) / t)
     activations = 2 * kept * layers * tokens
     working = 2 * every * tokens + 2 * 2 * kv / t * tokens * c   # one layer's backward (bf16); its gathered K/V
     # the fp32 logits and their bf16 gradient, over the whole row or one chunk of it
