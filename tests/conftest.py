@@ -29,14 +29,25 @@ os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {T
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
+# The session's own directories, made here (by pytest-xdist's controller, before its workers start
+# and inherit them) and removed when the session ends: a whole run leaves ~50 MB of compiled programs.
+_MADE_FOR_THE_SESSION: list[str] = []
+
+
+def _session_dir(variable: str, prefix: str) -> None:
+    if variable not in os.environ:
+        os.environ[variable] = tempfile.mkdtemp(prefix=prefix)
+        _MADE_FOR_THE_SESSION.append(os.environ[variable])
+
+
 # One compilation cache for the session, in-process and in every train.py subprocess (they inherit
 # the environment; paths.compile_cache reads it): the suite's many runs of the same tiny programs
 # compile each once. Fresh per session, so no test depends on an earlier session's programs.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="jaxpt-test-xla-"))
+_session_dir("JAX_COMPILATION_CACHE_DIR", "jaxpt-test-xla-")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # scripts/compile_tpu.py keeps compiled plans' figures (model/compile_cache.py): fresh per session
 # too, so its CLI tests compile, and nothing reaches the home directory's cache.
-os.environ.setdefault("JAXPT_TPU_COMPILE_CACHE", tempfile.mkdtemp(prefix="jaxpt-test-tpu-compiles-"))
+_session_dir("JAXPT_TPU_COMPILE_CACHE", "jaxpt-test-tpu-compiles-")
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
@@ -63,6 +74,15 @@ HEAVY_FIRST = ("test_compile_tpu.py", "test_train.py", "test_pod_sim.py", "test_
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))   # stable: file order kept within
+
+
+def pytest_unconfigure(config):
+    """The session's directories go with it, removed by the process that made them (with xdist the
+    controller, after every worker has ended)."""
+    import shutil
+
+    for path in _MADE_FOR_THE_SESSION:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def pytest_xdist_auto_num_workers(config):
