@@ -79,10 +79,13 @@ def test_a_signal_ends_a_fork_as_it_ends_a_process_and_a_log_file_takes_both_str
 def test_anything_else_is_a_plain_subprocess(probe, tmp_path, monkeypatch):
     other = probe.with_name("other.py")
     other.write_text(PROBE)
-    p = forked.Popen([sys.executable, str(other), "exit3"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # in tmp_path: the probe's atexit handler writes atexit.txt into its working directory
+    p = forked.Popen([sys.executable, str(other), "exit3"], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                     stderr=subprocess.DEVNULL)
     assert isinstance(p, subprocess.Popen) and p.wait(timeout=120) == 3
     monkeypatch.setenv(forked.ENV_SWITCH, "0")
-    p = forked.Popen([sys.executable, str(probe), "exit3"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    p = forked.Popen([sys.executable, str(probe), "exit3"], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                     stderr=subprocess.DEVNULL)
     assert isinstance(p, subprocess.Popen) and p.wait(timeout=120) == 3
 
 
