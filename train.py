@@ -313,6 +313,7 @@ def check_config(cfg: DictConfig) -> Settings:
     """Every setting checked that can be without hosts, files or devices; raises ConfigError."""
     from data.heldout import data_settings, eval_options
     from model.evals.evaluate import TasksConfig
+    from model.loss import check_head
     from model.optimizer import resolve_warmup
     from model.runtime import rollback as rollback_lib
     from model.runtime.local_tier import LocalTier
@@ -331,6 +332,7 @@ def check_config(cfg: DictConfig) -> Settings:
         divergence_skips = int(cfg.train.get("divergence_skips") or 0)
         rollback_lib.check_settings(on_divergence, divergence_skips)
         LocalTier.check_settings(cfg.checkpoint)
+        check_head(cfg.train.loss_head)
         if cfg.checkpoint.get("on_damaged", "fall_back") not in ("fall_back", "stop"):
             raise ValueError(f"checkpoint.on_damaged={cfg.checkpoint.on_damaged} must be fall_back or stop")
         model_cfg, tx, schedule = model_and_optimizer(cfg)
@@ -345,8 +347,6 @@ def check_config(cfg: DictConfig) -> Settings:
     if loss_chunk < 0 or (loss_chunk and data_cfg.seq_len % loss_chunk):
         raise ConfigError(f"train.loss_chunk={loss_chunk} must divide data.seq_len={data_cfg.seq_len} "
                           "(0: the whole sequence at once)")
-    if cfg.train.loss_head not in ("once", "per_chunk"):        # model/loss.py HEAD_GATHERS
-        raise ConfigError(f"train.loss_head={cfg.train.loss_head!r}: expected once or per_chunk")
     if position_buckets > data_cfg.seq_len:
         raise ConfigError(f"data.eval.position_buckets={position_buckets} exceeds data.seq_len={data_cfg.seq_len}: "
                           "at most one bucket per position")

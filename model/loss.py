@@ -78,6 +78,12 @@ def _grads(x_btd, targets_bt, head_dv, g_ce_bt, g_lse_bt, n: int):
 HEAD_GATHERS = ("once", "per_chunk")
 
 
+def check_head(head: str) -> None:
+    """train.loss_head, checked where train.py checks the config and where the loss is built."""
+    if head not in HEAD_GATHERS:
+        raise ValueError(f"train.loss_head={head!r}: expected {' or '.join(HEAD_GATHERS)}")
+
+
 def chunked_token_losses(x_btd, targets_bt, head_dv, chunk: int, dtype, head: str = "once"):
     """(CE, lse) per token [b, t]: x_btd the final hidden states, head_dv the output projection
     in the parameters' dtype (cast to `dtype`, the compute dtype, before it is gathered).
@@ -87,8 +93,7 @@ def chunked_token_losses(x_btd, targets_bt, head_dv, chunk: int, dtype, head: st
     t = x_btd.shape[1]
     if t % chunk:
         raise ValueError(f"train.loss_chunk={chunk} does not divide the sequence length {t}")
-    if head not in HEAD_GATHERS:
-        raise ValueError(f"train.loss_head={head!r}; expected one of {list(HEAD_GATHERS)}")
+    check_head(head)
     mesh, rules = shd.current()
     plan = _per_chip_plan(mesh, rules, chunk) if mesh is not None and head == "once" else None
     if plan is None and mesh is not None:
