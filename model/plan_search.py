@@ -1,4 +1,5 @@
-"""A search over a run's plans: mesh ways, microbatches, remat policy and loss chunk, ranked by the
+"""A search over a run's plans: mesh ways, microbatches, remat policy, loss chunk and the loss's way
+with the output head, ranked by the
 predicted step time (model/predict.py) of each plan's compiled train step, under the HBM limit.
 scripts/compile_tpu.py --search drives it; this module holds what needs no compiler.
 
@@ -6,14 +7,17 @@ scripts/compile_tpu.py --search drives it; this module holds what needs no compi
    the slice's chips; tensor divides the query and KV heads (a head is not split); context splits a
    row into equal parts (and splash's 128-token blocks); the microbatches divide the rows of a batch
    shard; the remat policies are those whose cost differs for the attention kernel (splash's dots,
-   dots_all and dots_attention are one program); the loss chunk is 0 (the whole row), the run's
-   own, or the row halved down to 512 positions (at most 4 halvings).
+   dots_all and dots_attention are one program), and offload (model/llama.py: five tensors a layer
+   kept in host memory); the loss chunk is 0 (the whole row), the run's own, or the row halved down
+   to 512 positions (at most 4 halvings); a chunked loss gathers the head once a pass or per chunk
+   (train.loss_head: once holds the gathered head and its gradient's fp32 sum for the whole loss).
 2. estimate(): per chip, the memory (the train state, the gathered weights, the activations remat
    keeps, one layer's working set and the logits) and the ICI bytes per mesh axis (FSDP's weight
    gathers and gradient reduce-scatters per pass, the head's once a pass, tensor's activation
-   all-reduces, context's K/V gathers, data's gradient all-reduce), priced by the same model as a
-   compiled program. Arithmetic only: within 16% of the compiled memory of four 1B plans
-   (docs/tpu-pod.md "Choose a plan with --search" has the figures), so it prunes only plans it puts
+   all-reduces, context's K/V gathers, data's gradient all-reduce), and what crosses PCIe (offload's
+   tensors, out and back), priced by the same model as a compiled program. Arithmetic only: within
+   16% of the compiled memory of four 1B plans (docs/tpu-pod.md "Choose a plan with --search" has
+   the figures), so it prunes only plans it puts
    above PRUNE_OVER x the limit and orders the rest, never decides a fit.
 3. to_compile(): the shipped plan first, then the estimated-fitting plans by estimated step, then the
    near misses, `budget` in all; compile_tpu compiles each --quick. rank() orders the compiled
@@ -37,6 +41,7 @@ QUICK_LIMIT = HBM_LIMIT * (1 - QUICK_BELOW_FULL)
 # by up to 16% on the 1B plans of tests/test_plan_search.py; 1.25 leaves that and more).
 PRUNE_OVER = 1.25
 MIN_LOSS_CHUNK = 512        # below it the head is gathered too often for a saving worth having
+LOSS_HEADS = ("once", "per_chunk")     # model/loss.py HEAD_GATHERS; the first is the default
 # How compiled plans rank (sort_key): "mid", the default, by the middle of the predicted range (half
 # the collectives' time hidden) then the lower bound; "step" by the lower bound (all of it hidden)
 # then the upper; "upper" by the upper bound (none hidden) then the lower. The lower bound alone
@@ -56,6 +61,7 @@ class Plan:
     microbatches: int
     remat: str
     loss_chunk: int
+    loss_head: str = "once"         # train.loss_head; it matters only with a loss chunk
 
     @property
     def mesh(self) -> dict[str, int]:
@@ -66,18 +72,20 @@ class Plan:
         whatever the experiment set, a -1 included)."""
         return [*(f"mesh.{axis}={ways}" for axis, ways in self.mesh.items()),
                 f"train.microbatches={self.microbatches}", f"model.remat={self.remat}",
-                f"train.loss_chunk={self.loss_chunk}"]
+                f"train.loss_chunk={self.loss_chunk}", f"train.loss_head={self.loss_head}"]
 
     def label(self) -> str:
         mesh = " x ".join(f"{axis} {ways}" for axis, ways in self.mesh.items() if ways > 1) or "1 chip"
-        return f"{mesh}, {self.microbatches} mb, remat {self.remat}, chunk {self.loss_chunk}"
+        head = ", head per chunk" if self.loss_chunk and self.loss_head == "per_chunk" else ""
+        return f"{mesh}, {self.microbatches} mb, remat {self.remat}, chunk {self.loss_chunk}{head}"
 
 
 def plan_of(cfg) -> Plan:
     """The plan a composed run config (after its mesh is resolved: `mesh` = {axis: ways}) holds."""
     mesh = cfg["mesh"]
     return Plan(int(mesh["data"]), int(mesh["fsdp"]), int(mesh["context"]), int(mesh["tensor"]),
-                int(cfg["train"]["microbatches"]), str(cfg["model"]["remat"]), int(cfg["train"]["loss_chunk"]))
+                int(cfg["train"]["microbatches"]), str(cfg["model"]["remat"]), int(cfg["train"]["loss_chunk"]),
+                str(cfg["train"].get("loss_head", "once")))
 
 
 def divisors(n: int) -> list[int]:
@@ -87,9 +95,10 @@ def divisors(n: int) -> list[int]:
 def remat_options(attention: str) -> tuple[str, ...]:
     """The policies whose program differs for this attention kernel (model/llama.py REMAT_POLICIES):
     dots_all keeps attention's einsums only with the XLA reference, dots_attention keeps only cuDNN's
-    kernel; with splash both are dots."""
+    kernel; with splash both are dots. offload keeps five tensors a layer in host memory and
+    recomputes the rest: less HBM than dots, a PCIe trip each way per step."""
     extra = {"xla": ("dots_all",), "cudnn": ("dots_attention",)}.get(attention, ())
-    return ("none", "dots", "full", *extra)
+    return ("none", "dots", "full", "offload", *extra)
 
 
 def loss_chunks(seq_len: int, own: int) -> list[int]:
@@ -113,7 +122,8 @@ def candidates(model, seq_len: int, global_batch: int, chips: int, own: Plan) ->
                 for mb in divisors(global_batch // (data * fsdp)):
                     for remat in remat_options(model.attention):
                         for chunk in loss_chunks(seq_len, own.loss_chunk):
-                            out.append(Plan(data, fsdp, context, tensor, mb, remat, chunk))
+                            for head in LOSS_HEADS if chunk else LOSS_HEADS[:1]:
+                                out.append(Plan(data, fsdp, context, tensor, mb, remat, chunk, head))
     return out
 
 
@@ -124,6 +134,7 @@ def candidates(model, seq_len: int, global_batch: int, chips: int, own: Plan) ->
 class Estimate:
     memory_bytes: float                 # per chip, the train step
     ici_bytes_by_axes: dict[str, float]  # per chip per step, keyed as model/ici.py keys them
+    host_bytes: float = 0.0             # per chip per step over PCIe, both ways (remat offload)
 
 
 def axes_key(mesh: Mapping[str, int], axes: Iterable[str]) -> str:
@@ -132,7 +143,7 @@ def axes_key(mesh: Mapping[str, int], axes: Iterable[str]) -> str:
     return "+".join(a for a in mesh if a in chosen and mesh[a] > 1)
 
 
-def estimate(plan: Plan, model, seq_len: int, global_batch: int, head_once: bool = True) -> Estimate:
+def estimate(plan: Plan, model, seq_len: int, global_batch: int) -> Estimate:
     """The plan's per-chip memory and ICI bytes from the model's shapes (module doc, 2). Each term
     says what it counts; the constants are the program's dtypes (fp32 state, bf16 activations)."""
     d, f, v, layers = model.d_model, model.d_ff, model.vocab_size, model.n_layers
@@ -175,7 +186,7 @@ def estimate(plan: Plan, model, seq_len: int, global_batch: int, head_once: bool
             ici[key] = ici.get(key, 0.0) + nbytes * plan.microbatches
 
     g = plan.fsdp * plan.context
-    per_chunk = plan.loss_chunk and (not head_once or t > 1 or plan.loss_chunk % c)   # train.loss_head
+    per_chunk = plan.loss_chunk and (plan.loss_head == "per_chunk" or t > 1 or plan.loss_chunk % c)
     chunks = seq_len // plan.loss_chunk if per_chunk else 1
     width = 2 if plan.data > 1 else 4
     add(("fsdp", "context"), (3 * width * params / t + 3 * width * head / t * (chunks - 1)) * (g - 1) / g)
@@ -192,14 +203,20 @@ def estimate(plan: Plan, model, seq_len: int, global_batch: int, head_once: bool
     # data: the gradients' all-reduce over the data ways, inside the accumulation loop (per pass)
     if plan.data > 1:
         add(("data",), 4 * params / state_ways * 2 * (plan.data - 1) / plan.data)
-    return Estimate(memory, ici)
+    # PCIe: offload writes each layer's input and output projection ([d] each, whole on every tensor
+    # way) and its q, k, v projections (split over tensor ways), bf16, to the host in the forward and
+    # reads them back in the backward, every pass (the compiled 8B on the v6e-16 held 21.0 GiB of them)
+    host = 0.0
+    if plan.remat == "offload":
+        host = 2 * 2 * (2 * d + (q + 2 * kv) / t) * tokens * layers * plan.microbatches
+    return Estimate(memory, ici, host)
 
 
 def estimated_step(est: Estimate, *, useful_flops: float, executed_flops: float, chips: int, chip: Chip,
                    links: Mapping[str, int]) -> dict:
     """model/predict.py's step on the estimated bytes (no HBM term: negligible on every plan here)."""
     return predict(useful_flops=useful_flops, executed_flops=executed_flops, chips=chips, chip=chip,
-                   ici_bytes_by_axes=est.ici_bytes_by_axes, links=links)
+                   ici_bytes_by_axes=est.ici_bytes_by_axes, links=links, host_bytes=est.host_bytes)
 
 
 # ----------------------------------------------------------------------------- choose and rank

@@ -56,7 +56,8 @@ sends for its chips and the seconds that takes at `--dcn-gbps` per host, beside 
 at the chips' peak FLOP/s (the least it can take).
 
 `--search` ranks the slice's plans (model/plan_search.py): every mesh (data x fsdp x context x tensor
-ways multiplying to the chips), microbatch count, remat policy and loss chunk that divides; a cheap
+ways multiplying to the chips), microbatch count, remat policy (offload included), loss chunk and
+the loss's way with the head (train.loss_head, with a chunk) that divides; a cheap
 estimate of each one's memory and ICI bytes prunes those far over the HBM limit and orders the rest;
 the shipped plan and the best-estimated ones, `--search-budget` in all, compile --quick and rank by
 predicted step (the middle of its range, half the collective time hidden; `--search-by step` or
@@ -497,7 +498,7 @@ def search_plans(overrides: list[str], cfg, tpu: Slice, budget: int, by: str = "
         if links[shape] is None:
             unplaced.add(shape)
             continue
-        est = ps.estimate(plan, model, seq, batch, head_once=str(cfg.train.loss_head) == "once")
+        est = ps.estimate(plan, model, seq, batch)
         executed = useful * recompute_factor(dc.replace(model, remat=plan.remat), seq, plan.loss_chunk)
         estimated.append((plan, est.memory_bytes, ps.estimated_step(
             est, useful_flops=useful, executed_flops=executed, chips=tpu.chips, chip=chip, links=links[shape])))

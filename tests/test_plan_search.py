@@ -14,9 +14,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from model import plan_search as ps
+from model import predict
 from model.llama import LlamaConfig
+from model.loss import HEAD_GATHERS
 from tests.run_helpers import make_cfg
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,8 +52,12 @@ def test_every_candidate_divides_the_chips_the_heads_the_row_and_the_batch():
         assert p.loss_chunk == 0 or 1024 % p.loss_chunk == 0
     assert {p.tensor for p in plans} == {1, 2, 4}           # 8 and 16 would split a KV head
     assert {p.context for p in plans} == {1, 2, 4, 8}       # 16 leaves 64-token parts: below splash's 128
-    assert {p.remat for p in plans} == {"none", "dots", "full"}   # dots_all / dots_attention: dots with splash
+    # dots_all / dots_attention are dots with splash
+    assert {p.remat for p in plans} == {"none", "dots", "full", "offload"}
     assert {p.loss_chunk for p in plans} == {0, 512}
+    # the loss's way with the head is a choice only for a chunked loss
+    assert {p.loss_head for p in plans if p.loss_chunk} == set(ps.LOSS_HEADS) == set(HEAD_GATHERS)
+    assert {p.loss_head for p in plans if not p.loss_chunk} == {"once"}
     # a slice of 12 chips (no such slice, but the rule): 3 ways never split 4 KV heads
     assert all(p.tensor in (1, 2, 4) for p in ps.candidates(model, 1024, 384, 12, SHIPPED_V5E))
     # the XLA reference keeps attention's einsums under dots_all: a different program, a candidate
@@ -89,10 +96,32 @@ def test_the_estimate_is_near_the_compiled_memory_and_counts_the_fsdp_bytes():
     tensor = ps.estimate(ps.Plan(1, 8, 1, 2, 4, "full", 0), model, 1024, 512).ici_bytes_by_axes
     assert set(tensor) == {"fsdp", "tensor"}
     whole, chunked = (ps.estimate(ps.Plan(1, 16, 1, 1, 4, "dots", c), model, 1024, 512) for c in (0, 512))
-    per_chunk = ps.estimate(ps.Plan(1, 16, 1, 1, 4, "dots", 512), model, 1024, 512, head_once=False)
+    per_chunk = ps.estimate(ps.Plan(1, 16, 1, 1, 4, "dots", 512, "per_chunk"), model, 1024, 512)
     # train.loss_head once: the head gathered once a pass as unchunked; per_chunk: again per chunk
     assert chunked.ici_bytes_by_axes["fsdp"] == whole.ici_bytes_by_axes["fsdp"] < per_chunk.ici_bytes_by_axes["fsdp"]
     assert chunked.memory_bytes < whole.memory_bytes
+
+
+def test_offload_keeps_no_activations_on_the_chip_and_prices_their_pcie_trips():
+    """remat offload in the estimate, against the compiled program of the 8B at MaxText's v6e-16
+    plan (BENCHMARKS.md "The output head gathered once, and MaxText at equal plans"): fsdp 16, one
+    pass of 3 rows of 8,192 per chip, 21.00 GiB of host temporaries per chip, out and back."""
+    model = LlamaConfig.from_mapping(OmegaConf.load(ROOT / "configs" / "model" / "llama3_1_8b.yaml"))
+    offload, dots, full = (ps.estimate(ps.Plan(1, 16, 1, 1, 1, remat, 512), model, 8192, 48)
+                           for remat in ("offload", "dots", "full"))
+    assert offload.host_bytes / GIB == pytest.approx(2 * 21.0, rel=0.01)
+    assert dots.host_bytes == full.host_bytes == 0.0
+    assert offload.memory_bytes < full.memory_bytes < dots.memory_bytes
+    assert offload.ici_bytes_by_axes == dots.ici_bytes_by_axes     # the same gathers: remat is not re-gathered here
+    # tensor ways split the q, k, v projections' host copies, not the layer's input or output
+    split = ps.estimate(ps.Plan(1, 8, 1, 2, 1, "offload", 512), model, 8192, 48).host_bytes
+    d, q, kv = model.d_model, model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim
+    assert split / offload.host_bytes == pytest.approx((2 * d + (q + 2 * kv) / 2) / (2 * d + q + 2 * kv) * 16 / 8)
+    # the predicted step adds their PCIe time
+    v6e = predict.CHIPS["v6e"]
+    step = ps.estimated_step(offload, useful_flops=1e15, executed_flops=1.3e15, chips=16, chip=v6e,
+                             links={"fsdp": 2})
+    assert step["host_s"] == pytest.approx(offload.host_bytes / v6e.pcie_bps)
 
 
 # ---------------------------------------------------------------- choosing what to compile
@@ -162,10 +191,12 @@ def test_ranking_orders_by_predicted_step_and_an_over_hbm_plan_never_wins():
 # ---------------------------------------------------------------- the override line
 def test_the_override_line_composes_to_the_plan(tmp_path):
     # every field differs from the experiment's (data 2, fsdp -1, 4 microbatches, dots, chunk 0)
-    plan = ps.Plan(1, 4, 2, 2, 8, "full", 512)
+    plan = ps.Plan(1, 4, 2, 2, 8, "full", 512, "per_chunk")
     cfg = make_cfg(tmp_path, "experiment=v5e_16_llama_1b", *plan.overrides())
     assert ps.plan_of(cfg) == plan
-    assert plan.label() == "fsdp 4 x context 2 x tensor 2, 8 mb, remat full, chunk 512"
+    assert plan.label() == "fsdp 4 x context 2 x tensor 2, 8 mb, remat full, chunk 512, head per chunk"
+    offload = ps.Plan(1, 16, 1, 1, 4, "offload", 0)
+    assert ps.plan_of(make_cfg(tmp_path, "experiment=v5e_16_llama_1b", *offload.overrides())) == offload
 
 
 # ---------------------------------------------------------------- the CLI
