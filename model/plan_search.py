@@ -170,7 +170,12 @@ def estimate(plan: Plan, model, seq_len: int, global_batch: int) -> Estimate:
     # the fp32 logits and their bf16 gradient, over the whole row or one chunk of it
     logit_tokens = tokens if not plan.loss_chunk else tokens * plan.loss_chunk / seq_len
     logits = 6 * logit_tokens * v / t
-    memory = state + activations + working + logits
+    # a chunked loss that gathers the head once (model/loss.py) holds it whole in bf16 and its
+    # gradient's fp32 sum through the loss: 6 B a head parameter (the 8B at 8k compiled 3.7 GiB above
+    # its per-chunk program, 27.84 against 24.15 GiB)
+    per_chunk = plan.loss_chunk and (plan.loss_head == "per_chunk" or t > 1 or plan.loss_chunk % c)
+    head_whole = 6 * head if plan.loss_chunk and not per_chunk else 0.0
+    memory = state + activations + working + logits + head_whole
     # ICI, per pass (x microbatches): the FSDP ways (fsdp x context) gather each layer's weights in
     # the forward and again in the backward and reduce-scatter their gradients, in fp32 when they
     # span every chip (the compiled 1B over fsdp 16: 3 x 4 B x params x 15/16 per pass, within 5%)
@@ -186,7 +191,6 @@ def estimate(plan: Plan, model, seq_len: int, global_batch: int) -> Estimate:
             ici[key] = ici.get(key, 0.0) + nbytes * plan.microbatches
 
     g = plan.fsdp * plan.context
-    per_chunk = plan.loss_chunk and (plan.loss_head == "per_chunk" or t > 1 or plan.loss_chunk % c)
     chunks = seq_len // plan.loss_chunk if per_chunk else 1
     width = 2 if plan.data > 1 else 4
     add(("fsdp", "context"), (3 * width * params / t + 3 * width * head / t * (chunks - 1)) * (g - 1) / g)

@@ -99,7 +99,10 @@ def test_the_estimate_is_near_the_compiled_memory_and_counts_the_fsdp_bytes():
     per_chunk = ps.estimate(ps.Plan(1, 16, 1, 1, 4, "dots", 512, "per_chunk"), model, 1024, 512)
     # train.loss_head once: the head gathered once a pass as unchunked; per_chunk: again per chunk
     assert chunked.ici_bytes_by_axes["fsdp"] == whole.ici_bytes_by_axes["fsdp"] < per_chunk.ici_bytes_by_axes["fsdp"]
-    assert chunked.memory_bytes < whole.memory_bytes
+    assert per_chunk.memory_bytes < chunked.memory_bytes < whole.memory_bytes
+    # once holds the whole head in bf16 and its gradient's fp32 sum: 6 B a head parameter more
+    head = model.d_model * model.vocab_size
+    assert chunked.memory_bytes - per_chunk.memory_bytes == pytest.approx(6 * head)
 
 
 def test_offload_keeps_no_activations_on_the_chip_and_prices_their_pcie_trips():
