@@ -37,41 +37,35 @@ MAXTEXT_V6E_16_8B = {
 
 # MaxText's configs/v5e/16b.sh: global_parameter_scale=16 over base.yml (embed 4,096, 64 heads of
 # 128, MLP 28,672, 32 layers, vocab 32,000: 15.8B parameters), per_device_batch_size=6 at 2,048,
-# remat full, flash attention, FSDP over the v5e-256. Published (its configs/v5e/README.md): 120
-# TFLOP/s per chip, 61.10% MFU on 1x v5e-256, by MaxText's count (attention's full square). The
-# figures are our program's at those shapes (2026-11-29, libtpu 0.0.42.1, full compile, 88 s):
+# remat full, flash attention, FSDP over the v5e-256 (16x16, wrapped: 4 links). Published (its
+# configs/v5e/README.md): 120 TFLOP/s per chip, 61.10% MFU on 1x v5e-256, by MaxText's count
+# (attention's full square). Both programs below are compiled at this recipe's shapes.
+V5E_256_16B_RECIPE = {
+    "slice": "v5e", "chips": 256, "seq_len": 2048, "rows_per_chip": 6,
+    "model": {"vocab_size": 32000, "d_model": 4096, "n_layers": 32, "n_heads": 64, "n_kv_heads": 64,
+              "head_dim": 128, "d_ff": 28672, "tie_embeddings": False, "remat": "full"},
+    "host_temporaries_gib": 0.0, "links": {"fsdp": 4},
+    "recompute": 1.331,           # remat full: each layer's forward run again (compile_tpu's factor)
+    "published_tflops_chip": 120.0,
+}
+
+# Our program at those shapes (2026-11-29, libtpu 0.0.42.1, full compile, 88 s):
 #   python scripts/compile_tpu.py experiment=v5e_16_llama_1b --topology v5e-256 mesh.data=1 \
 #       model.d_model=4096 model.n_layers=32 model.n_heads=64 model.n_kv_heads=64 model.head_dim=128 \
 #       model.d_ff=28672 model.remat=full train.microbatches=1 data.seq_len=2048 \
 #       data.global_batch_size=1536 data.num_shards=256 data.num_workers=1
-# train step 13.11 GiB per chip (83%), fsdp 117 GiB per chip per step over 4 links (16x16, wrapped).
-OURS_AT_MAXTEXT_V5E_256_16B = {
-    "slice": "v5e", "chips": 256, "seq_len": 2048, "rows_per_chip": 6,
-    "model": {"vocab_size": 32000, "d_model": 4096, "n_layers": 32, "n_heads": 64, "n_kv_heads": 64,
-              "head_dim": 128, "d_ff": 28672, "tie_embeddings": False, "remat": "full"},
-    "hbm_gib": 13.11, "host_temporaries_gib": 0.0,
-    "ici_gib_by_axes": {"fsdp": 117.0}, "links": {"fsdp": 4},
-    "recompute": 1.331,           # remat full, as compile_tpu printed it
-    "published_tflops_chip": 120.0,
-}
+# train step 13.11 GiB per chip (83%), fsdp 117 GiB per chip per step.
+OURS_AT_MAXTEXT_V5E_256_16B = {**V5E_256_16B_RECIPE, "hbm_gib": 13.11, "ici_gib_by_axes": {"fsdp": 117.0}}
 
 # MaxText e591f30's own program for that recipe: `train_compile maxtext/configs/base.yml
 # per_device_batch_size=6 remat_policy=full global_parameter_scale=16 max_target_length=2048
 # use_iota_embed=true reuse_example_batch=1 dataset_type=synthetic attention=flash
 # enable_checkpointing=false compile_topology=v5e-256 compile_topology_num_slices=1`, 16b.sh's
 # LIBTPU_INIT_ARGS (2026-11-29, 84 s): 0.69 GiB arguments + 12.19 temporaries + 0.04 code per chip
-# (compile_tpu's sum; ours at these shapes 13.11); model/ici.py
-# over its HLO: 117.0 GiB per chip per step, all fsdp (the weights gathered twice, forward and remat,
-# and their gradients all-reduced, in the 32-layer loop: 57.8 + 57.8; the rest 1.5).
-MAXTEXT_V5E_256_16B = {
-    "slice": "v5e", "chips": 256, "seq_len": 2048, "rows_per_chip": 6,
-    "model": {"vocab_size": 32000, "d_model": 4096, "n_layers": 32, "n_heads": 64, "n_kv_heads": 64,
-              "head_dim": 128, "d_ff": 28672, "tie_embeddings": False, "remat": "full"},
-    "hbm_gib": 12.93, "host_temporaries_gib": 0.0,
-    "ici_gib_by_axes": {"fsdp": 117.0}, "links": {"fsdp": 4},
-    "recompute": 1.331,           # remat full: each layer's forward run again, as in ours
-    "published_tflops_chip": 120.0,
-}
+# (compile_tpu's sum); model/ici.py over its HLO: 117.0 GiB per chip per step, all fsdp (the
+# weights gathered twice, forward and remat, and their gradients all-reduced, in the 32-layer loop:
+# 57.8 + 57.8; the rest 1.5).
+MAXTEXT_V5E_256_16B = {**V5E_256_16B_RECIPE, "hbm_gib": 12.93, "ici_gib_by_axes": {"fsdp": 117.0}}
 
 
 def published_step_s(m: dict) -> float:
