@@ -164,6 +164,53 @@ def test_presets_rules_and_nulls():
                         tokenizer=TOKENIZER, seq_len=8, global_batch_size=4)
 
 
+def _rule_by_rule(rules: quality.Rules, sig: dict):
+    """What Rules.first_failed must say: each Rule.holds in order (the verdict or the error)."""
+    try:
+        for r in rules.rules:
+            if not r.holds(sig):
+                return r.name
+        return None
+    except (quality.Null, ValueError) as e:
+        return type(e), str(e)
+
+
+def test_compiled_rules_judge_as_rule_by_rule():
+    """Rules compiles its rules into one function (each score read once): on random signals,
+    null and absent scores, line-level spans where one is expected, zero denominators and
+    scores at the bounds, its verdict (or error) is the rules' own, taken one by one in order."""
+    rng = random.Random(5)
+    rules = quality.Rules(quality.parse(["gopher+c4+rpv1", "frac(rps_lines_x) > 0.25",
+                                         "rps_doc_word_count / ccnet_nlines != 40"]))
+    names = list(rules.signals)
+    assert names[0] == "rps_doc_word_count" and "rps_lines_x" in names and len(set(names)) == len(names)
+    verdicts = set()
+    for _ in range(3000):
+        sig = {n: [[0, 5, v]] for n, v in _passing().items()}
+        sig["rps_lines_start_with_bulletpoint"] = sig["rps_lines_x"] = [[0, 1, 0.0], [1, 2, 1.0]]
+        for n in rng.sample(names, 2):                     # two signals drawn anew
+            pick = rng.random()
+            if pick < 0.1:
+                sig.pop(n, None)                           # absent
+            elif n.startswith("rps_lines_"):
+                sig[n] = [[0, 1, rng.choice([0.0, 1.0, None] if pick < 0.2 else [0.0, 1.0])]
+                          for _ in range(rng.randrange(0, 6))]
+            else:
+                score = None if pick < 0.2 else rng.choice(
+                    [0, 0.1, 0.16, 0.2, 0.25, 0.9, 3, 4, 10, 20, 50, rng.uniform(0, 1), rng.randrange(0, 400)])
+                sig[n] = [[0, 5, score]] * (2 if pick > 0.97 else 1)
+        want = _rule_by_rule(rules, sig)
+        try:
+            got = rules.first_failed(sig)
+        except (quality.Null, ValueError) as e:
+            got = type(e), str(e)
+        assert got == want, sig
+        verdicts.add(want if not isinstance(want, tuple) else want[0])
+    # every kind of outcome was met: kept, dropped under several rules, Null, a multi-span value
+    assert None in verdicts and quality.Null in verdicts and ValueError in verdicts
+    assert len({v for v in verdicts if isinstance(v, str)}) >= 8
+
+
 def test_companion_paths_follow_the_documents_path():
     rp = "gs://b/rpv2/documents/2023-06/0000/en_head.json.gz"
     assert companions.companion_path(rp, "signals") == \
