@@ -21,6 +21,12 @@ our signals, exact duplicates, minhash bands); short documents make gopher drop 
                       alone's): what a host's other tenants do not move, where the rates' ratio moves
                       with the cores they leave
 and the same two without a selection (every document), the stream's baseline on this corpus.
+
+--rounds N: the stream and the tokenizer alone alternate, N stream runs each between two runs of the
+tokenizer alone (its faster way, `rayon` or `threads`, chosen by the first): a round's ratio is its
+stream's rate over the mean of the two around it, and the median of the rounds is the figure. On
+the shared 2-core machine the tokenizer alone moved 2.6-3.0 M tok/s between runs minutes apart,
+as much as the gap to the goal: one pair of runs decides nothing.
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ import gzip
 import importlib.util
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -89,6 +96,8 @@ def main() -> None:
                     help="batches drawn this long after the second are left out of the stream's rate")
     ap.add_argument("--reference-docs", type=int, default=20_000,
                     help="the tokenizer alone runs on an even sample of this many documents (0: all)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="stream runs per selection, each between two runs of the tokenizer alone")
     args = ap.parse_args()
 
     import data
@@ -126,30 +135,34 @@ def main() -> None:
           f"bytes per document; the tokenizer alone on every {step}th ({len(kept_texts)} kept)", flush=True)
 
     bench_input = _module(os.path.join(HERE, "bench_input.py"), "bench_input")
-    tok_s, _, tok_cpu = bench_input.best_tokenizer_alone(kept_texts, args.tokenizer)[0]
     cfg = data.DataConfig(paths=tuple(files), tokenizer=args.tokenizer, seq_len=args.seq_len,
                           global_batch_size=args.batch, num_workers=args.workers, num_shards=len(files),
                           quality="gopher", dedup="exact")
-    r = bench_input.run_pipeline(cfg, args.max_tokens, 10_000, args.warmup_s)
-    tok_after, _, cpu_after = bench_input.best_tokenizer_alone(kept_texts, args.tokenizer)[0]
-    ref = (tok_s + tok_after) / 2
-    print(f"kept_tok_s {r['tok_s'] / 1e6:.3f} M/s ({args.workers} workers, {r['batches']} batches of "
-          f"{args.batch} x {args.seq_len}); tokenizer_tok_s on the kept documents {tok_s / 1e6:.3f} before, "
-          f"{tok_after / 1e6:.3f} after; ratio {r['tok_s'] / ref:.2f}", flush=True)
-    # per CPU-second: what neighbours on a shared host do not move (they take cores, not our CPU time)
-    print(f"kept tokens per CPU-s {r['tok_per_cpu_s'] / 1e6:.3f} M (every process of the stream); the tokenizer "
-          f"alone {tok_cpu / 1e6:.3f} / {cpu_after / 1e6:.3f} M; cpu_ratio "
-          f"{r['tok_per_cpu_s'] / ((tok_cpu + cpu_after) / 2):.2f}", flush=True)
-    # the same stream without a selection, against the tokenizer alone on every document
     import dataclasses
-    all_s, _, all_cpu = bench_input.best_tokenizer_alone(all_texts, args.tokenizer)[0]
-    b = bench_input.run_pipeline(dataclasses.replace(cfg, quality=None, dedup=None), args.max_tokens, 10_000,
-                                 args.warmup_s)
-    all_after, _, all_cpu_after = bench_input.best_tokenizer_alone(all_texts, args.tokenizer)[0]
-    print(f"without a selection: {b['tok_s'] / 1e6:.3f} M/s; tokenizer alone on every document "
-          f"{all_s / 1e6:.3f} before, {all_after / 1e6:.3f} after; ratio {b['tok_s'] / ((all_s + all_after) / 2):.2f}; "
-          f"cpu_ratio {b['tok_per_cpu_s'] / ((all_cpu + all_cpu_after) / 2):.2f}", flush=True)
+    for name, c, texts in (("gopher + exact", cfg, kept_texts),
+                           ("without a selection", dataclasses.replace(cfg, quality=None, dedup=None), all_texts)):
+        rounds(name, c, texts, args, bench_input)
 
+
+def rounds(name: str, cfg, texts: list[str], args, bench_input) -> None:
+    """--rounds stream runs of `cfg`, each between two runs of the tokenizer alone on `texts`:
+    prints each round and the medians of the ratios (wall and per CPU-second)."""
+    (ref, method, _) = bench_input.best_tokenizer_alone(texts, args.tokenizer)
+    alone = [ref]
+    ratios, cpu_ratios = [], []
+    for i in range(args.rounds):
+        r = bench_input.run_pipeline(cfg, args.max_tokens, 10_000, args.warmup_s)
+        alone.append(bench_input.tokenizer_alone(texts, args.tokenizer, method))
+        (a0, _, c0), (a1, _, c1) = alone[-2], alone[-1]
+        ratios.append(r["tok_s"] / ((a0 + a1) / 2))
+        cpu_ratios.append(r["tok_per_cpu_s"] / ((c0 + c1) / 2))
+        print(f"{name}, round {i + 1}: stream {r['tok_s'] / 1e6:.3f} M/s ({args.workers} workers, {r['batches']} "
+              f"batches of {args.batch} x {args.seq_len}; {r['tok_per_cpu_s'] / 1e6:.3f} M per CPU-s); the tokenizer "
+              f"alone ({method}) {a0 / 1e6:.3f} before, {a1 / 1e6:.3f} after ({c0 / 1e6:.3f} / {c1 / 1e6:.3f} M per "
+              f"CPU-s); ratio {ratios[-1]:.2f}, cpu_ratio {cpu_ratios[-1]:.2f}", flush=True)
+    print(f"{name}: kept_tok_s ratio median {statistics.median(ratios):.2f} over {len(ratios)} rounds "
+          f"({', '.join(f'{x:.2f}' for x in ratios)}); cpu_ratio median {statistics.median(cpu_ratios):.2f}",
+          flush=True)
 
 if __name__ == "__main__":
     main()
