@@ -41,10 +41,13 @@ def _jsonl(rng, n_docs, tag, min_words=20, max_words=400):
                     for i in range(n_docs))
 
 
-def test_gz_seek_points_resume_exactly(tmp_path, small_spacing):
+@pytest.mark.parametrize("way", ["second pass", "own points"])
+def test_gz_seek_points_resume_exactly(tmp_path, small_spacing, way):
     """From the newest point before any offset, the text read equals the file's text: across
     block boundaries at every bit position, a sync flush (a byte-aligned stored block) and a
-    second gzip member."""
+    second gzip member. Points found both ways: by indexed_gzip's second pass over the file
+    (PointFinder) and by the stream's reader itself as it reads (data/readers/gzpoints.py,
+    which hands out the whole text, both members, as it goes)."""
     rng = random.Random(0)
     part1, part2 = _jsonl(rng, 500, "a"), _jsonl(rng, 200, "b")
     path = str(tmp_path / "x.json.gz")
@@ -55,10 +58,21 @@ def test_gz_seek_points_resume_exactly(tmp_path, small_spacing):
         f.write(z.compress(part1[half:]) + z.flush())
         f.write(gzip.compress(part2))
     text = part1 + part2
-    finder = gzseek.PointFinder(path)
+    if way == "second pass":
+        finder = gzseek.PointFinder(path)
+        point_before = finder.point_before
+    else:
+        finder = gzseek.open_gz_at(path, None, 0, seek_points=True)
+        assert gzseek.own_points(finder) is finder
+        at = [0]
+
+        def point_before(off):   # the reader at `off`, its text the file's so far
+            assert finder.read(off - at[0]) == text[at[0]:off]
+            at[0] = off
+            return finder.point_before(off)
     seen_bits, points = set(), {}
     for off in range(0, len(text), 9_973):
-        pt = finder.point_before(off)
+        pt = point_before(off)
         if off < gzseek.FREE_REREAD:
             assert pt is None
         # a restore re-reads from the point (or the start): bounded wherever off is (points
@@ -70,9 +84,12 @@ def test_gz_seek_points_resume_exactly(tmp_path, small_spacing):
         assert len(json.dumps(pt)) < 60_000     # one compressed 32 KB window, no more
         seen_bits.add(pt[2])
         points[pt[3]] = pt
+    if way == "own points":
+        assert finder.read() == text[at[0]:], "the reader's text to the end, both members"
     finder.close()
     assert {b % 2 for b in seen_bits if b} == {0, 1}, f"bit offsets seen: {seen_bits}"
-    assert len(points) >= 8
+    # the reader keeps points in the first member only (RPv2's files have one)
+    assert len(points) >= (8 if way == "second pass" else 6)
     for uncmp, pt in sorted(points.items()):
         for off in (uncmp, uncmp + 5_000):
             fh = gzseek.open_gz_at(path, jround(pt), off)
@@ -101,6 +118,53 @@ def _restore_read_bytes(c, state):
     it.set_state(jround(state))
     batch = next(it)
     return _rchar() - before, batch
+
+
+def test_the_streams_reader_finds_its_own_points_and_reads_damaged_files_as_gzip_does(
+        tmp_path, small_spacing, monkeypatch):
+    """A .gz file the stream reads (ShardReader) is inflated once: its slots' seek points come
+    from the reader itself, never from a second pass (PointFinder refuses to be made here), and a
+    restore from them is exact. Damaged and odd files read as gzip's reader reads them: an empty
+    file and an empty member are no text, a cut file an EOFError, random bytes an error."""
+    from data.readers.sources import BadRecords, ShardReader
+
+    def refuse(*a, **k):
+        raise AssertionError("a second pass over a file the reader inflates itself")
+    monkeypatch.setattr(gzseek, "PointFinder", refuse)
+    rng = random.Random(3)
+    text = _jsonl(rng, 600, "c")
+    path = str(tmp_path / "x.json.gz")
+    with open(path, "wb") as f:
+        f.write(gzip.compress(text, 6))
+    docs = [json.loads(line)["raw_content"] for line in text.splitlines()]
+    r = ShardReader([path], [0], 1, 0, 0, 1, "raw_content", BadRecords(True))
+    got, states = [], []
+    for _ in range(450):
+        got.append(r.next_piece()[0])
+        states.append(jround(r.get_state()))
+    r.close()
+    assert got == docs[:450]
+    deep = states[-1]["slots"][0]
+    assert deep[3] > 4 * SMALL_SPACING and deep[4] is not None and deep[4][3] <= deep[3]
+    again = ShardReader([path], [0], 1, 0, 0, 1, "raw_content", BadRecords(True))
+    again.set_state(states[-1])
+    assert [again.next_piece()[0] for _ in range(100)] == docs[450:550]
+    again.close()
+    # odd and damaged files, read from the start as the stream reads them
+    full = gzip.compress(text, 6)
+    for name, raw, want in (("empty", b"", b""), ("empty member", gzip.compress(b""), b""),
+                            ("cut", full[:len(full) // 2], EOFError), ("not gzip", rng.randbytes(4000), OSError),
+                            ("two members", gzip.compress(b"a\n") + gzip.compress(b"b\n"), b"a\nb\n")):
+        p = str(tmp_path / f"{name}.json.gz")
+        with open(p, "wb") as f:
+            f.write(raw)
+        fh = gzseek.open_gz_at(p, None, 0, seek_points=True)
+        if isinstance(want, bytes):
+            assert fh.read() == want, name
+        else:
+            with pytest.raises(want):
+                fh.read()
+        fh.close()
 
 
 @pytest.mark.slow

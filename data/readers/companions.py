@@ -116,7 +116,8 @@ class SignalsFile:
     def __init__(self, path: str, state: list | None = None):
         self.path = path
         self.line, self.off, self.point = (int(state[0]), int(state[1]), state[2]) if state else (0, 0, None)
-        self.fh = formats.open_bytes(path, self.off, self.point)   # FileNotFoundError when absent
+        # FileNotFoundError when absent
+        self.fh = formats.open_bytes(path, self.off, self.point, seek_points=True)
         self.finder = None
         self.recheck = self.off
 
@@ -149,8 +150,8 @@ class SignalsFile:
         """[line, offset, seek point]: the point refreshed every half spacing, as a slot's
         (refresh=False: the last point found, still valid, without indexing further)."""
         if refresh and self.off >= self.recheck:
-            if self.finder is None:
-                self.finder = gzseek.PointFinder(self.path, self.point)
+            if self.finder is None:   # the open file's own points, or a second pass beside it
+                self.finder = gzseek.own_points(self.fh) or gzseek.PointFinder(self.path, self.point)
             self.point = self.finder.point_before(self.off)
             self.recheck = self.off + gzseek.SPACING // 2
         return [self.line, self.off, self.point]

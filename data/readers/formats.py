@@ -76,12 +76,14 @@ def name_format(path: str) -> str | None:
     return None
 
 
-def open_bytes(path: str, off: int = 0, point: list | None = None):
+def open_bytes(path: str, off: int = 0, point: list | None = None, seek_points: bool = False):
     """Binary file object of the uncompressed bytes from offset `off`, decompressing by name or,
-    for other names, by magic bytes (`point`: a .gz seek point at or before off)."""
+    for other names, by magic bytes (`point`: a .gz seek point at or before off). `seek_points`:
+    a reader that saves its position (the stream's, not a conversion's or a sniff's) reads a .gz
+    file with its own seek points where it can (data/readers/gzpoints.py)."""
     comp = _compression(path)
     if comp == "gz":
-        return gzseek.open_gz_at(path, point, off)
+        return gzseek.open_gz_at(path, point, off, seek_points)
     if comp == "zst":
         fh = io.BufferedReader(_ZstdFrames(open_raw(path)), buffer_size=1 << 20)
         while off > 0:   # no frame index: re-read from the start
@@ -324,9 +326,9 @@ class LineRecords:
     splits_itself = False   # a split file's parts are every split-th record (ShardReader)
 
     def __init__(self, path: str, text_key: str, off: int = 0, point: list | None = None,
-                 part: tuple[int, int] | None = None):
+                 part: tuple[int, int] | None = None, seek_points: bool = False):
         self.text_key = text_key
-        self.fh = open_bytes(path, off, point)
+        self.fh = open_bytes(path, off, point, seek_points)
         self.raw_file = getattr(self.fh, "fileobj", None) or self.fh
 
     def next(self):
@@ -361,10 +363,10 @@ class ArrayRecords:
     splits_itself = False
 
     def __init__(self, path: str, text_key: str, off: int = 0, point: list | None = None,
-                 part: tuple[int, int] | None = None):
+                 part: tuple[int, int] | None = None, seek_points: bool = False):
         self.path = path
         self.text_key = text_key
-        self.fh = open_bytes(path, off, point)
+        self.fh = open_bytes(path, off, point, seek_points)
         self.raw_file = getattr(self.fh, "fileobj", None) or self.fh
         self.buf = b""
         self.i = 0
@@ -575,7 +577,7 @@ class ParquetRecords(_ColumnRecords):
     fmt = "parquet"
 
     def __init__(self, path: str, text_key: str, off: int = 0, point: list | None = None,
-                 part: tuple[int, int] | None = None):
+                 part: tuple[int, int] | None = None, seek_points: bool = False):
         pa = _pyarrow()
         import pyarrow.parquet as pq
         try:
@@ -607,7 +609,7 @@ class ArrowRecords(_ColumnRecords):
     fmt = "arrow"
 
     def __init__(self, path: str, text_key: str, off: int = 0, point: list | None = None,
-                 part: tuple[int, int] | None = None):
+                 part: tuple[int, int] | None = None, seek_points: bool = False):
         pa = _pyarrow()
         self.raw_file = None
         try:
@@ -646,10 +648,10 @@ _READERS = {"lines": LineRecords, "array": ArrayRecords, "parquet": ParquetRecor
 
 
 def open_records(path: str, text_key: str, off: int = 0, point: list | None = None,
-                 fmt: str | None = None, part: tuple[int, int] | None = None):
+                 fmt: str | None = None, part: tuple[int, int] | None = None, seek_points: bool = False):
     """The record reader of `path` positioned at `off` (`fmt`: the format a saved position was
     read in, else sniffed). `part`: (split, residue) when `split` shards read the file; a reader
     whose `splits_itself` is true then returns only that part's records (the others' as
     OTHER_PART, unread), else the caller keeps every split-th record. FileProblem for a file
-    that is not a format read here."""
-    return _READERS[fmt or sniff(path)](path, text_key, off, point, part)
+    that is not a format read here. `seek_points`: as open_bytes."""
+    return _READERS[fmt or sniff(path)](path, text_key, off, point, part, seek_points)

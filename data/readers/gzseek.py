@@ -29,6 +29,8 @@ import zlib
 
 import indexed_gzip
 
+from data.readers import gzpoints
+
 try:  # isal's igzip is ~3x faster than the stdlib gzip module for decompression.
     from isal import igzip as _gzip
 except ImportError:  # pragma: no cover
@@ -272,11 +274,48 @@ def _open_stored(path: str):
     return open(path, "rb", buffering=0)
 
 
-def open_gz_at(path: str, point: list | None, off: int):
+class _PointReader(io.BufferedReader):
+    """A .gz file's text from its start that finds its own seek points as it goes
+    (data/readers/gzpoints.py): `point_before` is PointFinder's, without a second pass."""
+
+    _encoded = None   # the last point handed out, encoded
+
+    @property
+    def fileobj(self):
+        return self.raw.fileobj
+
+    def point_before(self, off: int) -> list | None:
+        """The encoded newest point at or before uncompressed offset `off` (None before
+        FREE_REREAD); the last one handed out when the kept ones are all past `off`."""
+        if off < FREE_REREAD:
+            return None
+        raw = self.raw
+        best = None
+        for p in raw.points:
+            if p[1] <= off:
+                best = p
+        if best is not None and (self._encoded is None or self._encoded[3] != best[1]):
+            cmp, uncmp, bits, window = best
+            self._encoded = _encode(raw.header_end, cmp, bits, uncmp, window)
+        return self._encoded
+
+
+def own_points(fh) -> _PointReader | None:
+    """`fh` when it finds its own seek points (open_gz_at with seek_points), else None."""
+    return fh if isinstance(fh, _PointReader) else None
+
+
+def open_gz_at(path: str, point: list | None, off: int, seek_points: bool = False):
     """Binary line reader of a .gz file positioned at uncompressed offset `off`: inflated from
-    `point` (at or before off) or, without one, from the start."""
+    `point` (at or before off) or, without one, from the start. seek_points: from the start, a
+    reader that finds its own points (`own_points`), where the system's zlib can be loaded."""
     if point is None:
-        if "://" in path:
+        if seek_points and gzpoints.ZLIB is not None:
+            # 4 points kept: the reader is at most its buffer (256 KB) behind the inflater, the
+            # points a SPACING apart; ~0.9 MB a file in all, as isal's reader holds
+            fh = _PointReader(gzpoints.PointInflater(_open_stored(path), SPACING, 4),
+                              buffer_size=256 << 10)
+        elif "://" in path:
             fh = _gzip.GzipFile(fileobj=_open_stored(path), mode="rb")
             fh.myfileobj = fh.fileobj   # GzipFile closes myfileobj: the URL's file closes with it
         else:

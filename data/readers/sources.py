@@ -126,10 +126,12 @@ class _Slot:
     def state(self, path: str) -> list:
         """[part, line, piece, offset, seek point, format] (+ [the signals file's position] with
         data.quality); the point is refreshed every half spacing of reading, so a restore
-        re-reads at most ~1.5 spacings."""
-        if self.off >= self.recheck and path.endswith(".gz"):
-            if self.finder is None:
-                self.finder = gzseek.PointFinder(path, self.point)
+        re-reads at most ~1.5 spacings. A slot not open yet keeps the point it was given (valid
+        for its position, which has not moved)."""
+        if self.off >= self.recheck and path.endswith(".gz") and self.rec is not None:
+            if self.finder is None:   # the open file's own points, or a second pass beside it
+                self.finder = (gzseek.own_points(getattr(self.rec, "fh", None))
+                               or gzseek.PointFinder(path, self.point))
             self.point = self.finder.point_before(self.off)
             self.recheck = self.off + gzseek.SPACING // 2
         st = [self.order_idx, self.line, self.piece, self.off, self.point, self.fmt]
@@ -233,7 +235,7 @@ class ShardReader:
         path = self._path(slot)
         try:
             slot.rec = formats.open_records(path, self.text_key, slot.off, slot.point, slot.fmt,
-                                            part=(self.split, self._residue(slot)))
+                                            part=(self.split, self._residue(slot)), seek_points=True)
         except formats.FileProblem as e:   # the whole file: named at the file, once
             if self._residue(slot) == 0:
                 self.bad.add(path, 0, e.kind, e.detail)

@@ -1,0 +1,156 @@
+"""A .gz file read in one pass that finds its own seek points (data/readers/gzseek.py's kind:
+compressed offset, bit count, uncompressed offset, the 32 KB window before it).
+
+The stream's readers save a seek point in their state, so that a restore deep in a file re-reads
+a bounded amount of it. gzseek.PointFinder finds the points with indexed_gzip, which inflates the
+file a second time beside the reader's own (isal) pass. Per 160 MB documents file of web text on
+the 2-core machine: the reader's isal pass with its lines 0.27 s of CPU, the finder's zlib pass
+0.57 s plus 0.08 s of windows compressed at level 6 (scripts/bench/bench_quality.py). Here the
+reader inflates with the system's zlib itself (through ctypes, `inflate(Z_BLOCK)`: it returns at
+every deflate block's end, where `data_type` says how many bits of the last byte the next block
+starts after), keeps the window from its own output, and hands the text out: 0.59 s for the same
+file, its lines and its points, one pass instead of two.
+
+Points are kept in the file's first gzip member only (RedPajama-v2's files have one): a later
+member's position is restored from the first member's last point (gzseek._InflateFrom reads the
+following members with isal). Without a system zlib the reader is isal's and gzseek.PointFinder
+finds the points, as before.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import io
+
+WINDOW = 32768
+_IN = 256 << 10       # compressed bytes per read
+_OUT = 256 << 10      # text per inflate call, after the window's worth kept before it
+_Z_OK, _Z_STREAM_END, _Z_BUF_ERROR, _Z_BLOCK = 0, 1, -5, 5
+
+
+class _ZStream(ctypes.Structure):
+    """zlib.h's z_stream, the library's public ABI."""
+    _fields_ = [("next_in", ctypes.c_void_p), ("avail_in", ctypes.c_uint), ("total_in", ctypes.c_ulong),
+                ("next_out", ctypes.c_void_p), ("avail_out", ctypes.c_uint), ("total_out", ctypes.c_ulong),
+                ("msg", ctypes.c_char_p), ("state", ctypes.c_void_p), ("zalloc", ctypes.c_void_p),
+                ("zfree", ctypes.c_void_p), ("opaque", ctypes.c_void_p), ("data_type", ctypes.c_int),
+                ("adler", ctypes.c_ulong), ("reserved", ctypes.c_ulong)]
+
+
+def _load_zlib():
+    name = ctypes.util.find_library("z")
+    if name is None:   # pragma: no cover - every Linux and macOS host has one
+        return None
+    try:
+        z = ctypes.CDLL(name)
+        z.zlibVersion.restype = ctypes.c_char_p
+        z.inflateInit2_.argtypes = [ctypes.POINTER(_ZStream), ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
+        z.inflate.argtypes = [ctypes.POINTER(_ZStream), ctypes.c_int]
+        z.inflateReset.argtypes = [ctypes.POINTER(_ZStream)]
+        z.inflateEnd.argtypes = [ctypes.POINTER(_ZStream)]
+        z.zlibVersion()
+    except (OSError, AttributeError):   # pragma: no cover
+        return None
+    return z
+
+
+ZLIB = _load_zlib()
+
+
+class PointInflater(io.RawIOBase):
+    """The text of a .gz file from its start (`fh`: its compressed bytes, closed with it), and
+    the seek points met on the way: `points`, [(cmp, uncmp, bits, window)] at least `spacing`
+    of text apart, the newest `keep` of them; `header_end` where the first member's deflate data
+    starts. EOFError when the file ends inside a member (as gzip's), OSError naming zlib's
+    complaint for data that is not gzip or fails its check."""
+
+    def __init__(self, fh, spacing: int, keep: int):
+        self._fh = fh
+        self._spacing, self._keep = spacing, keep
+        self._s = _ZStream()
+        self._sp = ctypes.byref(self._s)
+        if ZLIB.inflateInit2_(self._sp, 47, ZLIB.zlibVersion(), ctypes.sizeof(_ZStream)) != _Z_OK:
+            raise MemoryError("zlib inflateInit2 failed")
+        self._live = True
+        self._in = ctypes.create_string_buffer(_IN)
+        self._out = ctypes.create_string_buffer(WINDOW + _OUT)
+        self._in_at, self._out_at = ctypes.addressof(self._in), ctypes.addressof(self._out)
+        self._view = memoryview(self._out).cast("B")
+        self._fill = 0          # text in _out
+        self._given = 0         # of it, handed out
+        self._ended = False     # the last member ended with the file
+        self._first = True      # still in the first member: points are kept
+        self._read_any = False
+        self._last = 0          # uncompressed offset of the newest point
+        self.points: list[tuple] = []
+        self.header_end = None
+
+    @property
+    def fileobj(self):
+        """The compressed file (what gzip's `fileobj` is: its tell() is the bytes read)."""
+        return self._fh
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        while self._given == self._fill and not self._ended:
+            self._step()
+        n = min(len(b), self._fill - self._given)
+        b[:n] = self._view[self._given:self._given + n]
+        self._given += n
+        return n
+
+    def _step(self) -> None:
+        s = self._s
+        if self._fill == len(self._out):       # full: the last WINDOW bytes stay as history
+            ctypes.memmove(self._out_at, self._out_at + self._fill - WINDOW, WINDOW)
+            self._fill = self._given = WINDOW
+        if s.avail_in == 0:
+            got = self._fh.readinto(self._in)
+            if not got:
+                if not self._read_any or s.total_in == 0 and not self._first:
+                    self._ended = True          # an empty file, or nothing after a member
+                    return
+                raise EOFError("Compressed file ended before the end-of-stream marker was reached")
+            self._read_any = True
+            s.next_in, s.avail_in = self._in_at, got
+        room = len(self._out) - self._fill
+        s.next_out, s.avail_out = self._out_at + self._fill, room
+        rc = ZLIB.inflate(self._sp, _Z_BLOCK)
+        self._fill += room - s.avail_out
+        if rc == _Z_STREAM_END:
+            self._member_end()
+            return
+        if rc not in (_Z_OK, _Z_BUF_ERROR):
+            raise OSError(f"not a valid gzip file: zlib error {rc} "
+                          f"({(s.msg or b'').decode(errors='replace')})")
+        dt = s.data_type
+        if self._first and dt & 128 and not dt & 64:   # a block's end, not the last block's
+            if s.total_out == 0:
+                if self.header_end is None:
+                    self.header_end = s.total_in
+            elif s.total_out - self._last >= self._spacing and self._fill >= WINDOW:
+                self._last = s.total_out
+                self.points.append((s.total_in, s.total_out, dt & 7,
+                                    self._view[self._fill - WINDOW:self._fill].tobytes()))
+                del self.points[:-self._keep]
+
+    def _member_end(self) -> None:
+        """A member ended: another may follow (read on, no points), or the file ends."""
+        self._first = False
+        if ZLIB.inflateReset(self._sp) != _Z_OK:   # pragma: no cover
+            raise OSError("zlib inflateReset failed")
+        if self._s.avail_in == 0:
+            got = self._fh.readinto(self._in)
+            if not got:
+                self._ended = True
+                return
+            self._s.next_in, self._s.avail_in = self._in_at, got
+
+    def close(self) -> None:
+        if self._live:
+            self._live = False
+            ZLIB.inflateEnd(self._sp)
+            self._fh.close()
+        super().close()
