@@ -90,18 +90,24 @@ def test_gz_seek_points_resume_exactly(tmp_path, small_spacing, way):
     assert {b % 2 for b in seen_bits if b} == {0, 1}, f"bit offsets seen: {seen_bits}"
     # the reader keeps points in the first member only (RPv2's files have one)
     assert len(points) >= (8 if way == "second pass" else 6)
+    own = way == "own points"     # restored by the reader that finds its points, or zlib's module
     for uncmp, pt in sorted(points.items()):
         for off in (uncmp, uncmp + 5_000):
-            fh = gzseek.open_gz_at(path, jround(pt), off)
+            fh = gzseek.open_gz_at(path, jround(pt), off, seek_points=own)
             assert fh.read(20_000) == text[off:off + 20_000], f"point at {uncmp}, offset {off}"
             fh.close()
     last = max(points)
-    fh = gzseek.open_gz_at(path, points[last], last)
+    fh = gzseek.open_gz_at(path, points[last], last, seek_points=own)
     assert fh.read() == text[last:], "to the end, through the second member"
     fh.close()
-    # a finder seeded with a restored point finds the same later points
+    # restored at the first point, the same later points are found
     first = min(points)
-    seeded = gzseek.PointFinder(path, jround(points[first]))
+    if own:
+        seeded = gzseek.open_gz_at(path, jround(points[first]), first, seek_points=True)
+        assert gzseek.own_points(seeded) is seeded
+        assert seeded.read(last - first) == text[first:last]
+    else:
+        seeded = gzseek.PointFinder(path, jround(points[first]))
     assert seeded.point_before(last) == points[last]
     seeded.close()
 
@@ -124,7 +130,7 @@ def test_the_streams_reader_finds_its_own_points_and_reads_damaged_files_as_gzip
         tmp_path, small_spacing, monkeypatch):
     """A .gz file the stream reads (ShardReader) is inflated once: its slots' seek points come
     from the reader itself, never from a second pass (PointFinder refuses to be made here), and a
-    restore from them is exact. Damaged and odd files read as gzip's reader reads them: an empty
+    restore from them is exact and reads on finding its own points. Damaged and odd files read as gzip's reader reads them: an empty
     file and an empty member are no text, a cut file an EOFError, random bytes an error."""
     from data.readers.sources import BadRecords, ShardReader
 
@@ -149,6 +155,8 @@ def test_the_streams_reader_finds_its_own_points_and_reads_damaged_files_as_gzip
     again = ShardReader([path], [0], 1, 0, 0, 1, "raw_content", BadRecords(True))
     again.set_state(states[-1])
     assert [again.next_piece()[0] for _ in range(100)] == docs[450:550]
+    later = again.get_state()["slots"][0]     # the restored reader's own points, further on
+    assert later[4][3] > deep[4][3] and later[4][3] <= later[3]
     again.close()
     # odd and damaged files, read from the start as the stream reads them
     full = gzip.compress(text, 6)

@@ -46,7 +46,9 @@ def _load_zlib():
         z.zlibVersion.restype = ctypes.c_char_p
         z.inflateInit2_.argtypes = [ctypes.POINTER(_ZStream), ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
         z.inflate.argtypes = [ctypes.POINTER(_ZStream), ctypes.c_int]
-        z.inflateReset.argtypes = [ctypes.POINTER(_ZStream)]
+        z.inflateReset2.argtypes = [ctypes.POINTER(_ZStream), ctypes.c_int]
+        z.inflatePrime.argtypes = [ctypes.POINTER(_ZStream), ctypes.c_int, ctypes.c_int]
+        z.inflateSetDictionary.argtypes = [ctypes.POINTER(_ZStream), ctypes.c_char_p, ctypes.c_uint]
         z.inflateEnd.argtypes = [ctypes.POINTER(_ZStream)]
         z.zlibVersion()
     except (OSError, AttributeError):   # pragma: no cover
@@ -62,16 +64,23 @@ class PointInflater(io.RawIOBase):
     the seek points met on the way: `points`, [(cmp, uncmp, bits, window)] at least `spacing`
     of text apart, the newest `keep` of them; `header_end` where the first member's deflate data
     starts. EOFError when the file ends inside a member (as gzip's), OSError naming zlib's
-    complaint for data that is not gzip or fails its check."""
+    complaint for data that is not gzip or fails its check.
 
-    def __init__(self, fh, spacing: int, keep: int):
+    `start`: (header_end, cmp, bits, uncmp, window), a seek point to read on from (a restore):
+    the text from `uncmp` on, and the points after it, as a reader from the start finds them.
+    The resumed member's CRC is not checked (its start is not read); later members' are."""
+
+    def __init__(self, fh, spacing: int, keep: int, start: tuple | None = None):
         self._fh = fh
         self._spacing, self._keep = spacing, keep
         self._s = _ZStream()
         self._sp = ctypes.byref(self._s)
-        if ZLIB.inflateInit2_(self._sp, 47, ZLIB.zlibVersion(), ctypes.sizeof(_ZStream)) != _Z_OK:
+        bits = 47 if start is None else -15       # a gzip member, or raw deflate from a point
+        if ZLIB.inflateInit2_(self._sp, bits, ZLIB.zlibVersion(), ctypes.sizeof(_ZStream)) != _Z_OK:
             raise MemoryError("zlib inflateInit2 failed")
         self._live = True
+        self._in_base = self._out_base = 0        # where total_in / total_out count from
+        self._raw = start is not None             # inside a resumed member (no gzip trailer read)
         self._in = ctypes.create_string_buffer(_IN)
         self._out = ctypes.create_string_buffer(WINDOW + _OUT)
         self._in_at, self._out_at = ctypes.addressof(self._in), ctypes.addressof(self._out)
@@ -84,6 +93,14 @@ class PointInflater(io.RawIOBase):
         self._last = 0          # uncompressed offset of the newest point
         self.points: list[tuple] = []
         self.header_end = None
+        if start is not None:
+            self.header_end, cmp, nbits, uncmp, window = start
+            fh.seek(cmp - 1 if nbits else cmp)    # the byte holding the block's first bits
+            if nbits:
+                ZLIB.inflatePrime(self._sp, nbits, fh.read(1)[0] >> (8 - nbits))
+            ZLIB.inflateSetDictionary(self._sp, window, len(window))
+            self._in_base, self._out_base, self._last = cmp, uncmp, uncmp
+            self._read_any = True
 
     @property
     def fileobj(self):
@@ -127,26 +144,38 @@ class PointInflater(io.RawIOBase):
                           f"({(s.msg or b'').decode(errors='replace')})")
         dt = s.data_type
         if self._first and dt & 128 and not dt & 64:   # a block's end, not the last block's
-            if s.total_out == 0:
+            out = self._out_base + s.total_out
+            if out == 0:
                 if self.header_end is None:
                     self.header_end = s.total_in
-            elif s.total_out - self._last >= self._spacing and self._fill >= WINDOW:
-                self._last = s.total_out
-                self.points.append((s.total_in, s.total_out, dt & 7,
+            elif out - self._last >= self._spacing and self._fill >= WINDOW:
+                self._last = out
+                self.points.append((self._in_base + s.total_in, out, dt & 7,
                                     self._view[self._fill - WINDOW:self._fill].tobytes()))
                 del self.points[:-self._keep]
 
     def _member_end(self) -> None:
-        """A member ended: another may follow (read on, no points), or the file ends."""
+        """A member ended: another may follow (read on, no points), or the file ends. A resumed
+        member's deflate data ends before its 8-byte trailer, which gzip's own reading skips."""
         self._first = False
-        if ZLIB.inflateReset(self._sp) != _Z_OK:   # pragma: no cover
-            raise OSError("zlib inflateReset failed")
-        if self._s.avail_in == 0:
+        skip = 8 if self._raw else 0
+        self._raw = False
+        if ZLIB.inflateReset2(self._sp, 47) != _Z_OK:   # pragma: no cover
+            raise OSError("zlib inflateReset2 failed")
+        s = self._s
+        while True:
+            if skip and s.avail_in:
+                k = min(skip, s.avail_in)
+                s.next_in, s.avail_in, skip = s.next_in + k, s.avail_in - k, skip - k
+            if s.avail_in and not skip:
+                return
             got = self._fh.readinto(self._in)
             if not got:
+                if skip:
+                    raise EOFError("Compressed file ended before the end-of-stream marker was reached")
                 self._ended = True
                 return
-            self._s.next_in, self._s.avail_in = self._in_at, got
+            s.next_in, s.avail_in = self._in_at, got
 
     def close(self) -> None:
         if self._live:

@@ -10,7 +10,8 @@ The corpus's companion files are written first when missing (scripts/make_sample
 our signals, exact duplicates, minhash bands); short documents make gopher drop about 30%.
   select_us_per_doc   the reader's `select` stage (the signals line read, parsed and judged, the
                       duplicates lookup) per record, one thread, files in the page cache
-  read_us_per_doc     the reader without a selection, per record (read + JSON parse)
+  read_us_per_doc     the reader without a selection, per record (read + JSON parse + the seek
+                      points of its state, taken every 32 records)
   kept_tok_s          the host iterator with data.quality=gopher data.dedup=exact and --workers
                       input workers: tokens of the kept documents per second, after --warmup-s
                       (the workers' buffers filling: counted from the start, their extra rows go
@@ -67,7 +68,9 @@ def corpus_with_companions(corpus: str) -> list[str]:
 
 
 def read_cost(files: list[str], select) -> tuple[float, int, float]:
-    """-> (seconds per record read, records, select-stage seconds) over one epoch of every file."""
+    """-> (seconds per record read, records, select-stage seconds) over one epoch of every file,
+    the reader's state taken every 32 records as the stream takes it a chunk (its seek points
+    found: data/readers/gzpoints.py)."""
     from data.readers.sources import BadRecords, ShardReader
     bad = BadRecords(False)
     r = ShardReader(files, list(range(len(files))), len(files), 0, 0, 1, "raw_content", bad, select=select)
@@ -78,6 +81,8 @@ def read_cost(files: list[str], select) -> tuple[float, int, float]:
         if did >> 24 >= len(files):   # epoch 1
             break
         n += last
+        if n % 32 == 0:
+            r.get_state()
     dt = time.perf_counter() - t0
     records = n + sum(bad.counts.values())
     r.close()
