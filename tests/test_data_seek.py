@@ -130,8 +130,9 @@ def test_the_streams_reader_finds_its_own_points_and_reads_damaged_files_as_gzip
         tmp_path, small_spacing, monkeypatch):
     """A .gz file the stream reads (ShardReader) is inflated once: its slots' seek points come
     from the reader itself, never from a second pass (PointFinder refuses to be made here), and a
-    restore from them is exact and reads on finding its own points. Damaged and odd files read as gzip's reader reads them: an empty
-    file and an empty member are no text, a cut file an EOFError, random bytes an error."""
+    restore from them is exact and reads on finding its own points. Damaged and odd files read
+    as gzip's reader reads them: an empty file and an empty member are no text, a cut file an
+    EOFError, random bytes an error."""
     from data.readers.sources import BadRecords, ShardReader
 
     def refuse(*a, **k):
