@@ -103,11 +103,24 @@ def main() -> None:
                     help="the tokenizer alone runs on an even sample of this many documents (0: all)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="stream runs per selection, each between two runs of the tokenizer alone")
+    ap.add_argument("--stream-only", type=int, default=0, metavar="N",
+                    help="only N runs of the stream with gopher + exact, each's rate and rate per CPU-s "
+                         "printed: two checkouts compared by alternating this command in each")
     args = ap.parse_args()
 
     import data
     from data.readers import companions, quality
     files = corpus_with_companions(args.corpus)
+    if args.stream_only:
+        bench_input = _module(os.path.join(HERE, "bench_input.py"), "bench_input")
+        cfg = data.DataConfig(paths=tuple(files), tokenizer=args.tokenizer, seq_len=args.seq_len,
+                              global_batch_size=args.batch, num_workers=args.workers, num_shards=len(files),
+                              quality="gopher", dedup="exact")
+        for _ in range(args.stream_only):
+            r = bench_input.run_pipeline(cfg, args.max_tokens, 10_000, args.warmup_s)
+            print(f"stream {r['tok_s'] / 1e6:.3f} M tok/s, {r['tok_per_cpu_s'] / 1e6:.3f} M per CPU-s "
+                  f"({r['batches']} batches, {r['lines']} records)", flush=True)
+        return
 
     # the reader's costs first, on this process's fresh heap: measured after the texts below were
     # loaded and a sample kept (the rest freed, leaving the heap in holes), the same reads took 4x
