@@ -294,7 +294,7 @@ class Converter:
             self.job["selection"] = self.selection
         self.select = companions.Selection(tuple(self.selection.get("quality", ())),
                                            "exact" if "exact" in self.selection.get("dedup", "") else "",
-                                           args.companions) if self.selection else None
+                                           args.companions, seek_points=False) if self.selection else None
         self.fuzzy = None
 
     def size(self, i: int) -> int:

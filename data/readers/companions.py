@@ -113,11 +113,11 @@ def fuzzy_rows(path: str, threshold: str) -> set[int]:
 class SignalsFile:
     """One signals file read a line per documents record, from a saved [line, offset, point]."""
 
-    def __init__(self, path: str, state: list | None = None):
+    def __init__(self, path: str, state: list | None = None, seek_points: bool = True):
         self.path = path
         self.line, self.off, self.point = (int(state[0]), int(state[1]), state[2]) if state else (0, 0, None)
         # FileNotFoundError when absent
-        self.fh = formats.open_bytes(path, self.off, self.point, seek_points=True)
+        self.fh = formats.open_bytes(path, self.off, self.point, seek_points)
         self.finder = None
         self.recheck = self.off
 
@@ -167,8 +167,11 @@ class Selection:
     """What a run keeps: data.quality's rules and data.dedup, over companions under `root`."""
 
     def __init__(self, quality: tuple[str, ...] = (), dedup: str = "", root: str | None = None,
-                 fuzzy_lists: str = "", threshold: str = ""):
+                 fuzzy_lists: str = "", threshold: str = "", seek_points: bool = True):
         self.rules = Rules(quality)
+        # the stream saves the signals file's position (its reader finds seek points as it
+        # reads); a conversion reads each file through once and saves none
+        self.seek_points = seek_points
         self.dedup = tuple(d for d in dedup.split(",") if d) if dedup else ()
         self.root = root or None
         # data.fuzzy_lists: the --out of a conversion with --dedup fuzzy (its fuzzy/ lists), read
@@ -199,7 +202,7 @@ class FileSelection:
         if sel.rules:
             sp = companion_path(path, "signals", sel.root)
             try:
-                self.sig = SignalsFile(sp, state)
+                self.sig = SignalsFile(sp, state, sel.seek_points)
             except FileNotFoundError:
                 self.sig_missing = sp
         if "exact" in sel.dedup:
