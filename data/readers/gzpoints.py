@@ -126,8 +126,8 @@ class PointInflater(io.RawIOBase):
         if s.avail_in == 0:
             got = self._fh.readinto(self._in)
             if not got:
-                if not self._read_any or s.total_in == 0 and not self._first:
-                    self._ended = True          # an empty file, or nothing after a member
+                if not self._read_any:
+                    self._ended = True          # an empty file (after a member, _member_end)
                     return
                 raise EOFError("Compressed file ended before the end-of-stream marker was reached")
             self._read_any = True

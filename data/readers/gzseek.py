@@ -313,24 +313,21 @@ def open_gz_at(path: str, point: list | None, off: int, seek_points: bool = Fals
     """Binary line reader of a .gz file positioned at uncompressed offset `off`: inflated from
     `point` (at or before off) or, without one, from the start. seek_points: a reader that finds
     its own points as it reads on (`own_points`), where the system's zlib can be loaded."""
-    if point is None:
-        if seek_points and gzpoints.ZLIB is not None:
-            # 4 points kept: the reader is at most its buffer (256 KB) behind the inflater, the
-            # points a SPACING apart; ~0.9 MB a file in all, as isal's reader holds. Its text
-            # and points are gzip's and PointFinder's (tests/test_data_seek.py)
-            fh = _PointReader(gzpoints.PointInflater(_open_stored(path), SPACING, 4),
-                              buffer_size=256 << 10)
-        elif "://" in path:
+    if seek_points and gzpoints.ZLIB is not None:   # from the start or on from the point
+        # 4 points kept: the reader is at most its buffer (256 KB) behind the inflater, the
+        # points a SPACING apart; ~0.9 MB a file in all, as isal's reader holds. Its text and
+        # points are gzip's and PointFinder's (tests/test_data_seek.py)
+        start = None if point is None else (*point[:4], _window(point))
+        fh = _PointReader(gzpoints.PointInflater(_open_stored(path), SPACING, 4, start),
+                          buffer_size=256 << 10)
+        base = 0 if point is None else point[3]
+    elif point is None:
+        if "://" in path:
             fh = _gzip.GzipFile(fileobj=_open_stored(path), mode="rb")
             fh.myfileobj = fh.fileobj   # GzipFile closes myfileobj: the URL's file closes with it
         else:
             fh = _gzip.open(path, "rb")
         base = 0
-    elif seek_points and gzpoints.ZLIB is not None:   # a restore: on from the point, one pass
-        start = (point[0], point[1], point[2], point[3], _window(point))
-        fh = _PointReader(gzpoints.PointInflater(_open_stored(path), SPACING, 4, start),
-                          buffer_size=256 << 10)
-        base = point[3]
     else:
         fh = io.BufferedReader(_InflateFrom(path, point), buffer_size=1 << 20)
         base = point[3]

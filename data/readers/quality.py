@@ -181,10 +181,6 @@ _SYMBOL = {float.__lt__: "<", float.__le__: "<=", float.__gt__: ">", float.__ge_
            float.__eq__: "==", float.__ne__: "!="}
 
 
-def _agg(signals: dict, how: str, name: str) -> float:
-    return _value(signals, how, name)
-
-
 def _multi(name: str, spans) -> None:
     _value({name: spans}, "doc", name)   # raises its ValueError
 
@@ -195,7 +191,7 @@ def _compile(rules: list[Rule]):
     The source is made of signal names the rule grammar admits (identifiers, written with repr)
     and bounds passed as values, never of free text."""
     src = ["def check(s):"]
-    env = {"Null": Null, "_agg": _agg, "_multi": _multi, "float": float}
+    env = {"Null": Null, "_value": _value, "_multi": _multi, "float": float}
     local: dict = {}                       # (how, name) -> the local holding its value
     for i, r in enumerate(rules):
         for how, name in (t for t in (r.num, r.den) if t is not None):
@@ -210,7 +206,7 @@ def _compile(rules: list[Rule]):
                         f"    if {v} is None: raise Null({name!r})",
                         f"    {v} = float({v})"]
             else:
-                src.append(f"    {v} = _agg(s, {how!r}, {name!r})")
+                src.append(f"    {v} = _value(s, {how!r}, {name!r})")   # sum / frac
         value = local[r.num]
         if r.den is not None:
             den = local[r.den]
