@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import data
-from data.readers import gzseek
+from data.readers import gzpoints, gzseek
 from tests.data_helpers import assert_batches_equal, cfg, decode_doc_id, jround, rows_of, take, write_corpus
 
 SMALL_SPACING = 64 << 10
@@ -41,13 +41,28 @@ def _jsonl(rng, n_docs, tag, min_words=20, max_words=400):
                     for i in range(n_docs))
 
 
+@pytest.fixture(params=["zlib-ng", "zlib"])
+def inflate_lib(request, monkeypatch):
+    """The stream's reader (gzpoints) inflating with each library it can use: zlib-ng's calls
+    from the `zlib-ng` package (a dependency: found, or this fails), the system's zlib where that
+    package is missing."""
+    lib = gzpoints._load_zlib_ng() if request.param == "zlib-ng" else gzpoints._load_zlib()
+    assert lib is not None and lib.name == request.param
+    monkeypatch.setattr(gzpoints, "ZLIB", lib)
+    return lib
+
+
+def test_the_installed_reader_inflates_with_zlib_ng():
+    assert gzpoints.ZLIB.name == "zlib-ng", "the zlib-ng package's zng_ calls were not found"
+
+
 @pytest.mark.parametrize("way", ["second pass", "own points"])
-def test_gz_seek_points_resume_exactly(tmp_path, small_spacing, way):
+def test_gz_seek_points_resume_exactly(tmp_path, small_spacing, way, inflate_lib):
     """From the newest point before any offset, the text read equals the file's text: across
     block boundaries at every bit position, a sync flush (a byte-aligned stored block) and a
     second gzip member. Points found both ways: by indexed_gzip's second pass over the file
     (PointFinder) and by the stream's reader itself as it reads (data/readers/gzpoints.py,
-    which hands out the whole text, both members, as it goes)."""
+    which hands out the whole text, both members, as it goes), with each library it inflates with."""
     rng = random.Random(0)
     part1, part2 = _jsonl(rng, 500, "a"), _jsonl(rng, 200, "b")
     path = str(tmp_path / "x.json.gz")
@@ -127,7 +142,7 @@ def _restore_read_bytes(c, state):
 
 
 def test_the_streams_reader_finds_its_own_points_and_reads_damaged_files_as_gzip_does(
-        tmp_path, small_spacing, monkeypatch):
+        tmp_path, small_spacing, monkeypatch, inflate_lib):
     """A .gz file the stream reads (ShardReader) is inflated once: its slots' seek points come
     from the reader itself, never from a second pass (PointFinder refuses to be made here), and a
     restore from them is exact and reads on finding its own points. Damaged and odd files read

@@ -312,7 +312,7 @@ def own_points(fh) -> _PointReader | None:
 def open_gz_at(path: str, point: list | None, off: int, seek_points: bool = False):
     """Binary line reader of a .gz file positioned at uncompressed offset `off`: inflated from
     `point` (at or before off) or, without one, from the start. seek_points: a reader that finds
-    its own points as it reads on (`own_points`), where the system's zlib can be loaded."""
+    its own points as it reads on (`own_points`), where zlib-ng or the system's zlib can be loaded."""
     if seek_points and gzpoints.ZLIB is not None:   # from the start or on from the point
         # 4 points kept: the reader is at most its buffer (256 KB) behind the inflater, the
         # points a SPACING apart; ~0.9 MB a file in all, as isal's reader holds. Its text and
