@@ -54,7 +54,8 @@ def zero_times(reader_threads: int = 0, tokenizer_threads: int = 0, in_host: boo
 # Per-process facts a worker reports beside its timers: the highest is kept, never a sum.
 # start_nice: how much nicer than the trainer it already ran when its pipeline started, its spawn
 # and imports done (data/workers.py renice_new_workers; 0: they ran at the trainer's priority).
-FACTS = ("start_nice",)
+# gc_frozen: the objects its collector no longer walks (data/host.py _freeze_what_is_there).
+FACTS = ("start_nice", "gc_frozen")
 
 
 def add_times(total: dict, part: dict) -> dict:
