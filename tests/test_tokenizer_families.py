@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import data
-from data.tokenizer import load_tokenizer, special_ids
+from data.tokenizer import BatchEncoder, load_tokenizer, special_ids
 from tests.data_helpers import (
     WIDE_PIECES,
     doc_tokens,
@@ -57,6 +57,20 @@ def test_boundary_names_as_ordinary_pieces_are_not_boundaries(full_size):
         tok.add_tokens(["</s>", "<s>"])                 # ordinary (not special) pieces
         assert tok.token_to_id("</s>") is not None
         assert special_ids(tok) == want, family
+
+
+def test_batch_encoder_gives_the_tokenizers_ids_and_lengths(tmp_path):
+    """BatchEncoder.encode: every text's ids as the tokenizer gives them, end to end in one
+    writable int32 array, with their counts (an empty text: 0), ids of 65,536 and above included."""
+    tok = load_tokenizer(wide_tokenizer(tmp_path / "tokenizer.json"))
+    words = wide_words()
+    texts = [" ".join(words[:60]), "", "a b c", " ".join(words[-40:])]
+    flat, lens = BatchEncoder(tok.to_str()).encode(texts)
+    want = [tok.encode(t, add_special_tokens=False).ids for t in texts]
+    assert flat.dtype == np.int32 and flat.flags.writeable
+    assert lens.tolist() == [len(w) for w in want] and lens[1] == 0
+    assert flat.tolist() == [i for w in want for i in w]
+    assert flat.max() >= 1 << 16
 
 
 def load_tokenizer_copy(tok):
