@@ -197,8 +197,10 @@ def test_compiled_rules_judge_as_rule_by_rule():
                           for _ in range(rng.randrange(0, 6))]
             else:
                 score = None if pick < 0.2 else rng.choice(
-                    [0, 0.1, 0.16, 0.2, 0.25, 0.9, 3, 4, 10, 20, 50, rng.uniform(0, 1), rng.randrange(0, 400)])
-                sig[n] = [[0, 5, score]] * (2 if pick > 0.97 else 1)
+                    [0, 0.1, 0.16, 0.2, 0.25, 0.9, 3, 4, 10, 20, 50, rng.uniform(0, 1), rng.randrange(0, 400),
+                     True, "0.15", "60", "n/a"])                # odd scores: the long way's
+                span = [0, 5, score, 1] if pick > 0.95 else [0, 5, score]
+                sig[n] = [span] * (2 if pick > 0.97 else 1) if pick < 0.99 else []
         want = _rule_by_rule(rules, sig)
         try:
             got = rules.first_failed(sig)
@@ -209,6 +211,17 @@ def test_compiled_rules_judge_as_rule_by_rule():
     # every kind of outcome was met: kept, dropped under several rules, Null, a multi-span value
     assert None in verdicts and quality.Null in verdicts and ValueError in verdicts
     assert len({v for v in verdicts if isinstance(v, str)}) >= 8
+    # a well-formed document takes the short way; an odd one the long way, which judges it
+    env = rules._check.__globals__
+    long_way, calls = env["checked"], []
+    env["checked"] = lambda s: calls.append(1) or long_way(s)
+    well = {n: [[0, 5, v]] for n, v in _passing().items()}
+    well["rps_lines_start_with_bulletpoint"] = well["rps_lines_x"] = [[0, 1, 0.0], [1, 2, 1.0]]
+    assert rules.first_failed(well) is None and not calls
+    with pytest.raises(quality.Null):
+        rules.first_failed({**well, "rps_doc_word_count": [[0, 5, None]]})
+    assert calls == [1]
+    env["checked"] = long_way
 
 
 def test_companion_paths_follow_the_documents_path():

@@ -189,9 +189,16 @@ def _compile(rules: list[Rule]):
     """check(signals) -> the index of the first rule that fails, -1 when all hold; Null (a null
     or absent score, a zero denominator) where `Rule.holds` raises it, in the same rule order.
     The source is made of signal names the rule grammar admits (identifiers, written with repr)
-    and bounds passed as values, never of free text."""
-    src = ["def check(s):"]
+    and bounds passed as values, never of free text.
+
+    Two functions: `checked` reads each score with every check `_value` makes; `check`, the one
+    returned, takes the well-formed case's short way (one span of three, unpacked; `+ 0.0` where
+    `float()` was: the same value for an int, a TypeError for None or text) and hands any
+    exception to `checked`, which then judges the document from the start as `Rule.holds` would
+    (its Null, its ValueError, its numeric text). Gopher's rules, a document: 2.9-3.6 -> 2.5 us
+    on short documents, 5.3 -> 4.8 us on web-length ones (most of it the bullet-point lines' sum)."""
     env = {"Null": Null, "_value": _value, "_multi": _multi, "float": float}
+    checked, fast = ["def checked(s):"], ["def check(s):", "  try:"]
     local: dict = {}                       # (how, name) -> the local holding its value
     for i, r in enumerate(rules):
         for how, name in (t for t in (r.num, r.den) if t is not None):
@@ -199,21 +206,28 @@ def _compile(rules: list[Rule]):
                 continue
             v = local[(how, name)] = f"v{len(local)}"
             if how == "doc":
-                src += [f"    x = s.get({name!r})",
-                        f"    if not x: raise Null({name!r})",
-                        f"    if len(x) != 1: _multi({name!r}, x)",
-                        f"    {v} = x[0][2]",
-                        f"    if {v} is None: raise Null({name!r})",
-                        f"    {v} = float({v})"]
+                checked += [f"    x = s.get({name!r})",
+                            f"    if not x: raise Null({name!r})",
+                            f"    if len(x) != 1: _multi({name!r}, x)",
+                            f"    {v} = x[0][2]",
+                            f"    if {v} is None: raise Null({name!r})",
+                            f"    {v} = float({v})"]
+                fast += [f"    ((_, _, {v}),) = s[{name!r}]",
+                         f"    {v} = {v} + 0.0"]
             else:
-                src.append(f"    {v} = _value(s, {how!r}, {name!r})")   # sum / frac
+                line = f"    {v} = _value(s, {how!r}, {name!r})"   # sum / frac
+                checked.append(line)
+                fast.append(line)
         value = local[r.num]
         if r.den is not None:
             den = local[r.den]
-            src.append(f"    if {den} == 0: raise Null({r.den[1]!r})")
-            value = f"{value} / {den}"
+            checked.append(f"    if {den} == 0: raise Null({r.den[1]!r})")
+            value = f"{value} / {den}"             # in `check`, a zero raises: `checked` decides
         env[f"b{i}"] = r.bound
-        src.append(f"    if not ({value} {_SYMBOL[r.op]} b{i}): return {i}")
-    src.append("    return -1")
-    exec(compile("\n".join(src), "<data.quality rules>", "exec"), env)  # noqa: S102 - see the docstring
+        test = f"    if not ({value} {_SYMBOL[r.op]} b{i}): return {i}"
+        checked.append(test)
+        fast.append(test)
+    checked.append("    return -1")
+    fast += ["    return -1", "  except Exception:", "    return checked(s)"]
+    exec(compile("\n".join(checked + fast), "<data.quality rules>", "exec"), env)  # noqa: S102 - see the docstring
     return env["check"]
