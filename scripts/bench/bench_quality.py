@@ -3,11 +3,13 @@
 signals costs per document, and the stream's kept tokens/s with gopher + exact dedup against the
 tokenizer alone on the kept documents.
 
-    python ../shared/bench/make_corpus.py /tmp/rpq --shards 4 --docs 1500 --median-chars 480
-    python scripts/bench/bench_quality.py --corpus /tmp/rpq --workers 2
+    python ../shared/bench/make_corpus.py /tmp/rpq20 --shards 4 --docs 20000 --median-chars 480
+    python scripts/bench/bench_quality.py --corpus /tmp/rpq20 --workers 2 --max-tokens 6000000
 
 The corpus's companion files are written first when missing (scripts/make_sample_companions.py:
-our signals, exact duplicates, minhash bands); short documents make gopher drop about 30%.
+our signals, exact duplicates, minhash bands); short documents make gopher drop about 30%. Files
+of 20,000 documents, as RPv2's hold tens of thousands: with 1,500 the stream wrapped ~7 epochs in
+6 M tokens, opening every file and reading its duplicates file again each time (~3 us a record).
   select_us_per_doc   the reader's `select` stage (the signals line read, parsed and judged, the
                       duplicates lookup) per record, one thread, files in the page cache
   read_us_per_doc     the reader without a selection, per record (read + JSON parse + the seek
