@@ -173,9 +173,10 @@ def _freeze_what_is_there() -> None:
     only (parsed lines and signals, chunk lists), yet each full collection walked every imported
     object: ~100 ms of a core each (2-core machine), one every few seconds per worker, on the
     cores its tokenizer needs. Frozen, a full collection walks the few objects made since (0.2
-    ms). Called before the first windows are built and again after them (what they imported);
-    nothing frozen is ever freed, and none of it is garbage: modules, their functions, classes
-    and caches."""
+    ms). Called before the first windows are built and again after them (what they imported).
+    Reference counting still frees a frozen object (the first windows' lists when replaced); only
+    a cycle among frozen objects would stay, and modules, their functions and classes are no
+    garbage."""
     gc.freeze()
 
 
