@@ -395,6 +395,7 @@ def test_input_workers_run_nicer_than_the_trainer(tmp_path, nice):
     assert os.getpriority(os.PRIO_PROCESS, 0) == own
 
 
+@pytest.mark.slow
 def test_input_workers_freeze_their_imports_and_the_trainer_does_not(tmp_path):
     """An input worker moves what it imported (Grain's and JAX's modules, ~156k objects) out of
     the collector's reach before it streams (data/host.py _freeze_what_is_there): a full
