@@ -221,12 +221,11 @@ class HostIterator(grain.DatasetIterator):
         self.times = zero_times(reader_threads=1, in_host=spec.num_workers == 0)
 
     def _init(self) -> None:
-        if multiprocessing.parent_process() is not None:   # an input worker process
+        worker = multiprocessing.parent_process() is not None   # an input worker process
+        if worker:
             _leave_signals_to_the_trainer()
             self.times["start_nice"] = nicer_than_trainer()
             yield_cores(self.spec.worker_nice)   # before its tokenizer threads start
-        worker = multiprocessing.parent_process() is not None
-        if worker:
             _freeze_what_is_there()
         self.enc = enc = make_encoder(self.spec, self.times, self._tokenizer_threads)
         self.times["tokenizer_threads"] = enc.threads if enc is not None else 0
