@@ -29,8 +29,10 @@ mesh through jax.distributed: the same code path a TPU pod takes, minus the TPUs
 * A lost host under --restarts N: a process killed by a signal from outside (its VM gone: SIGKILL)
   while the others run. The launcher names it (and its slice: a lost slice is all its processes
   killed together), leaves the others to leave on their own, through their hang watchdog (75,
-  train.hang_timeout_s) or the preemption path, up to --lost-host-wait seconds, then starts the job
-  again as after a hang; the next start names who stopped first (train.py, events.jsonl).
+  train.hang_timeout_s), the preemption path or their broken collective (a failure, or an abort
+  in Gloo: SIGABRT is a process's own crash, never a lost host), up to --lost-host-wait seconds,
+  names how each left, then starts the job again as after a hang; the next start names who
+  stopped first (train.py, events.jsonl).
 * --slices S: a multislice job rehearsed on this machine: the P processes form S simulated slices of
   P/S consecutive processes each (process i in slice i // (P/S), told by distributed.slice_index,
   as CPU devices carry no slice_index). The mesh groups the devices by slice exactly as a real
@@ -140,6 +142,21 @@ def child_env(base: dict[str, str] | None = None) -> dict[str, str]:
 def exit_code(returncode: int) -> int:
     """Shell convention: a child killed by signal N becomes 128+N."""
     return 128 - returncode if returncode < 0 else returncode
+
+
+# Signals a process raises against itself (abort, a bad access): its own crash, not a lost host.
+OWN_CRASH = {signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE}
+
+
+def how_it_ended(returncode: int) -> str:
+    """A child's end in words: 'exit code 1', 'killed by signal 6 (SIGABRT)'."""
+    if returncode >= 0:
+        return f"exit code {returncode}"
+    try:
+        name = f" ({signal.Signals(-returncode).name})"
+    except ValueError:
+        name = ""
+    return f"killed by signal {-returncode}{name}"
 
 
 def _set_parent_death_signal() -> None:
@@ -261,7 +278,10 @@ class Launcher:
                 return 128 + sig
             codes = [p.poll() for p in self.procs]
             failed = [i for i, c in enumerate(codes) if c not in (None, 0, EXIT_PREEMPTED)]
-            lost = [i for i in failed if codes[i] < 0]     # killed by a signal from outside: a lost host
+            # Killed by a signal from outside: a lost host. A process's own crash (an abort in
+            # the collectives' library when its peer vanished mid-message) is a failure, which
+            # a lost peer may have caused: it does not hide the lost host, even in one poll.
+            lost = [i for i in failed if codes[i] < 0 and -codes[i] not in OWN_CRASH]
             if lost and self.lost_host_wait is not None and (lost_since is not None or len(lost) < len(codes)):
                 if lost_since is None:
                     lost_since = time.monotonic()
@@ -270,6 +290,12 @@ class Launcher:
                         f"(killed by signal {-codes[lost[0]]}); the others leave through their watchdog or "
                         f"preemption (up to {self.lost_host_wait:g}s)")
                 if all(c is not None for c in codes):
+                    # How the others left tells the user which way out each took: its watchdog
+                    # (a hang code), its broken collective (a failure code) or a crash in the
+                    # collectives' library (a signal, with no report of its own).
+                    log("the others left: " + "; ".join(
+                        f"process {i} (slice {self.slice_of(i)}) {how_it_ended(codes[i])}"
+                        for i in range(len(codes)) if i not in lost))
                     return EXIT_HANG        # every host gone: start the job again, as after a hang
                 if time.monotonic() - lost_since > self.lost_host_wait:
                     log(f"others still running {self.lost_host_wait:g}s after a lost host; stopping them")

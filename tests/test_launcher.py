@@ -806,3 +806,29 @@ def test_local_lost_slice_waits_for_the_others_and_restarts(tmp_path):
     out, err = p.communicate(timeout=60)
     assert p.returncode == 128 + signal.SIGKILL and "process 1 exited with code 137" in err, err
     assert (tmp_path / "term_0").exists()       # no restarts: the survivor is stopped at once
+
+
+@pytest.mark.slow
+def test_local_lost_slice_with_a_peer_aborting_at_once_still_restarts(tmp_path):
+    """Gloo aborts a survivor (SIGABRT) within a millisecond of its peer's SIGKILL, as at CI in
+    stop 70: the launcher, which polls every 0.1 s, mostly sees both dead at once. The abort is
+    the survivor's own crash, the kill a lost slice: named, the abort told, the job restarted."""
+    prog = write_program(tmp_path, """
+        life_file = os.path.join(out, f"life_{pid}")
+        life = int(open(life_file).read()) + 1 if os.path.exists(life_file) else 1
+        open(life_file, "w").write(str(life))
+        if life == 1:
+            open(os.path.join(out, f"ready_{pid}"), "w").close()
+            while not all(os.path.exists(os.path.join(out, f"ready_{i}")) for i in range(2)):
+                time.sleep(0.001)
+            if pid == 1:
+                os.kill(os.getpid(), signal.SIGKILL)     # slice 1's only host goes away
+            time.sleep(0.002)
+            os.abort()                                  # process 0: Gloo's abort on the half-sent message
+    """)
+    p = launch(tmp_path, prog, "--log-dir", str(tmp_path / "logs"), "--slices", "2", "--restarts", "1")
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    assert "process 1 (slice 1) lost first (killed by signal 9)" in err, err
+    assert "the others left: process 0 (slice 0) killed by signal 6 (SIGABRT)" in err, err
+    assert "restart 1 of 1" in err and [(tmp_path / f"life_{i}").read_text() for i in range(2)] == ["2", "2"]
