@@ -65,8 +65,8 @@ def test_a_lost_slice_brings_the_job_back_and_is_named(tmp_path):
     `failed` report and leaves without waiting for jax.distributed's shutdown (which would hold it
     until JAX's heartbeat timeout, ~100 s, then abort it); or, when the kill leaves it waiting in
     one, its watchdog fires; or Gloo aborts it (SIGABRT, no report of its own). The launcher names
-    slice 1 and how slice 0 left, starts the job again, which resumes, finishes, and names slice 1
-    in its first line and goodput log."""
+    slice 1 and how slice 0 left, starts the job again, which resumes, finishes, and (where slice 0
+    wrote a report) names slice 1 in its first line and goodput log."""
     import json
     import os
     import signal
@@ -113,7 +113,9 @@ def test_a_lost_slice_brings_the_job_back_and_is_named(tmp_path):
     assert max(steps) == 20 and set(range(1, 21)) <= set(steps)
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     named = [e["line"] for e in events if e["event"] == "last_hang"]
-    assert len(named) == 1 and "slice 1 (process 1) wrote no hang report" in named[0], named
-    assert ("(failed: " in named[0]) == broke, named       # slice 0's own report, with its error
-    assert ("(process 0 of another slice wrote none either)" in named[0]) == crashed, named
+    if crashed:     # no host wrote a report: the next start has none to name, the launcher's lines tell
+        assert named == [], named
+    else:
+        assert len(named) == 1 and "slice 1 (process 1) wrote no hang report" in named[0], named
+        assert ("(failed: " in named[0]) == broke, named       # slice 0's own report, with its error
     assert [e["event"] for e in events].count("start") == 2
